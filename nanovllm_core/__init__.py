@@ -1,0 +1,68 @@
+"""nanovllm core: hookspecs, plugin registries, config, the engine, the model runner and reusable layers.
+
+Public API for users::
+
+    from nanovllm_core import LLM, SamplingParams
+
+and for plugin authors: :data:`hookimpl`, the interfaces in :mod:`nanovllm_core.interfaces`, the layers in
+:mod:`nanovllm_core.layers`, :func:`nanovllm_core.loader.load_weights` and :mod:`nanovllm_core.testing`.
+"""
+
+from nanovllm_core.config import EngineConfig, PluginsConfig
+from nanovllm_core.engine.llm import LLM
+from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ModelLoadError,
+    NanoVLLMError,
+    PluginConflictError,
+    PluginError,
+    UnknownPluginError,
+)
+from nanovllm_core.hookspecs import hookimpl
+from nanovllm_core.interfaces import (
+    AttentionBackend,
+    AttentionBatch,
+    BlockManager,
+    CausalLM,
+    Scheduler,
+    SchedulerOutput,
+)
+from nanovllm_core.outputs import CompletionOutput, RequestOutput
+from nanovllm_core.plugins import get_registry, register_plugin, unregister_plugin
+from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sequence import Sequence, SequenceStatus
+
+__version__ = "0.1.0"
+PLUGIN_API_VERSION = 1
+
+__all__ = [
+    "LLM",
+    "PLUGIN_API_VERSION",
+    "AttentionBackend",
+    "AttentionBatch",
+    "BlockManager",
+    "CausalLM",
+    "CompletionOutput",
+    "ConfigError",
+    "EngineConfig",
+    "InvalidRequestError",
+    "LLMEngine",
+    "ModelLoadError",
+    "NanoVLLMError",
+    "PluginConflictError",
+    "PluginError",
+    "PluginsConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerOutput",
+    "Sequence",
+    "SequenceStatus",
+    "UnknownPluginError",
+    "get_registry",
+    "hookimpl",
+    "register_plugin",
+    "unregister_plugin",
+]

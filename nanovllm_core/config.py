@@ -1,0 +1,166 @@
+"""The engine configuration: one pydantic model, filled from defaults < config file < kwargs < CLI flags."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from nanovllm_core.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class PluginsConfig(BaseModel):
+    """Which plugin serves each role, by its registered name, and the options handed to it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scheduler: str = Field("fifo", description="Scheduler policy, by registered name.")
+    block_manager: str = Field("prefix_cache", description="KV block manager, by registered name.")
+    attention: str = Field(
+        "auto", description="Attention backend by registered name; `auto` picks the best available one."
+    )
+    scheduler_options: dict[str, Any] = Field(default_factory=dict, description="Options for the scheduler.")
+    block_manager_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options for the block manager."
+    )
+    attention_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options for the attention backend."
+    )
+
+
+class EngineConfig(BaseModel):
+    """Everything the engine needs to know before it loads a model.
+
+    Invalid values raise :class:`ConfigError` naming the field and what is allowed, before any weights load.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = Field(..., description="Path to a Hugging Face checkpoint folder (config.json + safetensors).")
+    tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to `model`.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto` is `cuda` when available.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="`auto`: float32 on CPU; the checkpoint's dtype on CUDA (bfloat16 if it is float32)."
+    )
+    seed: int = Field(0, description="Seed for sampling of requests that set no seed of their own.")
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
+    max_num_batched_tokens: int = Field(16384, ge=1, description="Most new tokens in one step.")
+    max_model_len: int | None = Field(
+        None, ge=2, description="Longest prompt + output; defaults to the model's max_position_embeddings."
+    )
+    kvcache_block_size: int = Field(256, description="Tokens per KV-cache block: a power of two, 16 to 256.")
+    num_kvcache_blocks: int | None = Field(
+        None, ge=1, description="Number of KV-cache blocks; when unset it is sized from free memory."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use (weights + activations + KV)."
+    )
+    cpu_kvcache_gib: float = Field(1.0, gt=0, description="KV-cache size on CPU when num_kvcache_blocks is unset.")
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
+    tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs (or CPU processes) to shard the model over.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @field_validator("kvcache_block_size")
+    @classmethod
+    def _block_size_power_of_two(cls, value: int) -> int:
+        if value < 16 or value > 256 or value & (value - 1):
+            raise ValueError("must be a power of two from 16 to 256 (16, 32, 64, 128 or 256)")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent_limits(self) -> EngineConfig:
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must not exceed max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}): every running sequence needs one token per decode step"
+            )
+        return self
+
+    @classmethod
+    def load(
+        cls,
+        config_file: str | Path | None = None,
+        overrides: dict[str, Any] | None = None,
+        cli_overrides: dict[str, Any] | None = None,
+    ) -> EngineConfig:
+        """Merge defaults < ``config_file`` (TOML) < ``overrides`` (kwargs) < ``cli_overrides``.
+
+        ``plugins`` tables merge key by key, so ``plugins={"attention": "torch"}`` keeps the file's scheduler.
+        The result remembers where each top-level value came from in :attr:`sources`.
+        """
+        layers: list[tuple[str, dict[str, Any]]] = []
+        if config_file is not None:
+            layers.append((f"file {config_file}", read_config_file(config_file)))
+        if overrides:
+            layers.append(("keyword argument", dict(overrides)))
+        if cli_overrides:
+            layers.append(("command line", dict(cli_overrides)))
+        merged: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for source, values in layers:
+            for key, value in values.items():
+                if key == "plugins" and isinstance(value, dict):
+                    plugins = dict(merged.get("plugins", {}))
+                    plugins.update(value)
+                    merged["plugins"] = plugins
+                    for sub in value:
+                        sources[f"plugins.{sub}"] = source
+                else:
+                    merged[key] = value
+                    sources[key] = source
+        try:
+            config = cls(**merged)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc)) from None
+        config._sources = sources
+        return config
+
+    def source_of(self, key: str) -> str:
+        """Where a value came from: ``default``, ``file PATH``, ``keyword argument`` or ``command line``."""
+        return self._sources.get(key, "default")
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if path.suffix not in (".toml", ""):
+        raise ConfigError(f"config file {str(path)!r}: only TOML files (.toml) are supported")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = ["invalid engine configuration:"]
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            allowed = ", ".join(EngineConfig.model_fields) if "." not in field else ", ".join(
+                PluginsConfig.model_fields
+            )
+            msg = f"unknown field; allowed fields: {allowed}"
+        elif "input" in err and err["type"] != "missing":
+            msg = f"{msg} (got {err['input']!r})"
+        lines.append(f"  {field}: {msg}")
+    return "\n".join(lines)

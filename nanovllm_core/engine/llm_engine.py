@@ -1,0 +1,307 @@
+"""LLMEngine: requests in, one scheduling step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.model_runner import ModelRunner, model_shape
+from nanovllm_core.errors import ConfigError, InvalidRequestError, ModelLoadError
+from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler
+from nanovllm_core.loader import load_hf_config
+from nanovllm_core.outputs import CompletionOutput, RequestOutput
+from nanovllm_core.plugins import PluginRegistry, get_registry
+from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass
+class StepStats:
+    """Token counts and time of the last step, for progress bars and benchmarks."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    seconds: float = 0.0
+    totals: dict[str, float] = field(default_factory=lambda: {"prefill_tokens": 0, "decode_tokens": 0,
+                                                               "prefill_s": 0.0, "decode_s": 0.0})
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA device is available; allowed here: 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = getattr(torch, checkpoint, None)
+    return checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def instantiate(kind: str, cls: type, options: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    """Build a plugin object, turning an unknown option into a ConfigError that lists the accepted ones."""
+    options_model = getattr(cls, "Options", None)
+    if options_model is not None:
+        try:
+            options = options_model(**options).model_dump()
+        except Exception as exc:  # noqa: BLE001 - pydantic ValidationError
+            raise ConfigError(f"invalid plugins.{kind}_options for {cls.__name__}: {exc}") from None
+    try:
+        return cls(*args, **kwargs, **options)
+    except TypeError as exc:
+        if options and "unexpected keyword" in str(exc):
+            raise ConfigError(f"plugins.{kind}_options {sorted(options)} not accepted by {cls.__name__}: {exc}") from None
+        raise
+
+
+def select_attention_backend(
+    registry: PluginRegistry, name: str, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int
+) -> type[AttentionBackend]:
+    def problem(cls: type[AttentionBackend]) -> str | None:
+        reason = cls.check_available(device, dtype, head_dim)
+        if reason is None and cls.supported_block_sizes() is not None and block_size not in cls.supported_block_sizes():
+            reason = f"kvcache_block_size {block_size} unsupported (supported: {cls.supported_block_sizes()})"
+        return reason
+
+    if name != "auto":
+        cls = registry.get("attention", name).obj
+        reason = problem(cls)
+        if reason is not None:
+            raise ConfigError(f"attention backend {name!r} cannot run here: {reason}")
+        return cls
+    candidates = sorted(registry.registrations["attention"].values(), key=lambda r: -getattr(r.obj, "priority", 0))
+    reasons = []
+    for reg in candidates:
+        reason = problem(reg.obj)
+        if reason is None:
+            return reg.obj
+        reasons.append(f"{reg.name}: {reason}")
+    installed = ", ".join(r.name for r in candidates) or "none"
+    raise ConfigError(f"no attention backend runs on {device} / {dtype} (installed: {installed}); " + "; ".join(reasons))
+
+
+class LLMEngine:
+    """The engine: ``add_request`` then ``step`` until ``has_unfinished_requests()`` is false."""
+
+    def __init__(self, model: str | None = None, config: str | Path | None = None, *,
+                 cli_overrides: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        overrides = dict(kwargs)
+        if model is not None:
+            overrides["model"] = model
+        self.config = EngineConfig.load(config, overrides, cli_overrides)
+        cfg = self.config
+        if cfg.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"tensor_parallel_size={cfg.tensor_parallel_size}: this version runs one rank only (allowed: 1)"
+            )
+        registry = get_registry()
+        scheduler_cls = registry.get("scheduler", cfg.plugins.scheduler).obj
+        block_manager_cls = registry.get("block_manager", cfg.plugins.block_manager).obj
+        self.hf_config = load_hf_config(cfg.model)
+        architectures = getattr(self.hf_config, "architectures", None) or []
+        if not architectures:
+            raise ModelLoadError(f"{cfg.model}/config.json names no architecture ('architectures' is empty)")
+        arch = architectures[0]
+        if arch not in registry.registrations["model"]:
+            installed = ", ".join(registry.names("model")) or "none"
+            raise ModelLoadError(
+                f"architecture {arch!r} is not provided by any installed model plugin; installed: {installed}"
+            )
+        model_cls = registry.get("model", arch).obj
+        max_positions = getattr(self.hf_config, "max_position_embeddings", None)
+        if cfg.max_model_len is None:
+            cfg.max_model_len = max_positions or 4096
+        elif max_positions and cfg.max_model_len > max_positions:
+            raise ConfigError(
+                f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings ({max_positions})"
+            )
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device, self.hf_config)
+        _, _, _, head_dim = model_shape(self.hf_config)
+        backend_cls = select_attention_backend(
+            registry, cfg.plugins.attention, self.device, self.dtype, head_dim, cfg.kvcache_block_size
+        )
+        self.attention_backend_name = backend_cls.name
+        self.tokenizer = self._load_tokenizer(cfg.tokenizer or cfg.model)
+        self.eos_token_ids = self._eos_token_ids()
+        self.runner = ModelRunner(cfg, self.hf_config, model_cls, backend_cls, self.device, self.dtype)
+        self.block_manager: BlockManager = instantiate(
+            "block_manager", block_manager_cls, cfg.plugins.block_manager_options,
+            self.runner.num_kvcache_blocks, cfg.kvcache_block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+        )
+        self.scheduler: Scheduler = instantiate(
+            "scheduler", scheduler_cls, cfg.plugins.scheduler_options, cfg, self.block_manager, self.check_stop
+        )
+        self._request_counter = itertools.count()
+        self._requests: dict[str, Sequence] = {}
+        self.stats = StepStats()
+
+    # --- set-up helpers -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _load_tokenizer(path: str) -> Any:
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except Exception as exc:  # noqa: BLE001
+            raise ModelLoadError(f"could not load a tokenizer from {path!r}: {exc}") from None
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.hf_config, getattr(self, "_generation_config", None)):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+        gen_file = Path(self.config.model) / "generation_config.json"
+        if gen_file.is_file():
+            import json
+
+            try:
+                value = json.loads(gen_file.read_text()).get("eos_token_id")
+            except json.JSONDecodeError:
+                value = None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+        if not ids and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # --- requests -------------------------------------------------------------------------------------
+
+    def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams | None, request_id: str | None) -> Sequence:
+        """Validate a request and turn it into a Sequence (raises InvalidRequestError; queues nothing)."""
+        sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, not {type(sampling_params).__name__}")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, token_ids = None, list(prompt)
+        else:
+            raise InvalidRequestError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        max_len = self.config.max_model_len
+        if len(token_ids) >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len={max_len} allows at most {max_len - 1} "
+                "(one position is needed for the first output token)"
+            )
+        if request_id is None:
+            request_id = str(next(self._request_counter))
+        elif request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        return Sequence(token_ids, sampling_params, request_id=request_id, prompt=text)
+
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue one request and return its id. Invalid requests raise InvalidRequestError and queue nothing."""
+        seq = self.make_sequence(prompt, sampling_params, request_id)
+        self.scheduler.add(seq)
+        self._requests[seq.request_id] = seq
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is; its blocks are freed. Returns its partial output, or None."""
+        seq = self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return self._output(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- stepping -------------------------------------------------------------------------------------
+
+    def check_stop(self, seq: Sequence) -> str | None:
+        """The finish reason after ``seq`` got a new token, or None to go on (handed to the scheduler)."""
+        params = seq.sampling_params
+        token = seq.last_token_id
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        if params.stop_strings:
+            text = self._completion_text(seq)
+            for stop in params.stop_strings:
+                if stop in text:
+                    seq.stop_reason = stop
+                    return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _completion_text(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = self._completion_text(seq)
+        if isinstance(seq.stop_reason, str):
+            text = text[: text.find(seq.stop_reason)]
+        completion = CompletionOutput(0, text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=seq.is_finished,
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+        )
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the requests that finished in it."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        num_decode = sum(1 for n, s in zip(batch.num_new_tokens, batch.seqs) if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens)
+        num_prefill = batch.total_new_tokens - num_decode
+        sampled = self.runner.execute(batch)
+        finished = self.scheduler.postprocess(batch, sampled)
+        elapsed = time.perf_counter() - start
+        self.stats.num_prefill_tokens, self.stats.num_decode_tokens, self.stats.seconds = num_prefill, num_decode, elapsed
+        totals = self.stats.totals
+        if num_prefill:
+            totals["prefill_tokens"] += num_prefill
+            totals["prefill_s"] += elapsed * num_prefill / (num_prefill + num_decode)
+        if num_decode:
+            totals["decode_tokens"] += num_decode
+            totals["decode_s"] += elapsed * num_decode / (num_prefill + num_decode)
+        outputs = []
+        for seq in finished:
+            self._requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq))
+        return outputs

@@ -1,0 +1,261 @@
+"""Runs the model on one device: builds it, owns the KV cache, turns a scheduled batch into tensors."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.errors import ConfigError
+from nanovllm_core.forward_context import forward_context
+from nanovllm_core.interfaces import AttentionBackend, AttentionBatch, SchedulerOutput
+from nanovllm_core.layers.attention import Attention
+from nanovllm_core.layers.sampler import Sampler, SamplingBatch
+from nanovllm_core.loader import iter_safetensors
+from nanovllm_core.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionBatch
+    logits_indices: torch.Tensor  # which flattened tokens produce logits
+    sample_rows: list[int]  # batch index of each logits row
+
+
+def model_shape(hf_config: Any) -> tuple[int, int, int, int]:
+    """(num_layers, num_heads, num_kv_heads, head_dim) of a decoder config."""
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    return hf_config.num_hidden_layers, num_heads, num_kv_heads, head_dim
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: Any,
+        model_cls: type[nn.Module],
+        backend_cls: type[AttentionBackend],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.kvcache_block_size
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = model_shape(hf_config)
+        self.vocab_size = hf_config.vocab_size
+        self.max_model_len = config.max_model_len
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                self.model = model_cls(hf_config)
+        finally:
+            torch.set_default_dtype(previous)
+        self.model.load_weights(iter_safetensors(config.model))
+        self.model.eval()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if not self.attention_layers:
+            raise ConfigError(f"{model_cls.__name__} has no nanovllm_core.layers.Attention layer")
+        first = self.attention_layers[0]
+        self.backend = backend_cls(
+            num_heads=first.num_heads,
+            num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            scale=first.scale,
+            block_size=self.block_size,
+            dtype=dtype,
+            device=device,
+            **config.plugins.attention_options,
+        )
+        generator = torch.Generator(device=device)
+        generator.manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+
+    # --- KV cache -------------------------------------------------------------------------------------
+
+    def kv_block_bytes(self) -> int:
+        layer = self.attention_layers[0]
+        per_block = 2 * self.block_size * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        return per_block * len(self.attention_layers)
+
+    def _num_blocks_from_memory(self) -> int:
+        if self.device.type == "cuda":
+            self._profile_run()
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            peak = torch.cuda.memory_stats(self.device)["allocated_bytes.all.peak"]
+            current = torch.cuda.memory_stats(self.device)["allocated_bytes.all.current"]
+            budget = total * self.config.gpu_memory_utilization - used - peak + current
+            if budget <= 0:
+                raise ConfigError(
+                    f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no memory for the KV "
+                    f"cache ({used / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB); raise it or use a smaller model"
+                )
+            return int(budget // self.kv_block_bytes())
+        return int(self.config.cpu_kvcache_gib * 2**30 // self.kv_block_bytes())
+
+    def _allocate_kv_cache(self) -> int:
+        num_blocks = self.config.num_kvcache_blocks or self._num_blocks_from_memory()
+        if num_blocks < 1:
+            raise ConfigError("the KV cache would hold no block; set num_kvcache_blocks or give it more memory")
+        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads_local, self.head_dim)
+        self.kv_cache = torch.empty((len(self.attention_layers), *shape), dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.kv_cache = self.kv_cache[i]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            num_blocks,
+            self.block_size,
+            self.kv_cache.numel() * self.dtype.itemsize / 2**30,
+        )
+        return num_blocks
+
+    @property
+    def num_kv_heads_local(self) -> int:
+        return self.attention_layers[0].num_kv_heads
+
+    def _profile_run(self) -> None:
+        """One forward over ``max_num_batched_tokens`` tokens into a scratch cache, to measure the peak."""
+        n = min(self.config.max_num_batched_tokens, (self.max_model_len - 1) * self.config.max_num_seqs)
+        num_seqs = max(1, min(self.config.max_num_seqs, -(-n // (self.max_model_len - 1))))
+        lens = [n // num_seqs] * num_seqs
+        lens[-1] += n - sum(lens)
+        bs = self.block_size
+        blocks_per_seq = [-(-length // bs) for length in lens]
+        scratch = torch.zeros(
+            self.backend.kv_cache_shape(sum(blocks_per_seq), bs, self.num_kv_heads_local, self.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for layer in self.attention_layers:
+            layer.kv_cache = scratch
+        tables, slots, first = [], [], 0
+        for length, nb in zip(lens, blocks_per_seq):
+            tables.append(list(range(first, first + nb)) + [0] * (max(blocks_per_seq) - nb))
+            slots.extend(range(first * bs, first * bs + length))
+            first += nb
+        qsl = [0]
+        for length in lens:
+            qsl.append(qsl[-1] + length)
+        dev = self.device
+        batch = AttentionBatch(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+            num_seqs=num_seqs,
+            num_tokens=n,
+            block_size=bs,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=lens,
+        )
+        torch.cuda.reset_peak_memory_stats(dev)
+        input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        positions = torch.cat([torch.arange(length, device=dev) for length in lens])
+        with torch.inference_mode(), forward_context(self.backend, self.backend.build_metadata(batch)):
+            hidden = self.model(input_ids, positions)
+            self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=dev) - 1])
+        torch.cuda.synchronize(dev)
+        del scratch, hidden
+
+    # --- one step -------------------------------------------------------------------------------------
+
+    def prepare(self, batch: SchedulerOutput) -> ModelInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sample_rows: list[int] = []
+        max_blocks = 0
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                pos = start
+                while pos < end:
+                    block_end = min(end, (pos // bs + 1) * bs)
+                    base = table[pos // bs] * bs - (pos // bs) * bs
+                    slots.extend(range(base + pos, base + block_end))
+                    pos = block_end
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+            if len(table) > max_blocks:
+                max_blocks = len(table)
+            if end == seq.num_tokens:
+                logits_indices.append(query_start_loc[-1] - 1)
+                sample_rows.append(row)
+        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
+        dev = self.device
+        pin = dev.type == "cuda"
+
+        def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.tensor(values, dtype=dtype, pin_memory=pin)
+            return t.to(dev, non_blocking=True) if pin else t
+
+        attention = AttentionBatch(
+            query_start_loc=to_dev(query_start_loc, torch.int32),
+            seq_lens=to_dev(seq_lens, torch.int32),
+            block_tables=to_dev(block_tables, torch.int32),
+            slot_mapping=to_dev(slots, torch.int64),
+            max_query_len=max(batch.num_new_tokens),
+            max_seq_len=max(seq_lens),
+            num_seqs=len(batch.seqs),
+            num_tokens=len(input_ids),
+            block_size=bs,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+        return ModelInputs(
+            input_ids=to_dev(input_ids, torch.int64),
+            positions=to_dev(positions, torch.int64),
+            attention=attention,
+            logits_indices=to_dev(logits_indices, torch.int64),
+            sample_rows=sample_rows,
+        )
+
+    @torch.inference_mode()
+    def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:
+        metadata = self.backend.build_metadata(inputs.attention)
+        with forward_context(self.backend, metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+            return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> list[int | None]:
+        """Run one step; returns the sampled token for each sequence of ``batch`` (``None`` mid-prompt)."""
+        inputs = self.prepare(batch)
+        sampled: list[int | None] = [None] * len(batch.seqs)
+        if not inputs.sample_rows:
+            self.compute_logits(inputs)
+            return sampled
+        logits = self.compute_logits(inputs)
+        seqs: list[Sequence] = [batch.seqs[r] for r in inputs.sample_rows]
+        tokens = self.sampler(logits, SamplingBatch.from_seqs(seqs, self.vocab_size, self.device)).tolist()
+        for row, token in zip(inputs.sample_rows, tokens):
+            sampled[row] = token
+        return sampled

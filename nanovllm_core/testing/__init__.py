@@ -1,0 +1,11 @@
+"""Helpers for tests: tiny random-weight checkpoints written with ``transformers`` and a ``tokenizers``
+tokenizer, so that no test downloads anything."""
+
+from nanovllm_core.testing.checkpoints import (
+    TINY_CORPUS,
+    build_tokenizer,
+    hf_greedy,
+    write_tiny_checkpoint,
+)
+
+__all__ = ["TINY_CORPUS", "build_tokenizer", "hf_greedy", "write_tiny_checkpoint"]

@@ -1,0 +1,6 @@
+"""Qwen-family model architectures for nanovllm."""
+
+from nanovllm_models_qwen3.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+__version__ = "0.1.0"
+__all__ = ["Qwen2ForCausalLM", "Qwen3ForCausalLM"]

@@ -1,0 +1,11 @@
+"""Entry point of the ``nanovllm`` group: registers the Qwen architectures by their HF names."""
+
+from nanovllm_core import hookimpl
+
+from nanovllm_models_qwen3.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+
+@hookimpl
+def nanovllm_register_models(register):
+    register("Qwen3ForCausalLM", Qwen3ForCausalLM)
+    register("Qwen2ForCausalLM", Qwen2ForCausalLM)

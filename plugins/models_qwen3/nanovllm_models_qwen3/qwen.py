@@ -1,0 +1,153 @@
+"""Qwen3 and Qwen2 (Qwen2.5) decoders. They differ only in attention: Qwen3 normalises q and k per head
+(RMSNorm over head_dim) and has no q/k/v bias by default; Qwen2 has q/k/v bias and no q/k norm."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from nanovllm_core.layers import (
+    Attention,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    get_rope,
+)
+from nanovllm_core.loader import load_weights
+from torch import nn
+
+
+class QwenAttention(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.total_heads = config.num_attention_heads
+        self.total_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.total_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, self.total_heads, self.total_kv_heads, bias=qkv_bias
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, config.hidden_size, bias=False)
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
+        return self.o_proj(o)
+
+
+class QwenMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: 'silu')")
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class QwenDecoderLayer(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = QwenAttention(config, qkv_bias, qk_norm)
+        self.mlp = QwenMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class QwenModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            QwenDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class _QwenForCausalLM(nn.Module):
+    qkv_bias: bool
+    qk_norm: bool
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = QwenModel(config, self.qkv_bias_for(config), self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def qkv_bias_for(self, config: Any) -> bool:
+        return self.qkv_bias
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = {"lm_head.weight": "model.embed_tokens.weight"} if self.tied else None
+        load_weights(self, weights, self.packed_modules_mapping, tied=tied)
+
+
+class Qwen3ForCausalLM(_QwenForCausalLM):
+    qk_norm = True
+
+    def qkv_bias_for(self, config: Any) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+
+class Qwen2ForCausalLM(_QwenForCausalLM):
+    qkv_bias = True
+    qk_norm = False

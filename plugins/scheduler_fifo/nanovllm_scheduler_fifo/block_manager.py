@@ -1,0 +1,147 @@
+"""``prefix_cache``: ref-counted KV blocks whose full blocks are found again by a chained xxhash."""
+
+from __future__ import annotations
+
+from array import array
+
+import xxhash
+from nanovllm_core import BlockManager, Sequence
+
+
+def chain_hash(previous: int, token_ids: list[int]) -> int:
+    """Hash of a full block given the hash of the block before it (-1 for the first)."""
+    h = xxhash.xxh64()
+    h.update(previous.to_bytes(8, "little", signed=True))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest() - (1 << 63)  # signed 64-bit, so that -1 never collides by construction
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: tuple[int, ...] = ()
+
+
+class PrefixCachingBlockManager(BlockManager):
+    """Blocks are shared between sequences whose prompts start with the same full blocks of tokens.
+
+    Free blocks keep their hash and contents until they are handed out again, so a prefix that was
+    used before stays findable; the least recently freed block is reused first, and a sequence's tail
+    blocks are freed before its head, so common prefixes live longest.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered: LRU first
+        self.hash_to_block_id: dict[int, int] = {}
+        self.num_lookup_tokens = 0
+        self.num_hit_tokens = 0
+        self._num_hashed_blocks: dict[int, int] = {}  # seq_id -> leading blocks already made findable
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "prefix_lookup_tokens": self.num_lookup_tokens, "prefix_hit_tokens": self.num_hit_tokens}
+
+    # --- hashing --------------------------------------------------------------------------------------
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        hashes = seq.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else -1, seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def _cached_block_ids(self, seq: Sequence) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        limit = (seq.num_tokens - 1) // bs  # the last token is always computed
+        found = []
+        for i, h in enumerate(self._hashes(seq, limit)):
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+                break
+            found.append(block_id)
+        return found
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        return len(self._cached_block_ids(seq)) * self.block_size
+
+    # --- allocation -----------------------------------------------------------------------------------
+
+    def _take_free_block(self) -> int:
+        block_id = next(iter(self.free_block_ids))
+        del self.free_block_ids[block_id]
+        block = self.blocks[block_id]
+        if block.hash != -1:
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = -1, ()
+        block.ref_count = 1
+        return block_id
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        table = seq.block_table
+        if table:
+            needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(table)
+            if needed > len(self.free_block_ids):
+                return False
+            for _ in range(needed):
+                table.append(self._take_free_block())
+            return True
+        cached = self._cached_block_ids(seq)
+        total = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        num_cached_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        if total - len(cached) + num_cached_free > len(self.free_block_ids):
+            return False
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            table.append(block_id)
+        for _ in range(total - len(cached)):
+            table.append(self._take_free_block())
+        num_cached_tokens = len(cached) * self.block_size
+        if seq.num_preemptions == 0:
+            self.num_lookup_tokens += seq.num_prompt_tokens
+            self.num_hit_tokens += num_cached_tokens
+            seq.num_cached_prompt_tokens = num_cached_tokens
+        seq.num_computed_tokens = max(seq.num_computed_tokens, num_cached_tokens)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        self._num_hashed_blocks.pop(seq.seq_id, None)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        done = self._num_hashed_blocks.get(seq.seq_id, 0)
+        if num_full <= done:
+            return
+        self._num_hashed_blocks[seq.seq_id] = num_full
+        hashes = self._hashes(seq, num_full)
+        for i in range(done, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash != -1:
+                continue
+            block.hash = hashes[i]
+            block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self.hash_to_block_id.setdefault(block.hash, block.block_id)

@@ -1,0 +1,16 @@
+"""Entry point of the ``nanovllm`` group: registers ``fifo`` and ``prefix_cache``."""
+
+from nanovllm_core import hookimpl
+
+from nanovllm_scheduler_fifo.block_manager import PrefixCachingBlockManager
+from nanovllm_scheduler_fifo.scheduler import FifoScheduler
+
+
+@hookimpl
+def nanovllm_register_schedulers(register):
+    register("fifo", FifoScheduler)
+
+
+@hookimpl
+def nanovllm_register_block_managers(register):
+    register("prefix_cache", PrefixCachingBlockManager)
