@@ -35,12 +35,8 @@ class PluginsConfig(BaseModel):
         "auto", description="Attention backend by registered name; `auto` picks the best available one."
     )
     scheduler_options: dict[str, Any] = Field(default_factory=dict, description="Options for the scheduler.")
-    block_manager_options: dict[str, Any] = Field(
-        default_factory=dict, description="Options for the block manager."
-    )
-    attention_options: dict[str, Any] = Field(
-        default_factory=dict, description="Options for the attention backend."
-    )
+    block_manager_options: dict[str, Any] = Field(default_factory=dict, description="Options for the block manager.")
+    attention_options: dict[str, Any] = Field(default_factory=dict, description="Options for the attention backend.")
 
 
 class EngineConfig(BaseModel):
@@ -156,8 +152,8 @@ def format_validation_error(exc: ValidationError) -> str:
         field = ".".join(str(p) for p in err["loc"]) or "config"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            allowed = ", ".join(EngineConfig.model_fields) if "." not in field else ", ".join(
-                PluginsConfig.model_fields
+            allowed = (
+                ", ".join(EngineConfig.model_fields) if "." not in field else ", ".join(PluginsConfig.model_fields)
             )
             msg = f"unknown field; allowed fields: {allowed}"
         elif "input" in err and err["type"] != "missing":

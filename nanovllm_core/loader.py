@@ -106,7 +106,9 @@ def load_weights(
             else:
                 loader(param, tensor, shard_id)
         except RuntimeError as exc:
-            raise ModelLoadError(f"checkpoint tensor {hf_name!r} {tuple(tensor.shape)} does not fit {target!r}: {exc}") from None
+            raise ModelLoadError(
+                f"checkpoint tensor {hf_name!r} {tuple(tensor.shape)} does not fit {target!r}: {exc}"
+            ) from None
         loaded.add(target if shard_id is None else f"{target}#{shard_id}")
     expected = set()
     for name, _ in model.named_parameters():

@@ -29,9 +29,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> InvalidRequestError:
-            return InvalidRequestError(
-                f"SamplingParams.{name}={getattr(self, name)!r} is invalid: allowed {allowed}"
-            )
+            return InvalidRequestError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: allowed {allowed}")
 
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise bad("temperature", "a number >= 0 (0 means greedy)")

@@ -48,7 +48,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
@@ -94,5 +93,3 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()

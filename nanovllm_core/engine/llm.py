@@ -40,8 +40,7 @@ class LLM(LLMEngine):
             params_list = list(sampling_params)
         else:
             raise InvalidRequestError(
-                "sampling_params must be one SamplingParams or a list with one per prompt "
-                f"({len(prompts)} prompts)"
+                f"sampling_params must be one SamplingParams or a list with one per prompt ({len(prompts)} prompts)"
             )
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
@@ -67,7 +66,9 @@ class LLM(LLMEngine):
                 finished = self.step()
                 if use_tqdm:
                     s = self.stats
-                    kind, count = ("prefill", s.num_prefill_tokens) if s.num_prefill_tokens else ("decode", s.num_decode_tokens)
+                    kind, count = (
+                        ("prefill", s.num_prefill_tokens) if s.num_prefill_tokens else ("decode", s.num_decode_tokens)
+                    )
                     rate = count / s.seconds if s.seconds > 0 else 0.0
                     bar.set_postfix_str(f"{kind} {rate:,.0f} tok/s", refresh=False)
                 for out in finished:

@@ -33,8 +33,9 @@ class StepStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     seconds: float = 0.0
-    totals: dict[str, float] = field(default_factory=lambda: {"prefill_tokens": 0, "decode_tokens": 0,
-                                                               "prefill_s": 0.0, "decode_s": 0.0})
+    totals: dict[str, float] = field(
+        default_factory=lambda: {"prefill_tokens": 0, "decode_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
+    )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,7 +69,9 @@ def instantiate(kind: str, cls: type, options: dict[str, Any], *args: Any, **kwa
         return cls(*args, **kwargs, **options)
     except TypeError as exc:
         if options and "unexpected keyword" in str(exc):
-            raise ConfigError(f"plugins.{kind}_options {sorted(options)} not accepted by {cls.__name__}: {exc}") from None
+            raise ConfigError(
+                f"plugins.{kind}_options {sorted(options)} not accepted by {cls.__name__}: {exc}"
+            ) from None
         raise
 
 
@@ -95,14 +98,22 @@ def select_attention_backend(
             return reg.obj
         reasons.append(f"{reg.name}: {reason}")
     installed = ", ".join(r.name for r in candidates) or "none"
-    raise ConfigError(f"no attention backend runs on {device} / {dtype} (installed: {installed}); " + "; ".join(reasons))
+    raise ConfigError(
+        f"no attention backend runs on {device} / {dtype} (installed: {installed}); " + "; ".join(reasons)
+    )
 
 
 class LLMEngine:
     """The engine: ``add_request`` then ``step`` until ``has_unfinished_requests()`` is false."""
 
-    def __init__(self, model: str | None = None, config: str | Path | None = None, *,
-                 cli_overrides: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        config: str | Path | None = None,
+        *,
+        cli_overrides: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         overrides = dict(kwargs)
         if model is not None:
             overrides["model"] = model
@@ -144,8 +155,12 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.runner = ModelRunner(cfg, self.hf_config, model_cls, backend_cls, self.device, self.dtype)
         self.block_manager: BlockManager = instantiate(
-            "block_manager", block_manager_cls, cfg.plugins.block_manager_options,
-            self.runner.num_kvcache_blocks, cfg.kvcache_block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+            "block_manager",
+            block_manager_cls,
+            cfg.plugins.block_manager_options,
+            self.runner.num_kvcache_blocks,
+            cfg.kvcache_block_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
         )
         self.scheduler: Scheduler = instantiate(
             "scheduler", scheduler_cls, cfg.plugins.scheduler_options, cfg, self.block_manager, self.check_stop
@@ -248,10 +263,10 @@ class LLMEngine:
     def check_stop(self, seq: Sequence) -> str | None:
         """The finish reason after ``seq`` got a new token, or None to go on (handed to the scheduler)."""
         params = seq.sampling_params
-        token = seq.last_token_id
-        if not params.ignore_eos and token in self.eos_token_ids:
+        token = seq.token_ids[-1]
+        if token in self.eos_token_ids and not params.ignore_eos:
             return "stop"
-        if token in params.stop_token_ids:
+        if params.stop_token_ids and token in params.stop_token_ids:
             seq.stop_reason = token
             return "stop"
         if params.stop_strings:
@@ -260,12 +275,15 @@ class LLMEngine:
                 if stop in text:
                     seq.stop_reason = stop
                     return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
             return "length"
         return None
 
     def _completion_text(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
+        return self.tokenizer.decode(
+            seq.completion_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens
+        )
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = self._completion_text(seq)
@@ -287,12 +305,20 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        num_decode = sum(1 for n, s in zip(batch.num_new_tokens, batch.seqs) if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens)
+        num_decode = sum(
+            1
+            for n, s in zip(batch.num_new_tokens, batch.seqs)
+            if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
+        )
         num_prefill = batch.total_new_tokens - num_decode
         sampled = self.runner.execute(batch)
         finished = self.scheduler.postprocess(batch, sampled)
         elapsed = time.perf_counter() - start
-        self.stats.num_prefill_tokens, self.stats.num_decode_tokens, self.stats.seconds = num_prefill, num_decode, elapsed
+        self.stats.num_prefill_tokens, self.stats.num_decode_tokens, self.stats.seconds = (
+            num_prefill,
+            num_decode,
+            elapsed,
+        )
         totals = self.stats.totals
         if num_prefill:
             totals["prefill_tokens"] += num_prefill

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,105 @@ def model_shape(hf_config: Any) -> tuple[int, int, int, int]:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     return hf_config.num_hidden_layers, num_heads, num_kv_heads, head_dim
+
+
+_ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
+
+
+def host_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list of ints as a tensor on ``device``; through ``array`` (much faster than ``torch.tensor(list)``)
+    and, for CUDA, a pinned buffer copied without blocking the host."""
+    if not values:
+        return torch.empty(0, dtype=dtype, device=device)
+    t = torch.frombuffer(array(_ARRAY_CODES[dtype], values), dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _flatten_mixed(batch: SchedulerOutput, bs: int) -> tuple:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    logits_indices: list[int] = []
+    sample_rows: list[int] = []
+    max_blocks = 0
+    for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        start = seq.num_computed_tokens
+        end = start + n
+        table = seq.block_table
+        if n == 1:
+            input_ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            pos = start
+            while pos < end:
+                block_end = min(end, (pos // bs + 1) * bs)
+                base = table[pos // bs] * bs - (pos // bs) * bs
+                slots.extend(range(base + pos, base + block_end))
+                pos = block_end
+        query_start_loc.append(query_start_loc[-1] + n)
+        seq_lens.append(end)
+        if len(table) > max_blocks:
+            max_blocks = len(table)
+        if end == seq.num_tokens:
+            logits_indices.append(query_start_loc[-1] - 1)
+            sample_rows.append(row)
+    return input_ids, positions, slots, query_start_loc, seq_lens, logits_indices, sample_rows, max_blocks
+
+
+def prepare_inputs(batch: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    """Flatten a scheduled batch into the model's inputs and the attention description (host work)."""
+    bs = block_size
+    seqs = batch.seqs
+    if max(batch.num_new_tokens) == 1:  # pure decode: the common case, kept cheap
+        positions = [seq.num_computed_tokens for seq in seqs]
+        input_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
+        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        seq_lens = [p + 1 for p in positions]
+        query_start_loc = list(range(len(seqs) + 1))
+        sample_rows = [i for i, (seq, n) in enumerate(zip(seqs, seq_lens)) if n == seq.num_tokens]
+        logits_indices = sample_rows
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+    else:
+        input_ids, positions, slots, query_start_loc, seq_lens, logits_indices, sample_rows, max_blocks = (
+            _flatten_mixed(batch, bs)
+        )
+    flat_tables: list[int] = []
+    zeros = [0] * max_blocks
+    for seq in seqs:
+        flat_tables.extend(seq.block_table)
+        flat_tables.extend(zeros[len(seq.block_table) :])
+    dev = device
+
+    def to_dev(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return host_tensor(values, dtype, dev)
+
+    attention = AttentionBatch(
+        query_start_loc=to_dev(query_start_loc, torch.int32),
+        seq_lens=to_dev(seq_lens, torch.int32),
+        block_tables=to_dev(flat_tables, torch.int32).view(len(seqs), max_blocks),
+        slot_mapping=to_dev(slots, torch.int64),
+        max_query_len=max(batch.num_new_tokens),
+        max_seq_len=max(seq_lens),
+        num_seqs=len(batch.seqs),
+        num_tokens=len(input_ids),
+        block_size=bs,
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
+    return ModelInputs(
+        input_ids=to_dev(input_ids, torch.int64),
+        positions=to_dev(positions, torch.int64),
+        attention=attention,
+        logits_indices=to_dev(logits_indices, torch.int64),
+        sample_rows=sample_rows,
+    )
 
 
 class ModelRunner:
@@ -83,6 +184,8 @@ class ModelRunner:
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.host_prepare_s = 0.0
+        self.num_steps = 0
 
     # --- KV cache -------------------------------------------------------------------------------------
 
@@ -176,67 +279,7 @@ class ModelRunner:
     # --- one step -------------------------------------------------------------------------------------
 
     def prepare(self, batch: SchedulerOutput) -> ModelInputs:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sample_rows: list[int] = []
-        max_blocks = 0
-        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
-            end = start + n
-            table = seq.block_table
-            if n == 1:
-                input_ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                input_ids.extend(seq.token_ids[start:end])
-                positions.extend(range(start, end))
-                pos = start
-                while pos < end:
-                    block_end = min(end, (pos // bs + 1) * bs)
-                    base = table[pos // bs] * bs - (pos // bs) * bs
-                    slots.extend(range(base + pos, base + block_end))
-                    pos = block_end
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(end)
-            if len(table) > max_blocks:
-                max_blocks = len(table)
-            if end == seq.num_tokens:
-                logits_indices.append(query_start_loc[-1] - 1)
-                sample_rows.append(row)
-        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
-        dev = self.device
-        pin = dev.type == "cuda"
-
-        def to_dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-            t = torch.tensor(values, dtype=dtype, pin_memory=pin)
-            return t.to(dev, non_blocking=True) if pin else t
-
-        attention = AttentionBatch(
-            query_start_loc=to_dev(query_start_loc, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32),
-            block_tables=to_dev(block_tables, torch.int32),
-            slot_mapping=to_dev(slots, torch.int64),
-            max_query_len=max(batch.num_new_tokens),
-            max_seq_len=max(seq_lens),
-            num_seqs=len(batch.seqs),
-            num_tokens=len(input_ids),
-            block_size=bs,
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-        )
-        return ModelInputs(
-            input_ids=to_dev(input_ids, torch.int64),
-            positions=to_dev(positions, torch.int64),
-            attention=attention,
-            logits_indices=to_dev(logits_indices, torch.int64),
-            sample_rows=sample_rows,
-        )
+        return prepare_inputs(batch, self.block_size, self.device)
 
     @torch.inference_mode()
     def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:
@@ -248,7 +291,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[int | None]:
         """Run one step; returns the sampled token for each sequence of ``batch`` (``None`` mid-prompt)."""
+        t0 = time.perf_counter()
         inputs = self.prepare(batch)
+        self.host_prepare_s += time.perf_counter() - t0
+        self.num_steps += 1
         sampled: list[int | None] = [None] * len(batch.seqs)
         if not inputs.sample_rows:
             self.compute_logits(inputs)
@@ -259,3 +305,11 @@ class ModelRunner:
         for row, token in zip(inputs.sample_rows, tokens):
             sampled[row] = token
         return sampled
+
+    def timing_summary(self) -> dict[str, float]:
+        """Host time spent turning batches into tensors, in total and per step."""
+        return {
+            "steps": self.num_steps,
+            "host_prepare_s": self.host_prepare_s,
+            "host_prepare_ms_per_step": 1e3 * self.host_prepare_s / max(self.num_steps, 1),
+        }

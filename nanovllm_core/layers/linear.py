@@ -72,9 +72,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matrix; heads split by rank, KV heads replicated if ranks > KV heads."""
 
-    def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
-    ) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
         tp_size = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp_size, "number of attention heads")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ class SamplingBatch:
     def from_seqs(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
         params = [s.sampling_params for s in seqs]
         all_greedy = all(p.temperature == 0 for p in params)
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        temps = torch.frombuffer(array("f", [p.temperature for p in params]), dtype=torch.float32)
         top_k = top_p = min_p = None
         if not all_greedy:
             if any(p.top_k > 0 for p in params):
@@ -66,9 +67,7 @@ class Sampler:
         return torch.where(is_greedy, greedy, sampled)
 
     @staticmethod
-    def _top_k_top_p(
-        logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-    ) -> torch.Tensor:
+    def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         if top_k is not None:
             ranks = torch.arange(logits.size(-1), device=logits.device).unsqueeze(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 
 import xxhash
+
 from nanovllm_core import BlockManager, Sequence
 
 
@@ -48,7 +49,11 @@ class PrefixCachingBlockManager(BlockManager):
         return len(self.free_block_ids)
 
     def stats(self) -> dict[str, int]:
-        return {**super().stats(), "prefix_lookup_tokens": self.num_lookup_tokens, "prefix_hit_tokens": self.num_hit_tokens}
+        return {
+            **super().stats(),
+            "prefix_lookup_tokens": self.num_lookup_tokens,
+            "prefix_hit_tokens": self.num_hit_tokens,
+        }
 
     # --- hashing --------------------------------------------------------------------------------------
 

@@ -1,7 +1,6 @@
 """Entry point of the ``nanovllm`` group: registers ``fifo`` and ``prefix_cache``."""
 
 from nanovllm_core import hookimpl
-
 from nanovllm_scheduler_fifo.block_manager import PrefixCachingBlockManager
 from nanovllm_scheduler_fifo.scheduler import FifoScheduler
 

@@ -1,0 +1,229 @@
+"""``nanovllm bench``: nano-vllm's throughput workload, and the bound it is measured against.
+
+Workload (nano-vllm's ``bench.py``): 256 sequences, ``random.seed(0)``, prompts of ``randint(100, 1024)``
+token ids ``randint(0, 10000)``, outputs of ``randint(100, 1024)`` tokens, ``ignore_eos=True``,
+temperature 0.6. Weights may be random: the work is the same.
+
+The bound: device-memory bytes that must move (weights once per step, every KV read by decode attention,
+every KV written) over the measured copy bandwidth, plus the matmul FLOPs over the measured bf16 GEMM
+rate. Both rates are measured by the benchmark itself on the device it runs on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+)
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+)
+QWEN3_14B = dict(
+    vocab_size=151936,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_layers=40,
+    num_heads=40,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+)
+TINY = dict(
+    vocab_size=10240,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "qwen3-14b": QWEN3_14B, "tiny": TINY}
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen3-0.6b",
+        help="random-weight model shape used when --model is not given",
+    )
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--json", help="also write the results as JSON to this file")
+
+
+def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[list[list[int]], list[int]]:
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
+    max_tokens = [random.randint(100, max_output_len) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def random_checkpoint(shape: str, dtype: torch.dtype) -> Path:
+    from nanovllm_core.testing import write_tiny_checkpoint
+
+    path = Path("/tmp") / f"nanovllm-bench-{shape}-{str(dtype).split('.')[-1]}"
+    if not (path / "config.json").is_file():
+        write_tiny_checkpoint(path, "qwen3", dtype=dtype, init_std=0.02, **SHAPES[shape])
+    return path
+
+
+def measure_device(device: torch.device) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and bf16 GEMM FLOP/s of ``device``."""
+    if device.type != "cuda":
+        return {}
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    bandwidth = 2 * n * 20 / (start.elapsed_time(end) / 1e3)
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    flops = 2 * m**3 * 10 / (start.elapsed_time(end) / 1e3)
+    return {"copy_bytes_per_s": bandwidth, "gemm_flop_per_s": flops}
+
+
+def bound_seconds(
+    hf_config: Any, prompts: list[list[int]], max_tokens: list[int], device: dict[str, float], dtype_bytes: int = 2
+) -> dict[str, float]:
+    """Lower bound of the workload's time from the model shape and the measured device rates."""
+    layers, hidden = hf_config.num_hidden_layers, hf_config.hidden_size
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    inter, vocab = hf_config.intermediate_size, hf_config.vocab_size
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+    matmul_params = layers * per_layer + vocab * hidden  # the LM head is a matmul too
+    weight_bytes = matmul_params * dtype_bytes
+    kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+    prompt_tokens = sum(len(p) for p in prompts)
+    output_tokens = sum(max_tokens)
+    decode_steps = max(max_tokens) - 1
+    kv_read = sum(kv_per_token * (len(p) * (m - 1) + (m - 1) * m // 2) for p, m in zip(prompts, max_tokens))
+    kv_written = kv_per_token * (prompt_tokens + output_tokens)
+    bytes_moved = kv_read + kv_written + weight_bytes * decode_steps
+    flops = 2 * matmul_params * (prompt_tokens + output_tokens)
+    # causal attention of the prompts (QK^T and PV)
+    flops += sum(2 * 2 * layers * heads * head_dim * len(p) * len(p) / 2 for p in prompts)
+    memory_s = bytes_moved / device["copy_bytes_per_s"]
+    compute_s = flops / device["gemm_flop_per_s"]
+    return {
+        "bound_s": memory_s + compute_s,
+        "memory_s": memory_s,
+        "compute_s": compute_s,
+        "bytes_moved": bytes_moved,
+        "flops": flops,
+        "kv_bytes_per_token": kv_per_token,
+    }
+
+
+def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from nanovllm_core import LLM, SamplingParams
+
+    device = torch.device("cuda" if torch.cuda.is_available() and overrides.get("device") != "cpu" else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.model:
+        overrides["model"] = args.model
+    elif "model" not in overrides and not args.config:
+        overrides["model"] = str(random_checkpoint(args.shape, dtype))
+    overrides.setdefault("max_model_len", 4096)
+    prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    rates = measure_device(device)
+    t0 = time.perf_counter()
+    llm = LLM(config=args.config, cli_overrides=overrides)
+    load_s = time.perf_counter() - t0
+    llm.generate(["Benchmark: "], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    llm.stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    totals = llm.stats.totals
+    result: dict[str, Any] = {
+        "model": llm.config.model,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "attention": llm.attention_backend_name,
+        "dtype": str(llm.dtype),
+        "num_seqs": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "output_tokens": produced,
+        "seconds": elapsed,
+        "output_tok_per_s": produced / elapsed,
+        "load_s": load_s,
+        "prefill_tok_per_s": totals["prefill_tokens"] / totals["prefill_s"] if totals["prefill_s"] else 0.0,
+        "decode_tok_per_s": totals["decode_tokens"] / totals["decode_s"] if totals["decode_s"] else 0.0,
+        "num_kvcache_blocks": llm.runner.num_kvcache_blocks,
+        "enforce_eager": llm.config.enforce_eager,
+        "num_preemptions": getattr(llm.scheduler, "num_preemptions", None),
+    }
+    result.update(llm.runner.timing_summary())
+    if rates:
+        bound = bound_seconds(llm.hf_config, prompts, max_tokens, rates)
+        result.update(rates)
+        result.update(bound)
+        result["bound_tok_per_s"] = produced / bound["bound_s"]
+        result["percent_of_bound"] = 100 * bound["bound_s"] / elapsed
+    print(f"attention={result['attention']} device={result['device']} blocks={result['num_kvcache_blocks']}")
+    print(
+        f"Total: {produced} tok, Time: {elapsed:.2f}s, Throughput: {produced / elapsed:,.0f} tok/s "
+        f"(prefill {result['prefill_tok_per_s']:,.0f} tok/s, decode {result['decode_tok_per_s']:,.0f} tok/s)"
+    )
+    if rates:
+        print(
+            f"Device: copy {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+            f"bf16 GEMM {rates['gemm_flop_per_s'] / 1e12:.0f} "
+            f"TFLOP/s; bound {result['bound_s']:.2f} s = {result['bound_tok_per_s']:,.0f} tok/s "
+            f"(memory {result['memory_s']:.2f} s + compute {result['compute_s']:.2f} s); "
+            f"achieved {result['percent_of_bound']:.1f}% of the bound"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0

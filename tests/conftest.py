@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanovllm_core.testing import hf_greedy, write_tiny_checkpoint
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def qwen3_path(tmp_path_factory):
+    """Tiny Qwen3: tied embeddings, GQA 4:2, head_dim 32 != hidden/heads (16)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen2_path(tmp_path_factory):
+    """Tiny Qwen2: q/k/v bias, untied embeddings, GQA 4:1, weights in several safetensors shards."""
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("qwen2"),
+        "qwen2",
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_shard_size="100KB",
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """Memoised transformers greedy outputs: hf_reference(path, prompts, n)."""
+    cache: dict = {}
+
+    def get(path, prompts, max_new_tokens):
+        key = (str(path), tuple(map(tuple, prompts)), max_new_tokens)
+        if key not in cache:
+            cache[key] = hf_greedy(path, prompts, max_new_tokens)
+        return cache[key]
+
+    return get

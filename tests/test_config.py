@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import pytest
+
+from nanovllm_core import LLM, ConfigError, EngineConfig, UnknownPluginError
+
+
+def write(tmp_path, text):
+    path = tmp_path / "nanovllm.toml"
+    path.write_text(text)
+    return path
+
+
+def test_precedence_cli_over_kwargs_over_file_over_defaults(tmp_path):
+    path = write(tmp_path, 'model = "/m"\nmax_num_seqs = 8\nmax_model_len = 100\n[plugins]\nattention = "torch"\n')
+    config = EngineConfig.load(path, {"max_num_seqs": 16, "plugins": {"scheduler": "fifo"}}, {"max_num_seqs": 32})
+    assert config.max_num_seqs == 32 and config.source_of("max_num_seqs") == "command line"
+    assert config.max_model_len == 100 and config.source_of("max_model_len") == f"file {path}"
+    assert config.plugins.attention == "torch" and config.plugins.scheduler == "fifo"
+    assert config.source_of("plugins.scheduler") == "keyword argument"
+    assert config.kvcache_block_size == 256 and config.source_of("kvcache_block_size") == "default"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"kvcache_block_size": 48}, "kvcache_block_size: .*power of two from 16 to 256"),
+        ({"kvcache_block_size": 512}, "kvcache_block_size"),
+        ({"dtype": "int8"}, "dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16'"),
+        ({"device": "tpu"}, "device: Input should be 'auto', 'cpu' or 'cuda'"),
+        ({"max_num_seqs": 0}, "max_num_seqs: .*greater than or equal to 1"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "max_num_seqs .* must not exceed"),
+        ({"maxnumseqs": 1}, "maxnumseqs: unknown field; allowed fields: model, "),
+        ({"plugins": {"schedulr": "fifo"}}, "plugins.schedulr: unknown field; allowed fields: scheduler"),
+    ],
+)
+def test_invalid_values_name_field_and_allowed(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        EngineConfig.load(None, {"model": "/m", **overrides})
+
+
+def test_missing_model_is_reported():
+    with pytest.raises(ConfigError, match="model: Field required"):
+        EngineConfig.load(None, {})
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        EngineConfig.load(write(tmp_path, "model = "))
+    with pytest.raises(ConfigError, match="does not exist"):
+        EngineConfig.load(tmp_path / "nope.toml")
+
+
+def test_unknown_plugin_lists_installed(qwen3_path):
+    with pytest.raises(UnknownPluginError, match="no scheduler named 'lifo'.*installed: fifo"):
+        LLM(str(qwen3_path), plugins={"scheduler": "lifo"})
+    with pytest.raises(UnknownPluginError, match="no attention named 'flash9'.*torch"):
+        LLM(str(qwen3_path), plugins={"attention": "flash9"})
+
+
+def test_config_file_selects_plugins_and_limits(tmp_path, qwen3_path):
+    path = write(
+        tmp_path,
+        f'model = "{qwen3_path}"\nmax_model_len = 128\nnum_kvcache_blocks = 20\n'
+        'kvcache_block_size = 32\n[plugins]\nattention = "torch"\n',
+    )
+    llm = LLM(config=path, max_num_seqs=4)
+    assert llm.config.max_num_seqs == 4 and llm.config.max_model_len == 128
+    assert llm.block_manager.num_blocks == 20 and llm.block_manager.block_size == 32
+    assert llm.attention_backend_name == "torch"
+
+
+def test_unknown_plugin_option_is_a_config_error(qwen3_path):
+    with pytest.raises(ConfigError, match="block_manager_options.*not accepted by PrefixCachingBlockManager"):
+        LLM(str(qwen3_path), num_kvcache_blocks=8, plugins={"block_manager_options": {"colour": "red"}})
+
+
+def test_max_model_len_above_model_limit(qwen3_path):
+    with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
+        LLM(str(qwen3_path), max_model_len=100000)
