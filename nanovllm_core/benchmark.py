@@ -180,6 +180,8 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     llm.stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
+    llm.runner.track_gpu_time = device.type == "cuda"
+    llm.runner.num_steps, llm.runner.host_prepare_s = 0, 0.0
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -202,6 +204,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         "decode_tok_per_s": totals["decode_tokens"] / totals["decode_s"] if totals["decode_s"] else 0.0,
         "num_kvcache_blocks": llm.runner.num_kvcache_blocks,
         "enforce_eager": llm.config.enforce_eager,
+        "cuda_graphs": llm.runner.graphs is not None,
         "num_preemptions": getattr(llm.scheduler, "num_preemptions", None),
     }
     result.update(llm.runner.timing_summary())
@@ -223,6 +226,12 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             f"TFLOP/s; bound {result['bound_s']:.2f} s = {result['bound_tok_per_s']:,.0f} tok/s "
             f"(memory {result['memory_s']:.2f} s + compute {result['compute_s']:.2f} s); "
             f"achieved {result['percent_of_bound']:.1f}% of the bound"
+        )
+    if "gpu_idle_s" in result:
+        print(
+            f"GPU busy {result['gpu_busy_s']:.2f} s, idle between steps {result['gpu_idle_s']:.2f} s "
+            f"({100 * result['gpu_idle_fraction']:.1f}%), host input preparation "
+            f"{result['host_prepare_ms_per_step']:.3f} ms/step over {result['steps']} steps"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))

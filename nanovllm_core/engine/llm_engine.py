@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,13 @@ import torch
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.model_runner import ModelRunner, model_shape
+from nanovllm_core.engine.parallel import (
+    RunnerSpec,
+    TensorParallelGroup,
+    launched_by_torchrun,
+    local_device,
+    worker_main,
+)
 from nanovllm_core.errors import ConfigError, InvalidRequestError, ModelLoadError
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler
 from nanovllm_core.loader import load_hf_config
@@ -119,10 +128,6 @@ class LLMEngine:
             overrides["model"] = model
         self.config = EngineConfig.load(config, overrides, cli_overrides)
         cfg = self.config
-        if cfg.tensor_parallel_size != 1:
-            raise ConfigError(
-                f"tensor_parallel_size={cfg.tensor_parallel_size}: this version runs one rank only (allowed: 1)"
-            )
         registry = get_registry()
         scheduler_cls = registry.get("scheduler", cfg.plugins.scheduler).obj
         block_manager_cls = registry.get("block_manager", cfg.plugins.block_manager).obj
@@ -153,7 +158,17 @@ class LLMEngine:
         self.attention_backend_name = backend_cls.name
         self.tokenizer = self._load_tokenizer(cfg.tokenizer or cfg.model)
         self.eos_token_ids = self._eos_token_ids()
-        self.runner = ModelRunner(cfg, self.hf_config, model_cls, backend_cls, self.device, self.dtype)
+        self.tp_group: TensorParallelGroup | None = None
+        tp = cfg.tensor_parallel_size
+        if tp > 1:
+            self._start_tensor_parallel(arch, backend_cls.name)
+        try:
+            self.runner = ModelRunner(cfg, self.hf_config, model_cls, backend_cls, self.device, self.dtype)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.tp_group is not None:
+            self.runner.on_step = lambda host: self.tp_group.send("step", host)
         self.block_manager: BlockManager = instantiate(
             "block_manager",
             block_manager_cls,
@@ -170,6 +185,30 @@ class LLMEngine:
         self.stats = StepStats()
 
     # --- set-up helpers -------------------------------------------------------------------------------
+
+    def _start_tensor_parallel(self, arch: str, attention: str) -> None:
+        cfg = self.config
+        tp = cfg.tensor_parallel_size
+        if self.device.type == "cuda" and torch.cuda.device_count() < tp:
+            raise ConfigError(
+                f"tensor_parallel_size={tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}"
+            )
+        if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) != tp:
+            raise ConfigError(f"tensor_parallel_size={tp} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']}")
+        spec = RunnerSpec(cfg.model_dump(), arch, attention, self.device.type, str(self.dtype).split(".")[-1])
+        if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+            worker_main(int(os.environ["RANK"]), tp, "env://", spec)
+            raise SystemExit(0)  # a torchrun worker served until rank 0 shut down
+        if self.device.type == "cuda":
+            self.device = local_device("cuda", 0)
+        self.tp_group = TensorParallelGroup(spec, tp)
+        weakref.finalize(self, self.tp_group.close)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (also done when the engine is garbage-collected or at exit)."""
+        group = getattr(self, "tp_group", None)
+        if group is not None:
+            group.close()
 
     @staticmethod
     def _load_tokenizer(path: str) -> Any:

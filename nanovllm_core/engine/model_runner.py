@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.distributed import get_tp_size
+from nanovllm_core.engine.cuda_graph import CudaGraphDecoder
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.forward_context import forward_context
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch, SchedulerOutput
@@ -90,8 +94,24 @@ def _flatten_mixed(batch: SchedulerOutput, bs: int) -> tuple:
     return input_ids, positions, slots, query_start_loc, seq_lens, logits_indices, sample_rows, max_blocks
 
 
-def prepare_inputs(batch: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
-    """Flatten a scheduled batch into the model's inputs and the attention description (host work)."""
+@dataclass
+class HostBatch:
+    """One step's model inputs as plain lists: built once on rank 0, sent as is to tensor-parallel workers."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[int]  # flattened [num_seqs, max_blocks], padded with 0
+    max_blocks: int
+    max_query_len: int
+    logits_indices: list[int]
+    sample_rows: list[int]
+
+
+def flatten_batch(batch: SchedulerOutput, block_size: int) -> HostBatch:
+    """Flatten a scheduled batch into token ids, positions, KV slots and block tables (host work)."""
     bs = block_size
     seqs = batch.seqs
     if max(batch.num_new_tokens) == 1:  # pure decode: the common case, kept cheap
@@ -112,31 +132,47 @@ def prepare_inputs(batch: SchedulerOutput, block_size: int, device: torch.device
     for seq in seqs:
         flat_tables.extend(seq.block_table)
         flat_tables.extend(zeros[len(seq.block_table) :])
-    dev = device
+    return HostBatch(
+        input_ids,
+        positions,
+        slots,
+        query_start_loc,
+        seq_lens,
+        flat_tables,
+        max_blocks,
+        max(batch.num_new_tokens),
+        logits_indices,
+        sample_rows,
+    )
 
-    def to_dev(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return host_tensor(values, dtype, dev)
 
+def to_model_inputs(host: HostBatch, block_size: int, device: torch.device) -> ModelInputs:
+    num_seqs = len(host.seq_lens)
     attention = AttentionBatch(
-        query_start_loc=to_dev(query_start_loc, torch.int32),
-        seq_lens=to_dev(seq_lens, torch.int32),
-        block_tables=to_dev(flat_tables, torch.int32).view(len(seqs), max_blocks),
-        slot_mapping=to_dev(slots, torch.int64),
-        max_query_len=max(batch.num_new_tokens),
-        max_seq_len=max(seq_lens),
-        num_seqs=len(batch.seqs),
-        num_tokens=len(input_ids),
-        block_size=bs,
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=seq_lens,
+        query_start_loc=host_tensor(host.query_start_loc, torch.int32, device),
+        seq_lens=host_tensor(host.seq_lens, torch.int32, device),
+        block_tables=host_tensor(host.block_tables, torch.int32, device).view(num_seqs, host.max_blocks),
+        slot_mapping=host_tensor(host.slot_mapping, torch.int64, device),
+        max_query_len=host.max_query_len,
+        max_seq_len=max(host.seq_lens),
+        num_seqs=num_seqs,
+        num_tokens=len(host.input_ids),
+        block_size=block_size,
+        query_start_loc_cpu=host.query_start_loc,
+        seq_lens_cpu=host.seq_lens,
     )
     return ModelInputs(
-        input_ids=to_dev(input_ids, torch.int64),
-        positions=to_dev(positions, torch.int64),
+        input_ids=host_tensor(host.input_ids, torch.int64, device),
+        positions=host_tensor(host.positions, torch.int64, device),
         attention=attention,
-        logits_indices=to_dev(logits_indices, torch.int64),
-        sample_rows=sample_rows,
+        logits_indices=host_tensor(host.logits_indices, torch.int64, device),
+        sample_rows=host.sample_rows,
     )
+
+
+def prepare_inputs(batch: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    """``flatten_batch`` then the tensors on ``device``."""
+    return to_model_inputs(flatten_batch(batch, block_size), block_size, device)
 
 
 class ModelRunner:
@@ -184,8 +220,23 @@ class ModelRunner:
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.graphs: CudaGraphDecoder | None = None
+        if device.type == "cuda" and not config.enforce_eager and backend_cls.supports_cuda_graph:
+            self.graphs = CudaGraphDecoder(
+                self.model,
+                self.backend,
+                max_batch=min(config.max_num_seqs, 512),
+                max_model_len=self.max_model_len,
+                block_size=self.block_size,
+                hidden_size=hf_config.hidden_size,
+                dtype=dtype,
+                device=device,
+            )
         self.host_prepare_s = 0.0
         self.num_steps = 0
+        self.on_step: Callable[[HostBatch], None] | None = None  # tensor parallel: tell the workers
+        self.track_gpu_time = False
+        self._step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # --- KV cache -------------------------------------------------------------------------------------
 
@@ -212,6 +263,10 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         num_blocks = self.config.num_kvcache_blocks or self._num_blocks_from_memory()
+        if get_tp_size() > 1:  # every rank must hold the same number of blocks
+            count = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)
+            num_blocks = int(count.item())
         if num_blocks < 1:
             raise ConfigError("the KV cache would hold no block; set num_kvcache_blocks or give it more memory")
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads_local, self.head_dim)
@@ -283,33 +338,63 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(inputs.attention):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attention)
+            return self.model.compute_logits(hidden[inputs.logits_indices])
         metadata = self.backend.build_metadata(inputs.attention)
         with forward_context(self.backend, metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
             return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()
+    def run_step(self, host: HostBatch) -> None:
+        """A tensor-parallel worker's step: the same forward as rank 0, nothing sampled."""
+        self.compute_logits(to_model_inputs(host, self.block_size, self.device))
+
+    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> list[int | None]:
         """Run one step; returns the sampled token for each sequence of ``batch`` (``None`` mid-prompt)."""
         t0 = time.perf_counter()
-        inputs = self.prepare(batch)
+        host = flatten_batch(batch, self.block_size)
+        if self.on_step is not None:
+            self.on_step(host)
+        inputs = to_model_inputs(host, self.block_size, self.device)
         self.host_prepare_s += time.perf_counter() - t0
         self.num_steps += 1
+        events = None
+        if self.track_gpu_time and self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+            self._step_events.append(events)
         sampled: list[int | None] = [None] * len(batch.seqs)
         if not inputs.sample_rows:
             self.compute_logits(inputs)
+            if events is not None:
+                events[1].record()
             return sampled
         logits = self.compute_logits(inputs)
         seqs: list[Sequence] = [batch.seqs[r] for r in inputs.sample_rows]
-        tokens = self.sampler(logits, SamplingBatch.from_seqs(seqs, self.vocab_size, self.device)).tolist()
+        token_tensor = self.sampler(logits, SamplingBatch.from_seqs(seqs, self.vocab_size, self.device))
+        if events is not None:
+            events[1].record()
+        tokens = token_tensor.tolist()
         for row, token in zip(inputs.sample_rows, tokens):
             sampled[row] = token
         return sampled
 
     def timing_summary(self) -> dict[str, float]:
-        """Host time spent turning batches into tensors, in total and per step."""
-        return {
+        """Host time spent turning batches into tensors; with ``track_gpu_time``, GPU busy and idle time
+        (idle: from the end of one step's last kernel to the start of the next step's first)."""
+        summary = {
             "steps": self.num_steps,
             "host_prepare_s": self.host_prepare_s,
             "host_prepare_ms_per_step": 1e3 * self.host_prepare_s / max(self.num_steps, 1),
         }
+        if self._step_events:
+            torch.cuda.synchronize(self.device)
+            busy = sum(start.elapsed_time(end) for start, end in self._step_events) / 1e3
+            idle = (
+                sum(prev[1].elapsed_time(cur[0]) for prev, cur in zip(self._step_events, self._step_events[1:])) / 1e3
+            )
+            summary.update(gpu_busy_s=busy, gpu_idle_s=idle, gpu_idle_fraction=idle / max(busy + idle, 1e-9))
+        return summary
