@@ -16,6 +16,7 @@ TINY_CORPUS = (
 ARCHITECTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -56,7 +57,10 @@ def write_tiny_checkpoint(
     max_shard_size: str | None = None,
     **config_overrides: Any,
 ) -> Path:
-    """Write a random-weight checkpoint of ``arch`` ("qwen3" or "qwen2") and its tokenizer into ``path``.
+    """Write a random-weight checkpoint of ``arch`` ("qwen3", "qwen2" or "qwen3_moe") and its tokenizer into
+    ``path``. ``config_overrides`` go to the HF config, e.g. for "qwen3_moe": ``num_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``, ``decoder_sparse_step``,
+    ``mlp_only_layers``.
 
     ``init_std`` is larger than HF's default so that greedy decoding of random weights is not a run of one
     repeated token, which would make a parity test weak. ``max_shard_size`` (e.g. ``"50KB"``) writes

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
+
 from nanovllm_core.layers import (
     Attention,
     MergedColumnParallelLinear,
@@ -19,7 +21,6 @@ from nanovllm_core.layers import (
     get_rope,
 )
 from nanovllm_core.loader import load_weights
-from torch import nn
 
 
 class QwenAttention(nn.Module):
@@ -68,11 +69,22 @@ class QwenMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+MlpFactory = Callable[[Any, int], nn.Module]
+"""Builds the feed-forward block of decoder layer ``layer_idx``: ``factory(config, layer_idx)``."""
+
+
+def dense_mlp(config: Any, layer_idx: int) -> nn.Module:
+    """The default :data:`MlpFactory`: a dense SwiGLU MLP of ``config.intermediate_size`` in every layer."""
+    return QwenMLP(config)
+
+
 class QwenDecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, config: Any, qkv_bias: bool, qk_norm: bool, layer_idx: int = 0, mlp_factory: MlpFactory = dense_mlp
+    ) -> None:
         super().__init__()
         self.self_attn = QwenAttention(config, qkv_bias, qk_norm)
-        self.mlp = QwenMLP(config)
+        self.mlp = mlp_factory(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -90,11 +102,11 @@ class QwenDecoderLayer(nn.Module):
 
 
 class QwenModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, mlp_factory: MlpFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            QwenDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            QwenDecoderLayer(config, qkv_bias, qk_norm, i, mlp_factory) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -121,7 +133,7 @@ class _QwenForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = QwenModel(config, self.qkv_bias_for(config), self.qk_norm)
+        self.model = QwenModel(config, self.qkv_bias_for(config), self.qk_norm, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.tied:
@@ -129,6 +141,10 @@ class _QwenForCausalLM(nn.Module):
 
     def qkv_bias_for(self, config: Any) -> bool:
         return self.qkv_bias
+
+    def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx`` (dense here; MoE models override this)."""
+        return dense_mlp(config, layer_idx)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
