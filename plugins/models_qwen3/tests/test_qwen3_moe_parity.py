@@ -65,3 +65,20 @@ def test_greedy_matches_transformers_on_cuda_fused(moe_path, monkeypatch):
     _, ours = generate(moe_path, PROMPTS, device="cuda", dtype="float32")
     assert calls, "the fused path was not taken on CUDA"
     assert ours == hf_greedy(moe_path, PROMPTS, MAX_NEW)
+
+
+def test_greedy_matches_transformers_tensor_parallel_2(moe_path):
+    """TP=2 over gloo: every rank holds half of each expert's intermediate dimension."""
+    llm = LLM(
+        str(moe_path),
+        device="cpu",
+        kvcache_block_size=16,
+        max_model_len=256,
+        num_kvcache_blocks=96,
+        tensor_parallel_size=2,
+    )
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(moe_path, PROMPTS, MAX_NEW)
