@@ -94,3 +94,42 @@ def test_greedy_and_logits_match_transformers(bf16_path, hf_model, backend, enfo
             ref = hf_model(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
         rel = (ours - ref).norm() / ref.norm()
         assert rel < 2e-2, (backend, rel.item())
+
+
+def test_single_rank_nccl_under_torchrun(bf16_path, tmp_path):
+    """The path a multi-GPU run takes, on one GPU: torchrun, env:// rendezvous, a one-rank NCCL group."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from nanovllm_core.engine.parallel import free_port
+
+    script = tmp_path / "nccl1.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import torch.distributed as dist
+        from nanovllm_core import LLM, SamplingParams
+        llm = LLM({str(bf16_path)!r}, max_model_len=1024, num_kvcache_blocks=32, kvcache_block_size=256)
+        assert dist.is_initialized() and dist.get_backend() == "nccl" and dist.get_world_size() == 1
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        print("TOKENS", len(out[0].outputs[0].token_ids))
+        llm.shutdown()
+    """)
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=1",
+            f"--master-port={free_port()}",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TOKENS 8" in proc.stdout

@@ -160,7 +160,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.tp_group: TensorParallelGroup | None = None
         tp = cfg.tensor_parallel_size
-        if tp > 1:
+        if tp > 1 or launched_by_torchrun():  # torchrun with one process: a one-rank NCCL/gloo group
             self._start_tensor_parallel(arch, backend_cls.name)
         try:
             self.runner = ModelRunner(cfg, self.hf_config, model_cls, backend_cls, self.device, self.dtype)

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch import nn
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.distributed import get_tp_size
 from nanovllm_core.engine.cuda_graph import CudaGraphDecoder
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.forward_context import forward_context
@@ -263,7 +262,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         num_blocks = self.config.num_kvcache_blocks or self._num_blocks_from_memory()
-        if get_tp_size() > 1:  # every rank must hold the same number of blocks
+        if dist.is_initialized():  # every rank must hold the same number of blocks
             count = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
             num_blocks = int(count.item())
