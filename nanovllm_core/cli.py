@@ -1,17 +1,22 @@
-"""The ``nanovllm`` command: ``generate``, ``plugins``, ``bench``."""
+"""The ``nanovllm`` command: ``generate``, ``bench``, ``plugins``, ``config``; each takes ``--config FILE``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
 import time
+import types
 import typing
 from pathlib import Path
 from typing import Any
 
+from pydantic.fields import FieldInfo
+
 from nanovllm_core.config import EngineConfig, PluginsConfig
-from nanovllm_core.errors import NanoVLLMError
+from nanovllm_core.errors import ConfigError, NanoVLLMError
 
 DEMO_PROMPTS = ["Hello world!", "The quick brown fox", "To be or not to be, that is the question."]
 
@@ -102,18 +107,196 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
+    """The installed plugins, what each registers, the config's selection (``*``) and the broken ones."""
+    from nanovllm_core.config import read_config_file
     from nanovllm_core.plugins import get_registry
 
     registry = get_registry()
-    rows = [("kind", "name", "distribution", "version", "module")]
-    rows += [(r.kind, r.name, r.distribution, r.version, r.module) for r in registry.all()]
-    widths = [max(len(str(row[i])) for row in rows) for i in range(5)]
-    for row in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
-    for broken in registry.broken:
-        print(f"BROKEN  {broken.plugin} ({broken.distribution} {broken.version}): {broken.error}")
-    return 1 if registry.broken else 0
+    table = read_config_file(args.config).get("plugins", {}) if args.config else {}
+    try:
+        selection = PluginsConfig(**table)
+    except ValueError as exc:
+        raise ConfigError(f"[plugins] of {args.config}: {exc}") from None
+    selected = {"scheduler": selection.scheduler, "block_manager": selection.block_manager,
+                "attention": selection.attention}
+    rows = [("", "kind", "name", "distribution", "version", "module")]
+    rows += [("*" if selected.get(r.kind) == r.name else "", r.kind, r.name, r.distribution, r.version, r.module)
+             for r in registry.all()]
+    for line in _table(rows):
+        print(line)
+    source = f"file {args.config}" if args.config else "the defaults"
+    print("\n* selected by " + source + ": " + ", ".join(f"{k} = {v!r}" for k, v in selected.items()))
+    status = 0
+    for kind, name in selected.items():
+        if name not in registry.registrations[kind] and not (kind == "attention" and name == "auto"):
+            installed = ", ".join(registry.names(kind)) or "none"
+            print(f"error: {kind} {name!r} is not installed (installed: {installed})")
+            status = 1
+    if registry.broken:
+        print("\nbroken plugins (not loaded):")
+        for broken in registry.broken:
+            where = " ".join(x for x in (broken.distribution, broken.version) if x)
+            print(f"  {broken.plugin} ({where}): {broken.error}")
+        status = 1
+    return status
+
+
+# --- nanovllm config ----------------------------------------------------------------------------------
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def toml_value(value: Any) -> str:
+    """``value`` as a TOML literal (strings, numbers, booleans, lists and inline tables)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = [f"{k if _BARE_KEY.match(k) else json.dumps(k)} = {toml_value(v)}" for k, v in value.items()]
+        return "{ " + ", ".join(items) + " }" if items else "{}"
+    raise TypeError(f"{type(value).__name__} has no TOML form")
+
+
+def render_config(config: EngineConfig) -> str:
+    """The resolved config as TOML, each value commented with where it came from."""
+    lines: list[tuple[str, str]] = []
+
+    def add(key: str, value: Any, source_key: str) -> None:
+        text = f"# {key} is unset" if value is None else f"{key} = {toml_value(value)}"
+        lines.append((text, config.source_of(source_key)))
+
+    for name in EngineConfig.model_fields:
+        if name != "plugins":
+            add(name, getattr(config, name), name)
+    lines.append(("", ""))
+    lines.append(("[plugins]", ""))
+    for name in PluginsConfig.model_fields:
+        add(name, getattr(config.plugins, name), f"plugins.{name}")
+    width = max(len(text) for text, _ in lines)
+    header = "# the resolved engine configuration; precedence: command line > keyword argument > file > default"
+    return "\n".join([header] + [f"{t.ljust(width)}  # {src}" if src else t for t, src in lines]) + "\n"
+
+
+def _type_name(field: FieldInfo) -> str:
+    annotation = field.annotation
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    optional = typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1
+    if optional:
+        annotation = args[0]
+    if typing.get_origin(annotation) is typing.Literal:
+        name = " \\| ".join(f"`{toml_value(a)}`" for a in typing.get_args(annotation))
+    else:
+        name = {bool: "boolean", int: "integer", float: "number", str: "string"}.get(annotation, "table")
+    bounds = []
+    for item in field.metadata:
+        for attr, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
+            if getattr(item, attr, None) is not None:
+                bounds.append(f"{sign} {getattr(item, attr)}")
+    return name + (" " + ", ".join(bounds) if bounds else "") + (", optional" if optional else "")
+
+
+def _default(field: FieldInfo) -> str:
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    return "unset" if value is None else f"`{toml_value(value)}`"
+
+
+def _reference_table(model: type, prefix: str, flags: dict[str, str]) -> list[str]:
+    rows = ["| key | type | default | command line | description |", "|---|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        if name == "plugins":
+            continue
+        flag = f"`{flags[name]}`" if name in flags else ""
+        description = (field.description or "").replace("|", "\\|")
+        rows.append(f"| `{prefix}{name}` | {_type_name(field)} | {_default(field)} | {flag} | {description} |")
+    return rows
+
+
+def config_reference() -> str:
+    """``docs/config.md``: every engine setting, generated from the pydantic models ``EngineConfig`` and
+    ``PluginsConfig`` (``nanovllm config --reference > docs/config.md``)."""
+    engine_flags = {
+        n: ("--[no-]" if f.annotation is bool else "--") + n.replace("_", "-")
+        for n, f in EngineConfig.model_fields.items() if n != "plugins"
+    }
+    engine_flags["model"] = "--model"
+    plugin_flags = {n: "--" + n.replace("_", "-") for n in ("scheduler", "block_manager", "attention")}
+    example = {n: "/path/to/checkpoint" if n == "model" else EngineConfig.model_fields[n].get_default()
+               for n in EngineConfig.model_fields if n != "plugins"}
+    plugin_example = {n: PluginsConfig.model_fields[n].get_default(call_default_factory=True)
+                      for n in PluginsConfig.model_fields}
+    out = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated from nanovllm_core.config by `nanovllm config --reference > docs/config.md`. Do not edit:"
+        " tests/test_cli.py fails when this file is out of date. -->",
+        "",
+        "The engine reads one configuration, validated by the pydantic model `nanovllm_core.EngineConfig`, from",
+        "four layers; a later layer overrides an earlier one key by key (the `[plugins]` table merges key by key):",
+        "",
+        "1. the defaults below;",
+        "2. a TOML file: `LLM(config=\"nanovllm.toml\")`, `LLMEngine(config=...)`, `nanovllm ... --config FILE`;",
+        "3. keyword arguments: `LLM(model, max_num_seqs=64, plugins={\"scheduler\": \"fifo\"})`;",
+        "4. command-line flags of `nanovllm generate`, `nanovllm bench` and `nanovllm config`.",
+        "",
+        "An invalid value fails before any weights load, naming the field and what is allowed.",
+        "`nanovllm config --config FILE [flags]` prints the resolved configuration and where each value came from.",
+        "",
+        "## Engine",
+        "",
+        *_reference_table(EngineConfig, "", engine_flags),
+        "",
+        "## `[plugins]`",
+        "",
+        "Which plugin serves each role, by the name it registered (`nanovllm plugins` lists them), and the options",
+        "handed to it as keyword arguments. A plugin class may declare its options as a pydantic model in a",
+        "class attribute `Options`; unknown or invalid options then fail with the allowed ones.",
+        "",
+        *_reference_table(PluginsConfig, "plugins.", plugin_flags),
+        "",
+        "## A complete file with the defaults",
+        "",
+        "```toml",
+        *[f"{k} = {toml_value(v)}" if v is not None else f"# {k} is unset by default" for k, v in example.items()],
+        "",
+        "[plugins]",
+        *[f"{k} = {toml_value(v)}" for k, v in plugin_example.items()],
+        "```",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print the resolved config with the source of each value, or (``--reference``) the config reference."""
+    if args.reference:
+        sys.stdout.write(config_reference())
+        return 0
+    from nanovllm_core.config import read_config_file
+
+    overrides = _cli_overrides(args)
+    if args.model:
+        overrides["model"] = args.model
+    if "model" not in overrides and not (args.config and "model" in read_config_file(args.config)):
+        raise ConfigError(
+            "model is not set: put `model = \"/path/to/checkpoint\"` in the --config file or pass --model "
+            "(`nanovllm config --reference` lists every field and its default)"
+        )
+    config = EngineConfig.load(args.config, cli_overrides=overrides)
+    sys.stdout.write(render_config(config))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,8 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
-    plugins = sub.add_parser("plugins", help="list installed plugins and what each registers")
+    plugins = sub.add_parser("plugins", help="list installed plugins, what each registers, and broken ones")
+    plugins.add_argument("--config", help="TOML config file whose [plugins] selection is marked with *")
     plugins.set_defaults(func=cmd_plugins)
+
+    config = sub.add_parser("config", help="show the resolved config and where each value came from")
+    config.add_argument("--model", help="checkpoint folder (or set `model` in --config)")
+    config.add_argument("--reference", action="store_true", help="print the config reference (docs/config.md)")
+    _add_engine_flags(config)
+    config.set_defaults(func=cmd_config)
 
     bench = sub.add_parser("bench", help="throughput benchmark (nano-vllm's workload)")
     bench.add_argument("--model", help="checkpoint folder; default: random weights of --shape")

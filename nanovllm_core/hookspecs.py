@@ -1,10 +1,20 @@
-"""The hooks a nanovllm plugin implements. Each receives ``register(name, factory)``.
+"""The hooks a nanovllm plugin implements. Each receives ``register(name, cls)`` and registers classes by name.
 
-A plugin module marks its implementations with ``@nanovllm_core.hookimpl`` and is announced by an entry
-point in the ``nanovllm`` group of its distribution::
+A plugin is a module whose hook implementations are marked with ``@nanovllm_core.hookimpl``; its distribution
+announces it with an entry point in the ``nanovllm`` group, found through the standard library's
+:mod:`importlib.metadata`::
 
     [project.entry-points.nanovllm]
     my_plugin = "my_package.plugin"
+
+The module also declares which plugin API versions it supports (see ``nanovllm_core.PLUGIN_API_VERSION``)::
+
+    NANOVLLM_PLUGIN_API = ">=1,<2"
+
+Every hook is called once per process, when the registry is first built (the engine builds it; so do
+``nanovllm plugins`` and :func:`nanovllm_core.get_registry`). A hook implementation takes exactly one argument,
+named ``register``; pluggy passes it by name. The registered object must be a class satisfying the interface of
+its kind, otherwise the plugin is reported as broken. The authoring guide is ``docs/plugins.md``.
 """
 
 from __future__ import annotations
@@ -21,14 +31,18 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 Register = Callable[[str, Any], None]
+"""``register(name, cls)``: make ``cls`` selectable by ``name``; a name taken by another plugin is an error."""
 
 
 @hookspec
 def nanovllm_register_schedulers(register: Register) -> None:
     """Register scheduler classes: ``register("fifo", FifoScheduler)``.
 
-    The class implements :class:`nanovllm_core.interfaces.Scheduler` and is selected with
-    ``[plugins] scheduler = "fifo"``. Called once per process when the plugins load.
+    The class subclasses :class:`nanovllm_core.Scheduler` and is selected with ``[plugins] scheduler = "fifo"``;
+    the engine builds it as ``cls(config, block_manager, stop_checker, **scheduler_options)`` (validated by an
+    optional pydantic ``Options`` class attribute). It must keep the invariants in the ``Scheduler`` docstring
+    (token budget, ``max_num_seqs``, no starvation, blocks freed, preemption, abort);
+    :class:`nanovllm_core.testing.conformance.SchedulerConformance` checks them.
     """
 
 
@@ -36,8 +50,10 @@ def nanovllm_register_schedulers(register: Register) -> None:
 def nanovllm_register_block_managers(register: Register) -> None:
     """Register block manager classes: ``register("prefix_cache", PrefixCachingBlockManager)``.
 
-    The class implements :class:`nanovllm_core.interfaces.BlockManager`; selected with
-    ``[plugins] block_manager = "prefix_cache"``.
+    The class subclasses :class:`nanovllm_core.BlockManager` and is selected with
+    ``[plugins] block_manager = "prefix_cache"``; the engine builds it as
+    ``cls(num_blocks, block_size, enable_prefix_caching=..., **block_manager_options)``.
+    :class:`nanovllm_core.testing.conformance.BlockManagerConformance` checks its invariants.
     """
 
 
@@ -45,8 +61,10 @@ def nanovllm_register_block_managers(register: Register) -> None:
 def nanovllm_register_attention_backends(register: Register) -> None:
     """Register attention backend classes: ``register("torch", TorchAttentionBackend)``.
 
-    The class implements :class:`nanovllm_core.interfaces.AttentionBackend`; selected with
-    ``[plugins] attention = "torch"``, or picked by ``auto`` by its ``priority`` when it is available.
+    The class subclasses :class:`nanovllm_core.AttentionBackend`; it is selected with
+    ``[plugins] attention = "torch"``, or picked by ``attention = "auto"`` when it is the available backend of
+    highest ``priority`` (``check_available`` returns ``None`` and the block size is supported).
+    :class:`nanovllm_core.testing.conformance.AttentionBackendConformance` compares it with a dense reference.
     """
 
 
@@ -54,6 +72,8 @@ def nanovllm_register_attention_backends(register: Register) -> None:
 def nanovllm_register_models(register: Register) -> None:
     """Register model classes by Hugging Face architecture name: ``register("Qwen3ForCausalLM", Qwen3ForCausalLM)``.
 
-    The engine picks the class named by ``architectures[0]`` of the checkpoint's ``config.json``; it
-    follows the :class:`nanovllm_core.interfaces.CausalLM` protocol.
+    The engine picks the class named by ``architectures[0]`` of the checkpoint's ``config.json``. It is an
+    ``nn.Module`` following the :class:`nanovllm_core.CausalLM` protocol (``forward``, ``compute_logits``,
+    ``load_weights``), built as ``cls(hf_config)``; its attention layers are :class:`nanovllm_core.layers.Attention`.
+    :class:`nanovllm_core.testing.conformance.ModelConformance` compares its greedy output with ``transformers``.
     """

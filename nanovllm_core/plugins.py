@@ -1,23 +1,38 @@
 """Plugin discovery and the registries of schedulers, block managers, attention backends and models.
 
-Entry points of the ``nanovllm`` group are loaded one by one (through :mod:`importlib.metadata`, as
-pluggy's ``load_setuptools_entrypoints`` does), so that a plugin that fails to import is recorded with its
-distribution and exception while every other plugin still loads.
+Entry points of the ``nanovllm`` group are found with the standard library's :mod:`importlib.metadata` (what
+pluggy's ``load_setuptools_entrypoints`` uses; the old ``entrypoints`` package is not used) and loaded one
+by one, so that a plugin that fails is recorded as a :class:`BrokenPlugin` with its distribution and a hint
+on how to fix it, while every other plugin still loads. Before a plugin is registered it is checked:
+
+- its ``NANOVLLM_PLUGIN_API`` declaration against :data:`nanovllm_core.PLUGIN_API_VERSION`;
+- its hook implementations: known hook names, the ``register`` argument, no undecorated hook functions;
+- every object it registers against the interface of its kind (:func:`check_registration`).
+
+Two plugins that register the same name for the same kind raise :class:`PluginConflictError`.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import inspect
+import operator
+import re
+import sys
 import threading
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import pluggy
+from torch import nn
 
 from nanovllm_core import hookspecs
-from nanovllm_core.errors import PluginConflictError, PluginError, UnknownPluginError
+from nanovllm_core.errors import PluginConflictError, UnknownPluginError
+from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler
 
 KINDS: dict[str, str] = {
     "scheduler": "nanovllm_register_schedulers",
@@ -25,10 +40,20 @@ KINDS: dict[str, str] = {
     "attention": "nanovllm_register_attention_backends",
     "model": "nanovllm_register_models",
 }
+HOOK_NAMES = frozenset(KINDS.values())
+API_ATTRIBUTE = "NANOVLLM_PLUGIN_API"
+"""The module attribute in which a plugin declares the plugin API versions it supports, e.g. ``">=1,<2"``."""
+DEFAULT_PLUGIN_API = "==1"
+"""What a plugin that declares nothing is taken to support: API 1, the API before versions were declared."""
+
+_BASES: dict[str, type] = {"scheduler": Scheduler, "block_manager": BlockManager, "attention": AttentionBackend}
+_MODEL_METHODS = ("forward", "compute_logits", "load_weights")
 
 
 @dataclass(frozen=True)
 class Registration:
+    """One named object a plugin registered (``kind`` is one of :data:`KINDS`)."""
+
     kind: str
     name: str
     obj: Any
@@ -43,6 +68,8 @@ class Registration:
 
 @dataclass(frozen=True)
 class BrokenPlugin:
+    """A plugin (or one of its registrations) that could not be loaded, and why; ``error`` says how to fix it."""
+
     plugin: str
     distribution: str
     version: str
@@ -67,16 +94,19 @@ class PluginRegistry:
             installed = ", ".join(sorted(entries)) or "none"
             hint = _kind_hint(kind)
             msg = f"no {kind.replace('_', ' ')} named {name!r} is installed; installed: {installed}. {hint}"
-            broken = [b for b in self.broken]
-            if broken:
+            if self.broken:
                 msg += " Plugins that failed to load: " + "; ".join(
-                    f"{b.plugin} ({b.distribution}): {b.error}" for b in broken
+                    f"{b.plugin} ({b.distribution}): {b.error}" for b in self.broken
                 )
             raise UnknownPluginError(msg)
         return entries[name]
 
     def all(self) -> list[Registration]:
         return [r for kind in KINDS for r in sorted(self.registrations[kind].values(), key=lambda r: r.name)]
+
+    def add_broken(self, plugin: str, error: str) -> None:
+        dist, version = self.distributions.get(plugin, ("?", "?"))
+        self.broken.append(BrokenPlugin(plugin, dist, version, error))
 
 
 def _kind_hint(kind: str) -> str:
@@ -89,6 +119,150 @@ def _kind_hint(kind: str) -> str:
     }[kind]
 
 
+# ----------------------------------------------------------------------------------------------------
+# Plugin API versions
+# ----------------------------------------------------------------------------------------------------
+
+_OPERATORS: dict[str, Callable[[int, int], bool]] = {
+    "==": operator.eq, "!=": operator.ne, ">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt,
+}
+_CLAUSE = re.compile(r"^\s*(==|!=|>=|<=|>|<)?\s*(\d+)\s*$")
+
+
+def api_supported(spec: object, version: int) -> bool:
+    """Whether a ``NANOVLLM_PLUGIN_API`` declaration admits plugin API ``version``.
+
+    ``spec`` is an integer (that version only) or comma-separated clauses over integers, all of which must
+    hold: ``"1"``, ``">=1,<3"``, ``"!=2"``. Raises ``ValueError`` for anything else.
+    """
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        return spec == version
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"{spec!r} is not a version specifier")
+    ok = True
+    for clause in spec.split(","):
+        match = _CLAUSE.match(clause)
+        if match is None:
+            raise ValueError(f"{spec!r} is not a version specifier (bad clause {clause.strip()!r})")
+        ok = ok and _OPERATORS[match.group(1) or "=="](version, int(match.group(2)))
+    return ok
+
+
+def _api_problem(plugin: Any) -> str | None:
+    import nanovllm_core
+
+    spec = getattr(plugin, API_ATTRIBUTE, DEFAULT_PLUGIN_API)
+    core = f"nanovllm-core {nanovllm_core.__version__} provides plugin API {nanovllm_core.PLUGIN_API_VERSION}"
+    try:
+        supported = api_supported(spec, nanovllm_core.PLUGIN_API_VERSION)
+    except ValueError:
+        return (
+            f"{API_ATTRIBUTE} = {spec!r} is not a version specifier; write an integer or clauses such as "
+            f"'>=1,<2' ({core})"
+        )
+    if supported:
+        return None
+    if hasattr(plugin, API_ATTRIBUTE):
+        declared = f"{API_ATTRIBUTE} = {spec!r}"
+    else:
+        declared = f"no {API_ATTRIBUTE}, read as {spec!r}"
+    return (
+        f"incompatible plugin API: the plugin supports {spec} ({declared}) but {core}. Install a release of "
+        "the plugin that supports this API, or a nanovllm-core that provides the API the plugin supports"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checks a plugin author hits: hook implementations and registered objects
+# ----------------------------------------------------------------------------------------------------
+
+
+def _hook_problems(pm: pluggy.PluginManager, plugin: Any) -> list[str]:
+    """What is wrong with a plugin's hook implementations (typos, wrong arguments, missing decorator)."""
+    problems = []
+    marked = 0
+    for attr in dir(plugin):
+        try:
+            value = getattr(plugin, attr)
+        except Exception:  # noqa: BLE001 - a property that raises is not a hook
+            continue
+        opts = pm.parse_hookimpl_opts(plugin, attr)
+        if opts is None:
+            if attr.startswith("nanovllm_register") and inspect.isroutine(value):
+                problems.append(
+                    f"{attr}() is not decorated with @nanovllm_core.hookimpl, so it is never called; "
+                    f"add `@hookimpl` (from nanovllm_core import hookimpl) above `def {attr}`"
+                )
+            continue
+        marked += 1
+        hook_name = opts.get("specname") or attr
+        if hook_name not in HOOK_NAMES:
+            close = difflib.get_close_matches(hook_name, sorted(HOOK_NAMES), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(
+                f"{attr}() implements an unknown hook {hook_name!r}; {hint}"
+                f"the hooks are: {', '.join(sorted(HOOK_NAMES))}"
+            )
+            continue
+        if opts.get("wrapper") or opts.get("hookwrapper"):
+            problems.append(f"{attr}() is declared as a wrapper; registration hooks are plain functions")
+            continue
+        args = list(inspect.signature(value).parameters)
+        if args != ["register"]:
+            problems.append(
+                f"{attr}({', '.join(args)}) has the wrong signature: a hook implementation takes exactly one "
+                f"argument named `register` (pluggy passes it by name); write `def {attr}(register):`"
+            )
+    if marked == 0 and not problems:
+        problems.append(
+            "the plugin implements no nanovllm hook, so it registers nothing; decorate a function such as "
+            "`def nanovllm_register_schedulers(register)` with @nanovllm_core.hookimpl"
+        )
+    return problems
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def check_registration(kind: str, obj: Any) -> str | None:
+    """``None`` if ``obj`` can be registered as a ``kind``, else what is wrong and how to fix it."""
+    if not inspect.isclass(obj):
+        what = f"an instance of {type(obj).__name__}" if not callable(obj) else f"{obj!r}, not a class"
+        return f"got {what}; register the class itself, e.g. register(name, MyClass)"
+    if kind == "model":
+        if not issubclass(obj, nn.Module):
+            return (
+                f"{_qualname(obj)} is not a torch.nn.Module; a model class subclasses nn.Module and implements "
+                + ", ".join(_MODEL_METHODS) + " (the nanovllm_core.CausalLM protocol)"
+            )
+        missing = [m for m in _MODEL_METHODS if not callable(getattr(obj, m, None))]
+        if getattr(obj, "forward", None) is nn.Module.forward:
+            missing.insert(0, "forward")
+        if missing:
+            return (
+                f"{_qualname(obj)} lacks {', '.join(missing)}; a model class implements "
+                "forward(input_ids, positions), compute_logits(hidden_states) and load_weights(weights) "
+                "(the nanovllm_core.CausalLM protocol)"
+            )
+        return None
+    base = _BASES[kind]
+    if not issubclass(obj, base):
+        return (
+            f"{_qualname(obj)} is not a subclass of nanovllm_core.{base.__name__}; declare it as "
+            f"`class {obj.__name__}(nanovllm_core.{base.__name__})`"
+        )
+    if inspect.isabstract(obj):
+        missing = ", ".join(sorted(obj.__abstractmethods__))
+        return f"{_qualname(obj)} does not implement {missing} (abstract in nanovllm_core.{base.__name__})"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Discovery
+# ----------------------------------------------------------------------------------------------------
+
+
 def new_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
@@ -99,8 +273,42 @@ def _entry_points() -> list[importlib.metadata.EntryPoint]:
     return list(importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP))
 
 
+def _import_error(ep: importlib.metadata.EntryPoint, dist: str, exc: BaseException) -> str:
+    """Explain why an entry point did not load, and how to fix it."""
+    module, _, attr = (part.strip() for part in ep.value.partition(":"))
+    where = f"entry point {ep.name} = {ep.value!r} (group {hookspecs.ENTRY_POINT_GROUP!r} of {dist})"
+    fix_entry = (
+        "fix [project.entry-points.nanovllm] in the distribution's pyproject.toml and reinstall it "
+        "(pip install -e .)"
+    )
+    if isinstance(exc, ModuleNotFoundError) and exc.name and (module == exc.name or module.startswith(exc.name + ".")):
+        return f"{where} points to module {module!r}, which cannot be imported ({exc}); {fix_entry}"
+    if isinstance(exc, AttributeError) and attr and module in sys.modules and not _has_path(sys.modules[module], attr):
+        return f"{where} points to {attr!r}, which module {module!r} does not define; {fix_entry}"
+    if isinstance(exc, ModuleNotFoundError):
+        return (
+            f"importing {module!r} failed: {exc}; install {exc.name!r} (and list it in the distribution's "
+            "dependencies)"
+        )
+    frames = traceback.extract_tb(exc.__traceback__)
+    at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"importing {ep.value!r} raised {type(exc).__name__}: {exc}{at}"
+
+
+def _has_path(obj: Any, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
 def build_registry(extra_plugins: list[tuple[str, ModuleType | object]] | None = None) -> PluginRegistry:
-    """Load every installed plugin (plus ``extra_plugins`` given as ``(name, module)``) into a fresh registry."""
+    """Load every installed plugin (plus ``extra_plugins`` given as ``(name, module)``) into a fresh registry.
+
+    Never raises for a plugin that is broken (it lands in :attr:`PluginRegistry.broken`); raises
+    :class:`PluginConflictError` when two plugins register the same name for the same kind.
+    """
     pm = new_plugin_manager()
     registry = PluginRegistry(plugin_manager=pm)
     seen: set[str] = set()
@@ -114,51 +322,67 @@ def build_registry(extra_plugins: list[tuple[str, ModuleType | object]] | None =
         try:
             plugin = ep.load()
         except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
-            registry.broken.append(
-                BrokenPlugin(ep.name, dist, version, f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}")
-            )
+            registry.broken.append(BrokenPlugin(ep.name, dist, version, _import_error(ep, dist, exc)))
             continue
         _register_plugin(registry, ep.name, plugin, dist, version)
     for name, plugin in extra_plugins or []:
         _register_plugin(registry, name, plugin, "(registered in-process)", "")
     for kind, hook_name in KINDS.items():
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
-            dist, version = registry.distributions.get(impl.plugin_name, ("?", "?"))
-            register = _make_register(registry, kind, impl.plugin_name, dist, version)
+            register = _make_register(registry, kind, impl.plugin_name)
             try:
-                impl.function(*[{"register": register}[arg] for arg in impl.argnames])
+                impl.function(register=register)
             except PluginConflictError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                registry.broken.append(
-                    BrokenPlugin(impl.plugin_name, dist, version, f"{hook_name} raised {type(exc).__name__}: {exc}")
-                )
+                frames = traceback.extract_tb(exc.__traceback__)
+                at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+                registry.add_broken(impl.plugin_name, f"{hook_name} raised {type(exc).__name__}: {exc}{at}")
     return registry
 
 
 def _register_plugin(registry: PluginRegistry, name: str, plugin: Any, dist: str, version: str) -> None:
-    try:
-        registry.plugin_manager.register(plugin, name=name)
-    except pluggy.PluginValidationError as exc:
-        registry.broken.append(BrokenPlugin(name, dist, version, f"invalid hook implementation: {exc}"))
+    pm = registry.plugin_manager
+    if pm.has_plugin(name):  # two distributions chose the same entry-point name: keep both
+        name = f"{name} ({dist})"
+    problem = _api_problem(plugin)
+    problems = [problem] if problem else _hook_problems(pm, plugin)
+    if problems:
+        for problem in problems:
+            registry.broken.append(BrokenPlugin(name, dist, version, problem))
         return
-    except ValueError as exc:  # already registered under that name
-        registry.broken.append(BrokenPlugin(name, dist, version, str(exc)))
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:
+        registry.broken.append(
+            BrokenPlugin(name, dist, version, f"invalid hook implementation: {exc}; a hook takes `register` only")
+        )
+        return
+    except ValueError as exc:  # the same module behind two entry points
+        registry.broken.append(
+            BrokenPlugin(name, dist, version, f"{exc}; each plugin module may be named by one entry point only")
+        )
         return
     registry.distributions[name] = (dist, version)
 
 
-def _make_register(registry: PluginRegistry, kind: str, plugin: str, dist: str, version: str):
+def _make_register(registry: PluginRegistry, kind: str, plugin: str) -> Callable[[str, Any], None]:
+    dist, version = registry.distributions.get(plugin, ("?", "?"))
+
     def register(name: str, obj: Any) -> None:
+        label = kind.replace("_", " ")
         if not isinstance(name, str) or not name:
-            raise PluginError(f"plugin {plugin!r} ({dist}) registered a {kind} with an invalid name {name!r}")
-        if not (inspect.isclass(obj) or callable(obj)):
-            raise PluginError(f"plugin {plugin!r} ({dist}) registered {kind} {name!r} as {obj!r}, not a class")
+            registry.add_broken(plugin, f"registered a {label} under an invalid name {name!r}; use a non-empty string")
+            return
+        problem = check_registration(kind, obj)
+        if problem is not None:
+            registry.add_broken(plugin, f"registered {label} {name!r} that does not satisfy its interface: {problem}")
+            return
         entries = registry.registrations[kind]
         if name in entries:
             other = entries[name]
             raise PluginConflictError(
-                f"two plugins register a {kind.replace('_', ' ')} named {name!r}: "
+                f"two plugins register a {label} named {name!r}: "
                 f"{other.plugin} from {other.distribution} {other.version} and {plugin} from {dist} {version}. "
                 "Uninstall one of the distributions or rename the registration."
             )
@@ -190,6 +414,7 @@ def register_plugin(plugin: ModuleType | object, name: str | None = None) -> Non
 
 
 def unregister_plugin(name: str) -> None:
+    """Forget a plugin given to :func:`register_plugin`."""
     global _registry
     with _lock:
         _extra_plugins[:] = [(n, p) for n, p in _extra_plugins if n != name]

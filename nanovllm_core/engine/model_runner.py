@@ -269,7 +269,8 @@ class ModelRunner:
         if num_blocks < 1:
             raise ConfigError("the KV cache would hold no block; set num_kvcache_blocks or give it more memory")
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads_local, self.head_dim)
-        self.kv_cache = torch.empty((len(self.attention_layers), *shape), dtype=self.dtype, device=self.device)
+        # zeros, not empty: a kernel may read a whole last block, and NaN garbage times a zero weight is NaN
+        self.kv_cache = torch.zeros((len(self.attention_layers), *shape), dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.kv_cache = self.kv_cache[i]
         logger.info(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from nanovllm_core import AttentionBackend, AttentionBatch
 
 

@@ -4,6 +4,8 @@ from nanovllm_core import hookimpl
 from nanovllm_scheduler_fifo.block_manager import PrefixCachingBlockManager
 from nanovllm_scheduler_fifo.scheduler import FifoScheduler
 
+NANOVLLM_PLUGIN_API = ">=1,<2"  # nanovllm plugin API versions this plugin supports
+
 
 @hookimpl
 def nanovllm_register_schedulers(register):

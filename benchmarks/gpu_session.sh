@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU runs behind docs/benchmarks.md, in two phases on one warm H200 machine (see docs/benchmarks.md):
+#   bash benchmarks/gpu_session.sh triton   # Triton kernels: tests, engine parity, end-to-end bench
+#   bash benchmarks/gpu_session.sh flash    # flash-attn-4: tests, kernel micro-benchmarks, end-to-end bench
+# Needs PYTHONPATH with pydantic (and flash-attn-4 for phase flash). Logs and tables go to $OUT.
+set -u
+export PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python -m pip install -q --no-deps --no-build-isolation --no-index -e . -e plugins/scheduler_fifo \
+  -e plugins/attention_flash -e plugins/models_qwen3 > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee -a "$OUT/gpu.txt"
+step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log, print its tail
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - t0)) s"; tail -n "${TAIL:-12}" "$OUT/$name.log"
+}
+bench() {  # bench NAME ARGS...: the nano-vllm workload through `nanovllm bench`
+  local name=$1; shift
+  step "bench_$name" "${BENCH_LIMIT:-200}" python -m nanovllm_core.cli bench --json "$OUT/bench_$name.json" "$@"
+}
+case "${1:?phase}" in
+  triton)
+    step kernel_tests_triton 150 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "triton"
+    step engine_tests 150 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "not flash_attn"
+    bench triton --attention triton
+    TAIL=4 bench triton_eager --attention triton --enforce-eager
+    ;;
+  flash)
+    python -c "import flash_attn.cute; print('flash-attn-4 imports')"
+    bench flash_attn --attention flash_attn
+    step kernel_bench 200 python plugins/attention_flash/bench_kernels.py --out "$OUT/kernels.md"
+    step kernel_tests_flash 150 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "flash"
+    step engine_tests_flash 100 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "flash_attn"
+    ;;
+esac

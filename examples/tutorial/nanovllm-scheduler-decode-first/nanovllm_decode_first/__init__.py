@@ -1,0 +1,1 @@
+"""The ``decode_first`` scheduler plugin for nanovllm."""

@@ -1,0 +1,951 @@
+"""Conformance kits: pytest base classes that check a plugin keeps the invariants of its interface.
+
+Subclass one in your plugin's tests, name the subclass ``Test...`` and set the class attribute that names your
+class; pytest collects every check::
+
+    from nanovllm_core.testing.conformance import SchedulerConformance
+    from my_package.scheduler import MyScheduler
+
+    class TestMyScheduler(SchedulerConformance):
+        scheduler_cls = MyScheduler
+
+- :class:`SchedulerConformance` and :class:`BlockManagerConformance` drive the plugin through a
+  :class:`SimulatedEngine` (a fake model and a simulated KV cache that knows which token every slot holds), so
+  they run in milliseconds, then run the real :class:`~nanovllm_core.LLMEngine` on a tiny checkpoint.
+- :class:`AttentionBackendConformance` compares the backend with dense float64 attention on ragged batches
+  (prompt chunks over cached context next to decode tokens, MHA and GQA).
+- :class:`ModelConformance` compares the engine's greedy output with ``transformers``.
+
+The other roles come from the installed plugins, by name (``prefix_cache``, ``fifo``, ``torch``,
+``Qwen3ForCausalLM``); a class under test that is not installed is registered in-process for the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.llm_engine import LLMEngine, instantiate
+from nanovllm_core.errors import InvalidRequestError, ModelLoadError
+from nanovllm_core.hookspecs import hookimpl
+from nanovllm_core.interfaces import AttentionBackend, AttentionBatch, BlockManager, Scheduler, SchedulerOutput
+from nanovllm_core.loader import iter_safetensors, load_hf_config
+from nanovllm_core.plugins import KINDS, check_registration, get_registry, register_plugin, unregister_plugin
+from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sequence import Sequence, SequenceStatus
+from nanovllm_core.testing.checkpoints import hf_greedy, write_tiny_checkpoint
+
+__all__ = [
+    "AttentionBackendConformance",
+    "BlockManagerConformance",
+    "ModelConformance",
+    "SchedulerConformance",
+    "SimulatedEngine",
+    "registered_for_test",
+    "shared_tiny_checkpoint",
+]
+
+SIM_VOCAB = 997
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def registered_for_test(kind: str, cls: type, name: str | None = None) -> Iterator[str]:
+    """Yield the name under which the engine finds ``cls``, registering it in-process if it is not installed.
+
+    For ``kind="model"`` pass the architecture as ``name``: that is the name the engine looks up.
+    """
+    registry = get_registry()
+    if name is None:
+        found = [r.name for r in registry.registrations[kind].values() if r.obj is cls]
+        if found:
+            yield found[0]
+            return
+        name = f"conformance-{cls.__name__}"
+    existing = registry.registrations[kind].get(name)
+    if existing is not None:
+        if existing.obj is not cls:
+            pytest.fail(
+                f"{kind} {name!r} is registered by plugin {existing.plugin} ({existing.distribution}) with "
+                f"{existing.obj!r}, not {cls!r}; uninstall that distribution to test this class"
+            )
+        yield name
+        return
+    plugin = types.ModuleType(f"nanovllm_conformance_{kind}_{cls.__name__}")
+
+    def hook(register: Any) -> None:
+        register(name, cls)
+
+    setattr(plugin, KINDS[kind], hookimpl(hook))
+    register_plugin(plugin, name=plugin.__name__)
+    try:
+        registry = get_registry()
+        if name not in registry.registrations[kind]:
+            errors = "; ".join(b.error for b in registry.broken if b.plugin == plugin.__name__)
+            pytest.fail(f"{cls!r} cannot be registered as a {kind}: {errors}")
+        yield name
+    finally:
+        unregister_plugin(plugin.__name__)
+
+
+def shared_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, arch: str = "qwen3", **options: Any) -> Path:
+    """A tiny random-weight checkpoint, written once per pytest session and shared by every kit."""
+    key = hashlib.sha1(repr(sorted(options.items())).encode()).hexdigest()[:10]
+    path = tmp_path_factory.getbasetemp() / "nanovllm-conformance" / f"{arch}-{key}"
+    if not path.is_dir():
+        partial = path.with_name(f"{path.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        write_tiny_checkpoint(partial, arch, **options)
+        partial.rename(path)  # only a complete checkpoint gets the shared name
+    return path
+
+
+def _tokens(n: int, rng: random.Random, vocab: int = SIM_VOCAB) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _run_engine(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, max_steps: int = 10_000
+) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params, request_id=f"conformance-{i}") for i, p in enumerate(prompts)]
+    outputs = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+    else:
+        pytest.fail(f"the engine did not finish {len(prompts)} requests within {max_steps} steps")
+    missing = [i for i in ids if i not in outputs]
+    assert not missing, f"requests {missing} never came back from LLMEngine.step()"
+    return [outputs[i] for i in ids]
+
+
+def _first_difference(got: list[int], want: list[int]) -> str:
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return f"first difference at output token {i}: got {a}, expected {b}"
+    return f"lengths differ: got {len(got)} tokens, expected {len(want)}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The simulated engine
+# ----------------------------------------------------------------------------------------------------
+
+
+def _extend(fingerprint: int, token: int) -> int:
+    return (fingerprint * 1_000_003 + token + 1) % (1 << 61)
+
+
+def fake_next_token(token_ids: list[int]) -> int:
+    """The fake model: the next token is a function of every token before it."""
+    fingerprint = 0
+    for token in token_ids:
+        fingerprint = _extend(fingerprint, token)
+    return fingerprint % SIM_VOCAB
+
+
+class SimulatedEngine:
+    """Drives a scheduler and a block manager as :class:`~nanovllm_core.LLMEngine` does, without a model.
+
+    The fake model's next token depends on every token before it, and the simulated KV cache records, for each
+    slot, a fingerprint of the whole prefix whose key/value it holds. Every step checks the Scheduler and
+    BlockManager invariants and fails with a message that names the request, the step and the rule:
+    limits, block tables that cover the new tokens, context that is really in the cache (so a block freed too
+    early, handed to two sequences or found by a wrong prefix-cache hit is caught), ``postprocess`` bookkeeping
+    and block accounting (used blocks are exactly the union of the live block tables).
+    """
+
+    def __init__(
+        self,
+        scheduler_cls: type[Scheduler],
+        block_manager_cls: type[BlockManager],
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 64,
+        max_model_len: int = 1024,
+        enable_prefix_caching: bool = True,
+        scheduler_options: dict[str, Any] | None = None,
+        block_manager_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.config = EngineConfig(
+            model="(simulated)",
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            kvcache_block_size=block_size,
+            num_kvcache_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.block_manager: BlockManager = instantiate(
+            "block_manager", block_manager_cls, dict(block_manager_options or {}), num_blocks, block_size,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.scheduler: Scheduler = instantiate(
+            "scheduler", scheduler_cls, dict(scheduler_options or {}), self.config, self.block_manager, self.stop
+        )
+        self.name = type(self.scheduler).__name__
+        self.kv: dict[int, int] = {}
+        self.live: dict[str, Sequence] = {}
+        self.finished: list[Sequence] = []  # in the order they finished
+        self.aborted: list[Sequence] = []
+        self.prompts: dict[str, list[int]] = {}
+        self.steps = 0
+        self.num_preemptions = 0
+        self.batch_sizes: list[tuple[int, int]] = []  # (sequences, new tokens) per step
+        self._fingerprints: dict[int, list[int]] = {}
+
+    # --- requests -------------------------------------------------------------------------------------
+
+    def stop(self, seq: Sequence) -> str | None:
+        """The stop checker handed to the scheduler: ``max_tokens`` or ``max_model_len``."""
+        if seq.num_completion_tokens >= seq.sampling_params.max_tokens:
+            return "length"
+        if seq.num_tokens >= (self.config.max_model_len or 1 << 62):
+            return "length"
+        return None
+
+    def add(self, prompt: list[int], max_tokens: int) -> Sequence:
+        seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        self.scheduler.add(seq)
+        self.live[seq.request_id] = seq
+        self.prompts[seq.request_id] = list(prompt)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            assert seq.request_id == request_id, f"{self.name}.abort({request_id!r}) returned {seq!r}"
+            assert not seq.block_table, f"{self.name}.abort({request_id!r}) left blocks {seq.block_table} in its table"
+            self.live.pop(request_id, None)
+            self.aborted.append(seq)
+        self.check_block_accounting(f"after abort({request_id!r})")
+        return seq
+
+    # --- stepping -------------------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        had_work = self.scheduler.has_unfinished()
+        batch = self.scheduler.schedule()
+        self.steps += 1
+        self._check_batch(batch, had_work)
+        before = [(seq.num_computed_tokens, seq.num_tokens) for seq in batch.seqs]
+        sampled = self._run(batch)
+        finished = self.scheduler.postprocess(batch, sampled)
+        self._check_postprocess(batch, before, sampled, list(finished))
+        return list(finished)
+
+    def run(self, max_steps: int = 10_000) -> None:
+        """Step until the scheduler has nothing left; fails if that takes more than ``max_steps`` steps."""
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished():
+                break
+            self.step()
+        else:
+            pytest.fail(
+                f"{self.name}: {len(self.live)} requests still unfinished after {max_steps} steps "
+                f"(starvation or a livelock): {sorted(self.live.values(), key=lambda s: s.seq_id)[:5]}"
+            )
+        assert not self.live, f"{self.name}.has_unfinished() is False but requests {sorted(self.live)} never finished"
+
+    def _slot(self, seq: Sequence, position: int) -> int:
+        bs = self.block_size
+        return seq.block_table[position // bs] * bs + position % bs
+
+    def _prefix_fingerprints(self, seq: Sequence) -> list[int]:
+        fps = self._fingerprints.setdefault(seq.seq_id, [])
+        while len(fps) < seq.num_tokens:
+            fps.append(_extend(fps[-1] if fps else 0, seq.token_ids[len(fps)]))
+        return fps
+
+    def _check_batch(self, batch: SchedulerOutput, had_work: bool) -> None:
+        cfg, name, step = self.config, self.name, self.steps
+        for seq in batch.preempted:
+            self.num_preemptions += 1
+            if all(seq is not s for s in batch.seqs):
+                assert not seq.block_table, f"step {step}: {name} preempted {seq!r} but it still holds blocks"
+        if not batch.seqs:
+            assert not had_work or batch.preempted, (
+                f"step {step}: {name}.schedule() returned an empty batch while {len(self.live)} requests are "
+                "unfinished; schedule() may return nothing only when there is nothing to run"
+            )
+            return
+        assert len(batch.seqs) == len(batch.num_new_tokens), f"step {step}: seqs and num_new_tokens differ in length"
+        assert len(batch.seqs) <= cfg.max_num_seqs, (
+            f"step {step}: {name} scheduled {len(batch.seqs)} sequences; max_num_seqs is {cfg.max_num_seqs}"
+        )
+        assert batch.total_new_tokens <= cfg.max_num_batched_tokens, (
+            f"step {step}: {name} scheduled {batch.total_new_tokens} new tokens; the token budget "
+            f"(max_num_batched_tokens) is {cfg.max_num_batched_tokens}"
+        )
+        ids = [seq.seq_id for seq in batch.seqs]
+        assert len(set(ids)) == len(ids), f"step {step}: {name} scheduled a sequence twice in one step"
+        self.batch_sizes.append((len(batch.seqs), batch.total_new_tokens))
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            rid = seq.request_id
+            assert self.live.get(rid) is seq, f"step {step}: {name} scheduled {seq!r}, which is finished or aborted"
+            assert n >= 1, f"step {step}: {name} scheduled request {rid!r} with {n} new tokens"
+            end = seq.num_computed_tokens + n
+            assert end <= seq.num_tokens, (
+                f"step {step}: request {rid!r} has {seq.num_tokens} tokens, {seq.num_computed_tokens} computed, "
+                f"but {name} scheduled {n} new tokens"
+            )
+            table = seq.block_table
+            assert len(table) >= math.ceil(end / self.block_size), (
+                f"step {step}: request {rid!r} computes up to token {end} but its block table {table} holds "
+                f"only {len(table) * self.block_size} tokens: allocate the blocks before scheduling"
+            )
+            assert all(0 <= b < self.num_blocks for b in table), f"step {step}: block table {table} out of range"
+            assert len(set(table)) == len(table), f"step {step}: block table {table} of {rid!r} repeats a block"
+
+    def _run(self, batch: SchedulerOutput) -> list[int | None]:
+        step = self.steps
+        written: dict[int, tuple[int, str]] = {}
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            fps = self._prefix_fingerprints(seq)
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                slot = self._slot(seq, p)
+                other = written.get(slot)
+                if other is not None and other[0] != fps[p]:
+                    pytest.fail(
+                        f"step {step}: requests {other[1]!r} and {seq.request_id!r} write different keys/values "
+                        f"into block {slot // self.block_size} in the same step: a block is shared that must not be"
+                    )
+                written[slot] = (fps[p], seq.request_id)
+                self.kv[slot] = fps[p]
+        sampled: list[int | None] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            fps = self._prefix_fingerprints(seq)
+            start = seq.num_computed_tokens
+            for p in range(start):
+                slot = self._slot(seq, p)
+                if self.kv.get(slot) != fps[p]:
+                    state = "was never written" if slot not in self.kv else "holds another sequence's keys/values"
+                    pytest.fail(
+                        f"step {step}: request {seq.request_id!r} computes tokens [{start}, {start + n}) but the "
+                        f"cache slot of its token {p} (block {seq.block_table[p // self.block_size]}) {state}. "
+                        "Its context is not in the KV cache: a block was freed or reused while still needed, a "
+                        "prefix-cache hit handed out a wrong block, or num_computed_tokens was not reset after a "
+                        "preemption"
+                    )
+            sampled.append(fake_next_token(seq.token_ids) if start + n == seq.num_tokens else None)
+        return sampled
+
+    def _check_postprocess(
+        self, batch: SchedulerOutput, before: list[tuple[int, int]], sampled: list[int | None], finished: list[Sequence]
+    ) -> None:
+        step = self.steps
+        for seq in finished:
+            assert any(seq is s for s in batch.seqs), f"step {step}: postprocess returned {seq!r}, not in the batch"
+            assert seq.status is SequenceStatus.FINISHED and seq.finish_reason, (
+                f"step {step}: postprocess returned {seq!r} as finished without status FINISHED and a finish_reason"
+            )
+            assert not seq.block_table, f"step {step}: finished request {seq.request_id!r} still holds blocks"
+            self.live.pop(seq.request_id, None)
+            self.finished.append(seq)
+        for seq, n, (computed, num_tokens), token in zip(batch.seqs, batch.num_new_tokens, before, sampled):
+            rid = seq.request_id
+            grew = seq.num_tokens - num_tokens
+            assert grew == (token is not None), (
+                f"step {step}: request {rid!r} got {grew} new tokens from postprocess; expected "
+                f"{int(token is not None)} (one per sampled token, none for a prompt chunk that does not reach "
+                "the end)"
+            )
+            if token is not None:
+                assert seq.last_token_id == token, f"step {step}: request {rid!r} got token {seq.last_token_id}"
+                should_stop = self.stop(seq) is not None
+                assert should_stop == seq.is_finished, (
+                    f"step {step}: stop_checker says request {rid!r} is "
+                    f"{'finished' if should_stop else 'not finished'}, but postprocess "
+                    f"{'did not return it' if should_stop else 'finished it'}"
+                )
+            if not seq.is_finished:
+                assert seq.num_computed_tokens == computed + n, (
+                    f"step {step}: postprocess must advance num_computed_tokens of {rid!r} from {computed} by {n}; "
+                    f"it is {seq.num_computed_tokens}"
+                )
+        self.check_block_accounting(f"after step {step}")
+
+    def check_block_accounting(self, when: str) -> None:
+        """Used blocks are exactly the union of the block tables of the unfinished requests."""
+        used: set[int] = set()
+        for seq in self.live.values():
+            used.update(seq.block_table)
+        bm = self.block_manager
+        assert bm.num_free_blocks == self.num_blocks - len(used), (
+            f"{when}: {type(bm).__name__}.num_free_blocks is {bm.num_free_blocks}, but the unfinished requests "
+            f"hold {len(used)} of {self.num_blocks} blocks (a block leaked or was freed while in use)"
+        )
+
+    # --- results --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def expected_completion(prompt: list[int], max_tokens: int) -> list[int]:
+        tokens = list(prompt)
+        for _ in range(max_tokens):
+            tokens.append(fake_next_token(tokens))
+        return tokens[len(prompt) :]
+
+    def assert_outputs_exact(self) -> None:
+        """Every finished request's completion is what the fake model produces for its prompt alone."""
+        for seq in self.finished:
+            want = self.expected_completion(self.prompts[seq.request_id], seq.sampling_params.max_tokens)
+            assert seq.completion_token_ids == want, (
+                f"request {seq.request_id!r} (preempted {seq.num_preemptions} times): "
+                + _first_difference(seq.completion_token_ids, want)
+            )
+
+    def assert_all_blocks_free(self) -> None:
+        bm = self.block_manager
+        assert bm.num_free_blocks == bm.num_blocks == self.num_blocks, (
+            f"every request finished but {type(bm).__name__} has {bm.num_free_blocks} of {self.num_blocks} blocks free"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scheduler
+# ----------------------------------------------------------------------------------------------------
+
+
+class SchedulerConformance:
+    """Checks a :class:`~nanovllm_core.Scheduler`; set ``scheduler_cls`` in a ``Test...`` subclass.
+
+    The block manager is the installed ``block_manager_name`` (``prefix_cache``) unless ``block_manager_cls``
+    is set; the engine check uses the installed ``attention`` backend and the Qwen3 model plugin.
+    """
+
+    scheduler_cls: ClassVar[type[Scheduler]]
+    scheduler_options: ClassVar[dict[str, Any]] = {}
+    block_manager_cls: ClassVar[type[BlockManager] | None] = None
+    block_manager_name: ClassVar[str] = "prefix_cache"
+    block_manager_options: ClassVar[dict[str, Any]] = {}
+    expect_prefix_cache_hits: ClassVar[bool] = True
+    starvation_bound_steps: ClassVar[int] = 200
+    attention: ClassVar[str] = "torch"
+    block_size: ClassVar[int] = 16
+
+    def get_block_manager_cls(self) -> type[BlockManager]:
+        return self.block_manager_cls or get_registry().get("block_manager", self.block_manager_name).obj
+
+    def simulate(self, num_blocks: int, **kwargs: Any) -> SimulatedEngine:
+        """A :class:`SimulatedEngine` of this scheduler; ``kwargs`` override its limits and options."""
+        kwargs = {
+            "block_size": self.block_size, "scheduler_options": self.scheduler_options,
+            "block_manager_options": self.block_manager_options, **kwargs,
+        }
+        return SimulatedEngine(self.scheduler_cls, self.get_block_manager_cls(), num_blocks=num_blocks, **kwargs)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def conformance_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return shared_tiny_checkpoint(tmp_path_factory)
+
+    def test_is_a_scheduler(self) -> None:
+        problem = check_registration("scheduler", self.scheduler_cls)
+        assert problem is None, problem
+
+    def test_token_budget_and_max_num_seqs(self) -> None:
+        """Mixed prompt and output lengths, prompts longer than the budget: limits hold in every step."""
+        sim = self.simulate(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=48)
+        rng = random.Random(0)
+        for _ in range(12):
+            sim.add(_tokens(rng.randint(5, 90), rng), rng.randint(1, 20))
+        sim.run()
+        assert len(sim.finished) == 12, f"{len(sim.finished)} of 12 requests finished"
+        sim.assert_outputs_exact()
+        sim.assert_all_blocks_free()
+
+    def test_rejects_a_request_that_can_never_fit(self) -> None:
+        sim = self.simulate(num_blocks=4)
+        rng = random.Random(1)
+        with pytest.raises(InvalidRequestError):
+            sim.add(_tokens(5 * self.block_size, rng), 4)
+        assert not sim.scheduler.has_unfinished(), "a rejected request must leave the scheduler unchanged"
+        sim.add(_tokens(20, rng), 4)
+        sim.run()
+        sim.assert_outputs_exact()
+        sim.assert_all_blocks_free()
+
+    def test_no_starvation_under_a_stream_of_requests(self) -> None:
+        """A long request added first finishes while shorter ones keep arriving, one per step."""
+        sim = self.simulate(num_blocks=40, max_num_seqs=8, max_num_batched_tokens=64)
+        rng = random.Random(2)
+        first = sim.add(_tokens(48, rng), 4)
+        for _ in range(3):
+            sim.add(_tokens(20, rng), 4)
+        for _ in range(self.starvation_bound_steps):
+            if first.is_finished:
+                break
+            sim.add(_tokens(20, rng), 4)
+            sim.step()
+        assert first.is_finished, (
+            f"the first request (48-token prompt) did not finish within {self.starvation_bound_steps} steps "
+            f"while 20-token requests kept arriving: it is starved ({first!r})"
+        )
+        sim.run()
+        sim.assert_outputs_exact()
+        sim.assert_all_blocks_free()
+
+    def test_abort_frees_blocks(self) -> None:
+        """Abort a request that holds blocks, one mid-prompt if any, and one waiting; the rest finish."""
+        sim = self.simulate(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32)
+        rng = random.Random(3)
+        sim.add(_tokens(10, rng), 30)
+        sim.step()
+        for n in (60, 12, 12, 12, 12):
+            sim.add(_tokens(n, rng), 10)
+        sim.step()
+        holding = [s for s in sim.live.values() if s.block_table]
+        waiting = [s for s in sim.live.values() if not s.block_table]
+        assert holding, "after two steps no request holds blocks"
+        mid_prompt = [s for s in holding if s.num_computed_tokens < s.num_prompt_tokens]
+        victims = [holding[0]] + mid_prompt[:1] + waiting[:1]
+        for seq in dict.fromkeys(victims):
+            assert sim.abort(seq.request_id) is seq, f"abort({seq.request_id!r}) did not return the request"
+            assert sim.abort(seq.request_id) is None, "a second abort of the same request must return None"
+        assert sim.abort("no-such-request") is None, "abort of an unknown request must return None"
+        sim.run()
+        sim.assert_outputs_exact()
+        sim.assert_all_blocks_free()
+        assert sim.abort(sim.finished[0].request_id) is None, "abort of a finished request must return None"
+
+    def test_preemption_under_kv_pressure_keeps_outputs(self) -> None:
+        """The cache holds the largest request but not all of them: every output is still exact."""
+        sim = self.simulate(num_blocks=6, max_num_seqs=8, max_num_batched_tokens=64)
+        rng = random.Random(4)
+        for n in (30, 25, 40, 18, 33, 27):
+            sim.add(_tokens(n, rng), 40)
+        sim.run()
+        assert len(sim.finished) == 6, f"{len(sim.finished)} of 6 requests finished"
+        sim.assert_outputs_exact()
+        sim.assert_all_blocks_free()
+
+    def test_prefix_cache_hits_are_reported(self) -> None:
+        """A prompt sharing full blocks with a finished one reports exactly those tokens as cached."""
+        if not self.expect_prefix_cache_hits:
+            pytest.skip("expect_prefix_cache_hits = False")
+        bs = self.block_size
+        sim = self.simulate(num_blocks=32)
+        rng = random.Random(5)
+        shared = _tokens(2 * bs, rng)
+        sim.add(shared + _tokens(5, rng), 3)
+        sim.run()
+        second = sim.add(shared + _tokens(7, rng), 3)
+        third = sim.add(shared[:bs] + _tokens(20, rng), 3)
+        sim.run()
+        assert second.num_cached_prompt_tokens == 2 * bs, (
+            f"a prompt sharing 2 full blocks with an earlier one reported {second.num_cached_prompt_tokens} cached "
+            f"tokens, expected {2 * bs}: does postprocess call block_manager.cache_full_blocks(seq)?"
+        )
+        assert third.num_cached_prompt_tokens == bs, (
+            f"a prompt sharing 1 full block reported {third.num_cached_prompt_tokens} cached tokens, expected {bs}"
+        )
+        sim.assert_outputs_exact()
+        sim.assert_all_blocks_free()
+
+    def test_engine_greedy_outputs_under_kv_pressure(self, conformance_checkpoint: Path) -> None:
+        """The real engine with preemption (6 blocks for 4 requests) gives ``transformers``' greedy output."""
+        rng = random.Random(6)
+        prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (20, 35, 28, 40)]
+        max_tokens = 12
+        bm_cls = self.get_block_manager_cls()
+        with registered_for_test("scheduler", self.scheduler_cls) as scheduler, registered_for_test(
+            "block_manager", bm_cls
+        ) as block_manager:
+            engine = LLMEngine(
+                model=str(conformance_checkpoint), device="cpu", num_kvcache_blocks=6, kvcache_block_size=16,
+                max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                plugins={
+                    "scheduler": scheduler, "block_manager": block_manager, "attention": self.attention,
+                    "scheduler_options": dict(self.scheduler_options),
+                    "block_manager_options": dict(self.block_manager_options),
+                },
+            )
+            got = _run_engine(engine, prompts, max_tokens)
+            assert engine.block_manager.num_free_blocks == 6, "blocks are still in use after every request finished"
+        want = hf_greedy(conformance_checkpoint, prompts, max_tokens)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g == w, f"prompt {i} ({len(prompts[i])} tokens): " + _first_difference(g, w)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Block manager
+# ----------------------------------------------------------------------------------------------------
+
+
+class BlockManagerConformance:
+    """Checks a :class:`~nanovllm_core.BlockManager`; set ``block_manager_cls`` in a ``Test...`` subclass.
+
+    Set ``supports_prefix_caching = False`` for a manager that never finds cached blocks. The scheduler for
+    the end-to-end check is the installed ``scheduler_name`` (``fifo``) unless ``scheduler_cls`` is set.
+    """
+
+    block_manager_cls: ClassVar[type[BlockManager]]
+    block_manager_options: ClassVar[dict[str, Any]] = {}
+    supports_prefix_caching: ClassVar[bool] = True
+    scheduler_cls: ClassVar[type[Scheduler] | None] = None
+    scheduler_name: ClassVar[str] = "fifo"
+    block_size: ClassVar[int] = 16
+
+    def make(self, num_blocks: int, enable_prefix_caching: bool = True) -> BlockManager:
+        return instantiate(
+            "block_manager", self.block_manager_cls, dict(self.block_manager_options), num_blocks, self.block_size,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+
+    @staticmethod
+    def seq(tokens: list[int]) -> Sequence:
+        return Sequence(tokens, SamplingParams(max_tokens=64))
+
+    @staticmethod
+    def compute(bm: BlockManager, seq: Sequence) -> None:
+        """What a step does once the KV of every token of ``seq`` is written: advance and cache."""
+        seq.num_computed_tokens = seq.num_tokens
+        bm.cache_full_blocks(seq)
+
+    def test_is_a_block_manager(self) -> None:
+        problem = check_registration("block_manager", self.block_manager_cls)
+        assert problem is None, problem
+
+    def test_starts_with_every_block_free(self) -> None:
+        bm = self.make(8)
+        got = (bm.num_blocks, bm.block_size, bm.num_free_blocks, bm.num_used_blocks)
+        assert got == (8, self.block_size, 8, 0), f"(num_blocks, block_size, free, used) of a new manager: {got}"
+
+    def test_allocate_covers_the_tokens_and_free_returns_every_block(self) -> None:
+        bm, bs = self.make(8), self.block_size
+        seq = self.seq(list(range(2 * bs + 3)))
+        assert bm.allocate(seq, seq.num_uncomputed_tokens), "allocate failed with every block free"
+        table = list(seq.block_table)
+        assert len(table) == 3 and len(set(table)) == 3 and all(0 <= b < 8 for b in table), (
+            f"{2 * bs + 3} tokens need 3 distinct blocks in [0, 8); got {table}"
+        )
+        assert bm.num_free_blocks == 5, f"3 of 8 blocks in use but num_free_blocks is {bm.num_free_blocks}"
+        bm.free(seq)
+        assert seq.block_table == [], "free must clear the block table"
+        assert bm.num_free_blocks == 8, f"after free, {bm.num_free_blocks} of 8 blocks are free"
+        bm.free(seq)
+        assert bm.num_free_blocks == 8, "free must be idempotent"
+
+    def test_allocate_is_all_or_nothing(self) -> None:
+        bm, bs = self.make(4), self.block_size
+        a = self.seq(list(range(3 * bs)))
+        assert bm.allocate(a, a.num_uncomputed_tokens), "allocate failed with every block free"
+        self.compute(bm, a)
+        b = self.seq(list(range(1000, 1000 + 2 * bs)))
+        assert not bm.allocate(b, b.num_uncomputed_tokens), "allocated 2 blocks with 1 free"
+        state = (b.block_table, b.num_computed_tokens, bm.num_free_blocks)
+        assert state == ([], 0, 1), "a failed allocate changed state"
+        before = list(a.block_table)
+        assert not bm.allocate(a, bs + 1), "grew a sequence by 2 blocks with 1 free"
+        assert a.block_table == before and bm.num_free_blocks == 1, "a failed allocate changed state"
+        bm.free(a)
+        assert bm.num_free_blocks == 4, f"after free, {bm.num_free_blocks} of 4 blocks are free"
+
+    def test_decode_appends_a_block_only_at_a_boundary(self) -> None:
+        bm, bs = self.make(4), self.block_size
+        seq = self.seq(list(range(bs)))
+        assert bm.allocate(seq, seq.num_uncomputed_tokens), "allocate failed with every block free"
+        self.compute(bm, seq)
+        assert len(seq.block_table) == 1, f"{bs} tokens need one block, got {seq.block_table}"
+        seq.append_token(7)
+        assert bm.allocate(seq, 1) and len(seq.block_table) == 2, "token bs+1 needs a second block"
+        self.compute(bm, seq)
+        seq.append_token(8)
+        assert bm.allocate(seq, 1) and len(seq.block_table) == 2, "token bs+2 fits the second block"
+        bm.free(seq)
+        assert bm.num_free_blocks == 4, f"after free, {bm.num_free_blocks} of 4 blocks are free"
+
+    def test_prefix_cache_hit_is_the_shared_full_block_prefix(self) -> None:
+        if not self.supports_prefix_caching:
+            pytest.skip("supports_prefix_caching = False")
+        bm, bs = self.make(16), self.block_size
+        shared = list(range(100, 100 + 2 * bs))
+        a = self.seq(shared + [1, 2, 3, 4, 5])
+        assert bm.allocate(a, a.num_uncomputed_tokens), "allocate failed with every block free"
+        self.compute(bm, a)
+        b = self.seq(shared + [9, 9, 9, 9, 9, 9, 9])
+        free_before = bm.num_free_blocks
+        assert bm.num_cached_tokens(b) == 2 * bs, "the 2 shared full blocks are not found"
+        assert bm.num_free_blocks == free_before and b.block_table == [], "num_cached_tokens must have no side effects"
+        assert bm.num_cached_tokens(self.seq(shared[:bs] + [7] * bs + [1])) == bs, "only the first block is shared"
+        assert bm.num_cached_tokens(self.seq(list(shared))) == bs, (
+            "a prompt of exactly 2 cached blocks may reuse only 1: the last token is always computed"
+        )
+        assert bm.num_cached_tokens(self.seq([5] + shared)) == 0, "a shifted prefix must not hit"
+        assert bm.allocate(b, b.num_uncomputed_tokens), "allocate failed with enough free blocks"
+        assert b.num_computed_tokens == 2 * bs, "allocate must advance num_computed_tokens past the cached prefix"
+        assert b.block_table[:2] == a.block_table[:2], "the cached prefix must be a's blocks"
+        assert bm.num_used_blocks == len(set(a.block_table) | set(b.block_table)), "shared blocks counted twice"
+        bm.free(a)
+        assert bm.num_used_blocks == len(b.block_table), "blocks b shares with a must stay in use after free(a)"
+        bm.free(b)
+        assert bm.num_free_blocks == 16, f"after freeing both, {bm.num_free_blocks} of 16 blocks are free"
+
+    def test_prefix_caching_disabled_finds_nothing(self) -> None:
+        bm, bs = self.make(16, enable_prefix_caching=False), self.block_size
+        shared = list(range(100, 100 + 2 * bs))
+        a = self.seq(shared + [1])
+        assert bm.allocate(a, a.num_uncomputed_tokens), "allocate failed with every block free"
+        self.compute(bm, a)
+        b = self.seq(shared + [2])
+        assert bm.num_cached_tokens(b) == 0, "found cached tokens with enable_prefix_caching=False"
+        assert bm.allocate(b, b.num_uncomputed_tokens), "allocate failed with enough free blocks"
+        assert b.num_computed_tokens == 0, "claimed cached tokens with enable_prefix_caching=False"
+        assert not set(a.block_table) & set(b.block_table), "blocks shared with prefix caching disabled"
+        bm.free(a)
+        bm.free(b)
+        assert bm.num_free_blocks == 16, f"after freeing both, {bm.num_free_blocks} of 16 blocks are free"
+
+    def test_under_a_scheduler_with_shared_prefixes_and_kv_pressure(self) -> None:
+        """The installed scheduler drives the manager; cached blocks must hold exactly their tokens."""
+        scheduler_cls = self.scheduler_cls or get_registry().get("scheduler", self.scheduler_name).obj
+        sim = SimulatedEngine(
+            scheduler_cls, self.block_manager_cls, num_blocks=10, block_size=self.block_size,
+            block_manager_options=self.block_manager_options, max_num_seqs=4, max_num_batched_tokens=48,
+        )
+        rng = random.Random(7)
+        families = [_tokens(self.block_size * k, rng) for k in (1, 2, 3)]
+        for wave in range(3):
+            for i in range(4):
+                sim.add(families[(wave + i) % 3] + _tokens(rng.randint(1, 20), rng), rng.randint(4, 24))
+            for _ in range(6):
+                if sim.scheduler.has_unfinished():
+                    sim.step()
+        sim.run()
+        assert len(sim.finished) == 12, f"{len(sim.finished)} of 12 requests finished"
+        sim.assert_outputs_exact()
+        sim.assert_all_blocks_free()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention backend
+# ----------------------------------------------------------------------------------------------------
+
+
+def attention_batch(
+    tables: list[list[int]], spans: list[tuple[int, int]], block_size: int, device: torch.device
+) -> AttentionBatch:
+    """The :class:`AttentionBatch` the model runner builds when sequence ``i`` (block table ``tables[i]``)
+    computes positions ``spans[i] = (start, end)``."""
+    qsl, seq_lens, slots = [0], [], []
+    for table, (start, end) in zip(tables, spans):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        qsl.append(qsl[-1] + end - start)
+        seq_lens.append(end)
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return AttentionBatch(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(e - s for s, e in spans),
+        max_seq_len=max(seq_lens),
+        num_seqs=len(spans),
+        num_tokens=qsl[-1],
+        block_size=block_size,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal attention in float64 of queries at positions ``start...`` over keys/values ``[0, end)``."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(start, start + q.shape[0]).unsqueeze(1)
+    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+class AttentionBackendConformance:
+    """Checks an :class:`~nanovllm_core.AttentionBackend`; set ``backend_cls`` in a ``Test...`` subclass.
+
+    Three steps over six sequences of a paged cache with shuffled blocks and two layers: prompts only, then
+    prompt chunks over cached context beside decode tokens and a new prompt, then decode only. Every output
+    is compared with :func:`dense_attention`. Skipped where ``check_available`` says the backend cannot run.
+    """
+
+    backend_cls: ClassVar[type[AttentionBackend]]
+    backend_options: ClassVar[dict[str, Any]] = {}
+    device: ClassVar[str] = "cpu"
+    dtype: ClassVar[torch.dtype] = torch.float32
+    head_dim: ClassVar[int] = 128
+    block_size: ClassVar[int | None] = None  # None: the first supported size, or 16
+    atol: ClassVar[float] = 1e-4
+    rtol: ClassVar[float] = 1e-4
+
+    def _setup(self) -> tuple[torch.device, int]:
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        device = torch.device(self.device)
+        reason = self.backend_cls.check_available(device, self.dtype, self.head_dim)
+        if reason is not None:
+            pytest.skip(f"{self.backend_cls.__name__} is not available here: {reason}")
+        sizes = self.backend_cls.supported_block_sizes()
+        return device, self.block_size or (sizes[0] if sizes else 16)
+
+    def test_is_an_attention_backend(self) -> None:
+        problem = check_registration("attention", self.backend_cls)
+        assert problem is None, problem
+        assert isinstance(self.backend_cls.name, str) and self.backend_cls.name, "set the class attribute `name`"
+
+    def test_supported_block_sizes_are_valid(self) -> None:
+        sizes = self.backend_cls.supported_block_sizes()
+        if sizes is not None:
+            assert sizes and all(16 <= s <= 256 and s & (s - 1) == 0 for s in sizes), (
+                f"supported_block_sizes() = {sizes}: the config allows powers of two from 16 to 256"
+            )
+
+    @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+    def test_ragged_batches_match_dense_attention(self, num_heads: int, num_kv_heads: int) -> None:
+        device, bs = self._setup()
+        d, dtype, num_layers = self.head_dim, self.dtype, 2
+        # Positions that each sequence has computed after steps 0, 1, 2, 3.
+        plans = [
+            (0, bs + 4, bs + 5, bs + 6),  # prompt, then decode tokens
+            (0, 5, 12, 13),  # short prompt, chunk in the same block, decode
+            (0, 2 * bs + 1, 2 * bs + 2, 2 * bs + 3),  # prompt over three blocks, decodes
+            (0, bs, 2 * bs + 4, 2 * bs + 5),  # chunk ending on a block boundary, chunk across blocks
+            (0, 0, 3, 4),  # arrives in the second step
+            (0, 1, 2, 3),  # one-token prompt
+        ]
+        gen = torch.Generator().manual_seed(0)
+        lengths = [plan[-1] for plan in plans]
+        num_blocks = sum(-(-n // bs) for n in lengths) + 3
+        free = torch.randperm(num_blocks, generator=gen).tolist()
+        tables = []
+        for n in lengths:
+            tables.append(free[: -(-n // bs)])
+            free = free[-(-n // bs) :]
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(dtype)  # rounded to dtype once: the reference sees the same
+
+        q = [[rand(n, num_heads, d) for n in lengths] for _ in range(num_layers)]
+        k = [[rand(n, num_kv_heads, d) for n in lengths] for _ in range(num_layers)]
+        v = [[rand(n, num_kv_heads, d) for n in lengths] for _ in range(num_layers)]
+        shape = self.backend_cls.kv_cache_shape(num_blocks, bs, num_kv_heads, d)
+        caches = [(torch.randn(*shape, generator=gen) * 3).to(device=device, dtype=dtype) for _ in range(num_layers)]
+        scale = d**-0.5
+        backend = self.backend_cls(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=d, scale=scale, block_size=bs, dtype=dtype,
+            device=device, **self.backend_options,
+        )
+        for step in range(3):
+            rows = [(i, plan[step], plan[step + 1]) for i, plan in enumerate(plans) if plan[step + 1] > plan[step]]
+            batch = attention_batch([tables[i] for i, _, _ in rows], [(s, e) for _, s, e in rows], bs, device)
+            metadata = backend.build_metadata(batch)
+            for layer in range(num_layers):
+                qs, ks, vs = ([x[layer][i][s:e] for i, s, e in rows] for x in (q, k, v))
+                qkv = [torch.cat(x).to(device) for x in (qs, ks, vs)]
+                out = backend.forward(*qkv, caches[layer], metadata)
+                assert out.shape == (batch.num_tokens, num_heads, d), f"output shape {tuple(out.shape)}"
+                offset = 0
+                for i, s, e in rows:
+                    ref = dense_attention(q[layer][i][s:e], k[layer][i][:e], v[layer][i][:e], s, scale)
+                    got = out[offset : offset + e - s].double().cpu()
+                    offset += e - s
+                    torch.testing.assert_close(
+                        got, ref, atol=self.atol, rtol=self.rtol,
+                        msg=lambda m, i=i, s=s, e=e, step=step, layer=layer: (
+                            f"step {step}, layer {layer}, sequence {i}: queries at positions [{s}, {e}) over "
+                            f"{e} tokens of context ({s} cached): {m}"
+                        ),
+                    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------------------------------
+
+
+class ModelConformance:
+    """Checks a model class; set ``model_cls`` (and ``checkpoint_arch``) in a ``Test...`` subclass.
+
+    The checkpoint is a tiny random-weight one from :func:`~nanovllm_core.testing.write_tiny_checkpoint`
+    (``checkpoint_arch``, ``checkpoint_options``); override :meth:`write_checkpoint` for other architectures.
+    """
+
+    model_cls: ClassVar[type[torch.nn.Module]]
+    architecture: ClassVar[str | None] = None  # default: model_cls.__name__
+    checkpoint_arch: ClassVar[str] = "qwen3"
+    checkpoint_options: ClassVar[dict[str, Any]] = {}
+    attention: ClassVar[str] = "torch"
+    max_new_tokens: ClassVar[int] = 8
+
+    def write_checkpoint(self, path: Path) -> Path:
+        """Write a tiny checkpoint of this architecture (``config.json``, safetensors, tokenizer) into ``path``."""
+        return write_tiny_checkpoint(path, self.checkpoint_arch, **self.checkpoint_options)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        if cls.write_checkpoint is ModelConformance.write_checkpoint:
+            return shared_tiny_checkpoint(tmp_path_factory, cls.checkpoint_arch, **cls.checkpoint_options)
+        return cls().write_checkpoint(tmp_path_factory.mktemp(f"conformance-{cls.model_cls.__name__}"))
+
+    def get_architecture(self) -> str:
+        return self.architecture or self.model_cls.__name__
+
+    def test_implements_the_causal_lm_protocol(self) -> None:
+        problem = check_registration("model", self.model_cls)
+        assert problem is None, problem
+
+    def test_checkpoint_names_the_architecture(self, model_checkpoint: Path) -> None:
+        names = json.loads((model_checkpoint / "config.json").read_text()).get("architectures") or []
+        assert names[:1] == [self.get_architecture()], (
+            f"config.json names architectures {names}; the engine looks up architectures[0], so register the "
+            f"class as {names[:1] or '?'} or set `architecture`"
+        )
+
+    def test_load_weights_rejects_an_incomplete_checkpoint(self, model_checkpoint: Path) -> None:
+        hf_config = load_hf_config(model_checkpoint)
+        weights = list(iter_safetensors(model_checkpoint))
+        dropped = next((name for name, _ in weights if "layers." in name), weights[-1][0])
+        model = self.model_cls(hf_config)
+        with pytest.raises(ModelLoadError):
+            model.load_weights([(n, t) for n, t in weights if n != dropped])
+        model.load_weights(weights)
+
+    def test_greedy_matches_transformers(self, model_checkpoint: Path) -> None:
+        """Ragged prompts, chunked prefill (32-token budget) and a prefix-cache hit, against ``transformers``."""
+        vocab = load_hf_config(model_checkpoint).vocab_size
+        rng = random.Random(8)
+        first = [rng.randrange(3, vocab) for _ in range(37)]
+        prompts = [first, [rng.randrange(3, vocab) for _ in range(3)], [rng.randrange(3, vocab) for _ in range(70)],
+                   first[:32] + [rng.randrange(3, vocab) for _ in range(3)]]
+        with registered_for_test("model", self.model_cls, name=self.get_architecture()):
+            engine = LLMEngine(
+                model=str(model_checkpoint), device="cpu", dtype="float32", num_kvcache_blocks=64,
+                kvcache_block_size=16, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
+                plugins={"attention": self.attention},
+            )
+            got = _run_engine(engine, prompts, self.max_new_tokens)
+        want = hf_greedy(model_checkpoint, prompts, self.max_new_tokens)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g == w, f"prompt {i} ({len(prompts[i])} tokens): " + _first_difference(g, w)

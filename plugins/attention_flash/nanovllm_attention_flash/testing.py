@@ -1,0 +1,203 @@
+"""Random paged-attention batches for the backend tests and the kernel benchmark (no model needed).
+
+A :class:`PagedCase` is one step of the engine seen by an attention layer: sequences with ``context_lens[i]``
+tokens already in the paged cache and ``query_lens[i]`` new tokens, whose keys/values ``forward`` stores.
+Blocks are handed out in a random order, so block tables are not contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm_core import AttentionBackend, AttentionBatch
+
+
+@dataclass
+class PagedCase:
+    batch: AttentionBatch
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor
+    kv_cache: torch.Tensor  # (2, num_blocks, block_size, num_kv_heads, head_dim), cached context filled in
+    scale: float
+    query_lens: list[int]
+    context_lens: list[int]
+
+    @property
+    def num_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[2]
+
+    def kv_bytes_read(self) -> int:
+        """Bytes of K and V a kernel must read once: the whole context of every sequence."""
+        seq_lens = [c + q for c, q in zip(self.context_lens, self.query_lens)]
+        return 2 * sum(seq_lens) * self.num_kv_heads * self.head_dim * self.kv_cache.element_size()
+
+    def qo_bytes(self) -> int:
+        return 2 * self.q.numel() * self.q.element_size()
+
+    def causal_flops(self) -> float:
+        """Multiply-adds x 2 of QK^T and PV over the visible (causal) keys of every query."""
+        total = 0
+        for c, n in zip(self.context_lens, self.query_lens):
+            total += n * c + n * (n + 1) // 2
+        return 4.0 * total * self.num_heads * self.head_dim
+
+    def backend(self, cls: type[AttentionBackend], **options) -> AttentionBackend:
+        return cls(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            scale=self.scale,
+            block_size=self.batch.block_size,
+            dtype=self.q.dtype,
+            device=self.q.device,
+            **options,
+        )
+
+    def run(self, backend: AttentionBackend, kv_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """One ``forward`` on a private copy of the cache (or on ``kv_cache`` when given)."""
+        cache = self.kv_cache.clone() if kv_cache is None else kv_cache
+        return backend.forward(self.q, self.k, self.v, cache, backend.build_metadata(self.batch))
+
+    def to(self, dtype: torch.dtype) -> PagedCase:
+        """The same case with q/k/v and cache cast (e.g. float32 for a more exact reference)."""
+        return PagedCase(
+            batch=self.batch,
+            q=self.q.to(dtype),
+            k=self.k.to(dtype),
+            v=self.v.to(dtype),
+            kv_cache=self.kv_cache.to(dtype),
+            scale=self.scale,
+            query_lens=self.query_lens,
+            context_lens=self.context_lens,
+        )
+
+
+def make_case(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int] | None = None,
+    *,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    num_pad_rows: int = 0,
+    table_width: int | None = None,
+    spare_blocks: int = 3,
+    num_blocks: int | None = None,
+    unused_fill: float = float("nan"),
+    seed: int = 0,
+) -> PagedCase:
+    """Build a step: sequence ``i`` has ``context_lens[i]`` cached tokens and ``query_lens[i]`` new ones.
+
+    ``num_pad_rows`` appends CUDA-graph style padding rows (one query token, ``seq_len == 0``, slot ``-1``,
+    block table of zeros). ``table_width`` widens the block table (static capacity, as under CUDA graphs).
+    The cache holds ``num_blocks`` blocks (default: what the sequences need + ``spare_blocks`` + block 0).
+    Cache slots that hold no token are filled with ``unused_fill`` (NaN by default, to catch kernels that
+    read past a sequence's end without masking).
+    """
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    rnd = random.Random(seed)
+    query_lens = list(query_lens)
+    context_lens = list(context_lens) if context_lens is not None else [0] * len(query_lens)
+    assert len(context_lens) == len(query_lens)
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    needed = sum(blocks_needed) + 1
+    num_blocks = num_blocks or needed + spare_blocks
+    assert num_blocks >= needed, f"{num_blocks} blocks cannot hold {needed - 1} blocks of tokens"
+    ids = list(range(1, num_blocks))  # block 0 stays unused: padding rows point at it
+    rnd.shuffle(ids)
+    width = max([*blocks_needed, 1, table_width or 0])
+    tables, used = [], 0
+    for nb in blocks_needed:
+        tables.append(ids[used : used + nb] + [0] * (width - nb))
+        used += nb
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = torch.full(shape, unused_fill, dtype=dtype, device=dev)
+    cached = [t[p // block_size] * block_size + p % block_size for c, t in zip(context_lens, tables) for p in range(c)]
+    if cached:
+        values = torch.randn((2, len(cached), num_kv_heads, head_dim), generator=gen, device=dev).to(dtype)
+        kv_cache.view(2, -1, num_kv_heads, head_dim)[:, torch.tensor(cached, device=dev)] = values
+    slots: list[int] = []
+    for ctx, seq_len, table in zip(context_lens, seq_lens, tables):
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx, seq_len))
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    for _ in range(num_pad_rows):
+        tables.append([0] * width)
+        seq_lens.append(0)
+        slots.append(-1)
+        qsl.append(qsl[-1] + 1)
+    num_tokens = qsl[-1]
+    q = torch.randn((num_tokens, num_heads, head_dim), generator=gen, device=dev).to(dtype)
+    k = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen, device=dev).to(dtype)
+    v = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen, device=dev).to(dtype)
+    batch = AttentionBatch(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        max_query_len=max([*query_lens, 1 if num_pad_rows else 0]),
+        max_seq_len=max([*seq_lens, 0]),
+        num_seqs=len(seq_lens),
+        num_tokens=num_tokens,
+        block_size=block_size,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    return PagedCase(
+        batch=batch,
+        q=q,
+        k=k,
+        v=v,
+        kv_cache=kv_cache,
+        scale=1.0 / math.sqrt(head_dim),
+        query_lens=query_lens + [1] * num_pad_rows,
+        context_lens=context_lens + [0] * num_pad_rows,
+    )
+
+
+def reference(case: PagedCase, torch_backend_cls: type[AttentionBackend]) -> torch.Tensor:
+    """The ``torch`` backend's output computed in float32 (padding rows of ``seq_len == 0`` set to zero)."""
+    exact = case.to(torch.float32)
+    real = [i for i, s in enumerate(case.batch.seq_lens_cpu) if s > 0]
+    out = torch.zeros_like(exact.q)
+    if real:
+        qsl = case.batch.query_start_loc_cpu
+        n = len(real)
+        assert real == list(range(n)), "padding rows must come last"
+        sub = AttentionBatch(
+            query_start_loc=case.batch.query_start_loc[: n + 1],
+            seq_lens=case.batch.seq_lens[:n],
+            block_tables=case.batch.block_tables[:n],
+            slot_mapping=case.batch.slot_mapping[: qsl[n]],
+            max_query_len=max(case.query_lens[:n]),
+            max_seq_len=max(case.batch.seq_lens_cpu[:n]),
+            num_seqs=n,
+            num_tokens=qsl[n],
+            block_size=case.batch.block_size,
+            query_start_loc_cpu=qsl[: n + 1],
+            seq_lens_cpu=case.batch.seq_lens_cpu[:n],
+        )
+        backend = exact.backend(torch_backend_cls)
+        cache = exact.kv_cache.clone()
+        out[: qsl[n]] = backend.forward(exact.q[: qsl[n]], exact.k[: qsl[n]], exact.v[: qsl[n]], cache, sub)
+    return out

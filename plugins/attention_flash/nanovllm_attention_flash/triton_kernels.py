@@ -1,0 +1,676 @@
+"""The Triton kernels of the ``triton`` attention backend (this module imports ``triton``: import it lazily).
+
+Layout of one layer's KV cache (the core's default, shared with the ``torch`` and ``flash_attn`` backends):
+``kv_cache[0]`` holds keys and ``kv_cache[1]`` values, each ``[num_blocks, block_size, num_kv_heads, head_dim]``
+with ``head_dim`` contiguous. Token ``j`` of sequence ``i`` lives in block ``block_tables[i, j // block_size]``
+at row ``j % block_size``.
+
+Kernels (all of them take device tensors and never synchronise with the host):
+
+- ``store_kv``: writes the step's new keys/values at ``slot_mapping`` (``-1`` = padding, skipped).
+- ``decode_attention``: flash-decoding for sequences with exactly one query token. One program handles every
+  query head of one KV head (GQA: each KV tile is read once for the whole group) over one split of the context;
+  a second kernel merges the splits through their log-sum-exp. With one split the first kernel writes the
+  output itself.
+- ``prefill_attention``: variable-length causal attention of the new tokens of each sequence against its whole
+  context read from the paged cache (cached prefix + this chunk), causal with offset
+  ``seq_len - query_len``: plain prefills, chunked prefills and prefix-cache hits take the same path.
+
+Every kernel tile of ``BLOCK_N`` keys lies inside one cache block (``BLOCK_N`` divides ``block_size``; both are
+powers of two), so a tile costs one block-table lookup and its rows are ``head_dim``-contiguous 16-byte loads.
+
+Each kernel body is a plain function turned into a compiled ``JITFunction`` (CUDA tensors) or an
+``InterpretedFunction`` (CPU tensors, Triton's interpreter) on first use, so CPU tests and GPU runs can share a
+process without depending on ``TRITON_INTERPRET`` being set before import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel bodies
+# ----------------------------------------------------------------------------------------------------
+
+
+def _store_kv_kernel(
+    K,
+    V,
+    KEY_CACHE,
+    VALUE_CACHE,
+    SLOTS,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_c_block,
+    stride_c_tok,
+    stride_c_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One program per token: copy its ``[num_kv_heads, head_dim]`` key and value rows into the cache."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOTS + token)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    row = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, HEADS_P2)
+    offs_d = tl.arange(0, DIM_P2)
+    mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    dst = block * stride_c_block + row * stride_c_tok + offs_h[:, None] * stride_c_head + offs_d[None, :]
+    k = tl.load(K + token * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask)
+    tl.store(KEY_CACHE + dst, k, mask=mask)
+    v = tl.load(V + token * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
+    tl.store(VALUE_CACHE + dst, v, mask=mask)
+
+
+def _decode_split_kernel(
+    Q,
+    KEY_CACHE,
+    VALUE_CACHE,
+    BLOCK_TABLES,
+    SEQ_LENS,
+    QUERY_START_LOC,
+    OUT,
+    PART_OUT,
+    PART_LSE,
+    scale_log2,
+    num_splits,
+    stride_q_tok,
+    stride_q_head,
+    stride_c_block,
+    stride_c_tok,
+    stride_c_head,
+    stride_bt,
+    stride_o_tok,
+    stride_o_head,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_seq,
+    stride_pl_head,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (kv head, split, sequence): attention of the ``GROUP`` query heads over one split of the context.
+
+    The KV head is the fastest grid axis, so the programs reading the ``num_kv_heads`` interleaved
+    ``head_dim`` slices of the same cache rows run together (whole rows stream from DRAM).
+
+    Skips sequences whose query length is not 1 (the prefill kernel owns them). The context's
+    ``cdiv(seq_len, BLOCK_N)`` tiles are dealt evenly over ``num_splits``; an empty split writes lse = -inf.
+    ``ONE_SPLIT``: normalise and write ``OUT`` directly. Otherwise write the normalised partial output to
+    ``PART_OUT[seq, head, split]`` and its base-2 log-sum-exp (of the scaled scores) to ``PART_LSE``.
+    """
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(QUERY_START_LOC + seq)
+    q_end = tl.load(QUERY_START_LOC + seq + 1)
+    if q_end - q_start != 1:
+        return
+    seq_len = tl.load(SEQ_LENS + seq)
+    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    head_mask = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_ptrs = Q + q_start.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_H, HEAD_DIM], 0.0, dtype=tl.float32)
+    k_base = KEY_CACHE + kv_head * stride_c_head
+    v_base = VALUE_CACHE + kv_head * stride_c_head
+    table = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_begin, tile_end):
+        start = tile * BLOCK_N
+        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+        rows = (start % BLOCK_SIZE) + offs_n
+        key_mask = (start + offs_n) < seq_len
+        offsets = block * stride_c_block + rows[:, None] * stride_c_tok + offs_d[None, :]
+        k = tl.load(k_base + offsets, mask=key_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(key_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        v = tl.load(v_base + offsets, mask=key_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if ONE_SPLIT:
+        o_ptrs = OUT + q_start.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=head_mask[:, None])
+    else:
+        po_ptrs = (
+            PART_OUT
+            + seq.to(tl.int64) * stride_po_seq
+            + heads[:, None] * stride_po_head
+            + split * stride_po_split
+            + offs_d[None, :]
+        )
+        tl.store(po_ptrs, out, mask=head_mask[:, None])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        pl_ptrs = PART_LSE + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
+        tl.store(pl_ptrs, lse, mask=head_mask)
+
+
+def _decode_merge_kernel(
+    QUERY_START_LOC,
+    OUT,
+    PART_OUT,
+    PART_LSE,
+    num_splits,
+    stride_o_tok,
+    stride_o_head,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_seq,
+    stride_pl_head,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    """Program (query head, sequence): merge the splits' partial outputs weighted by ``exp2(lse - max lse)``.
+
+    A sequence with no keys at all (padding, ``seq_len == 0``) gets zeros.
+    """
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    q_start = tl.load(QUERY_START_LOC + seq)
+    q_end = tl.load(QUERY_START_LOC + seq + 1)
+    if q_end - q_start != 1:
+        return
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_mask = offs_s < num_splits
+    lse = tl.load(
+        PART_LSE + seq.to(tl.int64) * stride_pl_seq + head * stride_pl_head + offs_s,
+        mask=split_mask,
+        other=float("-inf"),
+    )
+    lse_max = tl.reduce(lse, 0, tl.standard._elementwise_max)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)
+    po_ptrs = (
+        PART_OUT
+        + seq.to(tl.int64) * stride_po_seq
+        + head * stride_po_head
+        + offs_s[:, None] * stride_po_split
+        + offs_d[None, :]
+    )
+    parts = tl.load(po_ptrs, mask=split_mask[:, None], other=0.0)
+    total = tl.reduce(weights, 0, tl.standard._sum_combine)
+    out = tl.reduce(parts * weights[:, None], 0, tl.standard._sum_combine) / tl.where(total > 0.0, total, 1.0)
+    o_ptrs = OUT + q_start.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty))
+
+
+def _prefill_kernel(
+    Q,
+    KEY_CACHE,
+    VALUE_CACHE,
+    BLOCK_TABLES,
+    SEQ_LENS,
+    QUERY_START_LOC,
+    OUT,
+    scale_log2,
+    num_seqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_c_block,
+    stride_c_tok,
+    stride_c_head,
+    stride_bt,
+    stride_o_tok,
+    stride_o_head,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (query block, query head): ``BLOCK_M`` new tokens of one sequence against its paged context.
+
+    Query blocks are numbered without a host-side table: sequence ``i``'s blocks start at
+    ``query_start_loc[i] // BLOCK_M + i`` (these ranges are disjoint and their union fits in
+    ``num_tokens // BLOCK_M + num_seqs``); a binary search over ``query_start_loc`` finds the sequence and
+    programs past its last block exit. Blocks are visited last-first so the longest (causal) ones start first.
+    Row ``r`` of the chunk sits at context position ``seq_len - query_len + r`` and sees keys up to it: keys
+    before the block's first position are unmasked; the diagonal tiles are masked. ``SKIP_SINGLE`` leaves
+    sequences with one query token to the decode kernel.
+    """
+    # one flat grid axis: heads vary fastest (the group's programs read the same K/V tiles together),
+    # query blocks last-first
+    head = tl.program_id(0) % NUM_HEADS
+    pid = tl.num_programs(0) // NUM_HEADS - 1 - tl.program_id(0) // NUM_HEADS
+    lo = pid * 0
+    hi = num_seqs + lo
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(QUERY_START_LOC + mid) // BLOCK_M + mid
+        go_right = first_block <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = lo
+    q_start = tl.load(QUERY_START_LOC + seq)
+    q_len = tl.load(QUERY_START_LOC + seq + 1) - q_start
+    m_block = pid - (q_start // BLOCK_M + seq)
+    if m_block * BLOCK_M >= q_len:
+        return
+    if SKIP_SINGLE:
+        if q_len == 1:
+            return
+    seq_len = tl.load(SEQ_LENS + seq)
+    context = seq_len - q_len
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = offs_m < q_len
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    tokens = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        Q + tokens[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
+    k_base = KEY_CACHE + kv_head * stride_c_head
+    v_base = VALUE_CACHE + kv_head * stride_c_head
+    table = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
+
+    # keys every row of the block sees: [0, context + first row), whole tiles only
+    unmasked_end = ((context + m_block * BLOCK_M) // BLOCK_N) * BLOCK_N
+    for start in range(0, unmasked_end, BLOCK_N):
+        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+        offsets = block * stride_c_block + ((start % BLOCK_SIZE) + offs_n)[:, None] * stride_c_tok + offs_d[None, :]
+        k = tl.load(k_base + offsets)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        v = tl.load(v_base + offsets)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # the diagonal: causal mask and the end of the context
+    masked_end = tl.minimum(context + (m_block + 1) * BLOCK_M, seq_len)
+    positions = context + offs_m
+    for start in range(unmasked_end, masked_end, BLOCK_N):
+        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+        keys = start + offs_n
+        key_mask = keys < seq_len
+        offsets = block * stride_c_block + ((start % BLOCK_SIZE) + offs_n)[:, None] * stride_c_tok + offs_d[None, :]
+        k = tl.load(k_base + offsets, mask=key_mask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = (keys[None, :] <= positions[:, None]) & key_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        v = tl.load(v_base + offsets, mask=key_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = OUT + tokens[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :]
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_mask[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compiled / interpreted variants
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _KernelSet:
+    store_kv: object
+    decode_split: object
+    decode_merge: object
+    prefill: object
+
+
+def _fix_interpreter_scalars() -> None:
+    """Let Triton's interpreter use scalar tensors as loop bounds under NumPy >= 2.4.
+
+    The interpreter keeps a scalar as a one-element 1-D array and turns it into a Python int with ``int(array)``
+    (for ``range(lo, hi)`` with tensor bounds), which NumPy 2.4 rejects. The patch wraps the interpreter's
+    per-launch patching so that ``__index__`` reads the single element instead; it touches interpreted runs
+    only (compiled kernels never use it) and is undone with the rest of the interpreter's patches.
+    """
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_nanovllm_scalar_fix", False):
+        return
+
+    def patch_lang_tensor(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor._nanovllm_scalar_fix = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+@lru_cache(maxsize=2)
+def _kernel_set(interpret: bool) -> _KernelSet:
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction as wrap
+
+        _fix_interpreter_scalars()
+    else:
+        from triton.runtime.jit import JITFunction as wrap
+    # batch-dependent integers are not specialised (a value of 1 or a multiple of 16 would compile a variant)
+    return _KernelSet(
+        store_kv=wrap(_store_kv_kernel),
+        decode_split=wrap(_decode_split_kernel, do_not_specialize=["num_splits"]),
+        decode_merge=wrap(_decode_merge_kernel, do_not_specialize=["num_splits"]),
+        prefill=wrap(_prefill_kernel, do_not_specialize=["num_seqs"]),
+    )
+
+
+def _kernels_for(device: torch.device) -> _KernelSet:
+    """Compiled kernels for CUDA tensors, Triton's interpreter for anything else (CPU tests)."""
+    return _kernel_set(device.type != "cuda")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch configurations
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile of the decode kernel: ``block_n`` keys per iteration (divides the cache block size)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tiles of the prefill kernel: ``block_m`` queries x ``block_n`` keys (``block_n`` divides the block size)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_decode_config(head_dim: int, block_size: int) -> DecodeConfig:
+    """64-key tiles (32 for head_dim 256), 4 warps, a 3-deep load pipeline (2 for head_dim 256)."""
+    block_n = 32 if head_dim > 128 else 64
+    return DecodeConfig(block_n=min(block_n, block_size), num_warps=4, num_stages=2 if head_dim > 128 else 3)
+
+
+def default_prefill_config(head_dim: int, block_size: int) -> PrefillConfig:
+    """128 x 64 tiles with 8 warps for head_dim <= 128; 64 x 32 with 4 warps for head_dim 256."""
+    if head_dim > 128:
+        return PrefillConfig(block_m=64, block_n=min(32, block_size), num_warps=4, num_stages=2)
+    return PrefillConfig(
+        block_m=128, block_n=min(64, block_size), num_warps=8 if head_dim >= 128 else 4, num_stages=3
+    )
+
+
+MAX_KV_SPLITS = 64
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int, programs_per_sm: int = 4
+) -> int:
+    """Number of KV splits for decode, from static values only (so a CUDA graph can capture it).
+
+    The smallest power of two (at most ``MAX_KV_SPLITS``) that gives ``num_seqs * num_kv_heads * splits`` at
+    least ``programs_per_sm * num_sms`` programs, without more splits than ``max_context`` has tiles.
+    ``max_context`` is the block-table capacity (``block_tables.shape[1] * block_size``), not a per-step length.
+    """
+    max_tiles = max(1, max_context // block_n)
+    pairs = max(1, num_seqs * num_kv_heads)
+    target = programs_per_sm * num_sms
+    splits = 1
+    while splits < MAX_KV_SPLITS and splits * 2 <= max_tiles and pairs * splits < target:
+        splits *= 2
+    return splits
+
+
+@lru_cache(maxsize=16)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere: interpreter runs)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
+    assert key_cache.stride(-1) == 1, "the cache's head_dim must be contiguous"
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``k``/``v`` (``[num_tokens, num_kv_heads, head_dim]``, last dim contiguous) into
+    ``key_cache``/``value_cache`` (``[num_blocks, block_size, num_kv_heads, head_dim]``) at ``slot_mapping``
+    (int64, ``block * block_size + row``; ``-1`` = padding, not stored)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _check_cache(key_cache, value_cache)
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    kernels = _kernels_for(k.device)
+    kernels.store_kv[(num_tokens,)](
+        k,
+        v,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        DIM_P2=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=key_cache.shape[1],
+        num_warps=4,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    num_seqs: int,
+    num_splits: int,
+    config: DecodeConfig,
+) -> None:
+    """Paged attention for the sequences of the batch that have exactly one query token.
+
+    ``q``/``out``: ``[num_tokens, num_heads, head_dim]`` (head_dim contiguous); sequence ``i``'s token is
+    ``query_start_loc[i]`` and its context the first ``seq_lens[i]`` cache slots of ``block_tables[i]``.
+    Sequences with another query length are left untouched. The launch grid depends only on ``num_seqs``,
+    the head counts and ``num_splits``, never on device data, so a CUDA graph can capture it; the split
+    workspace has a static size too.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    if num_seqs == 0:
+        return
+    _check_cache(key_cache, value_cache)
+    assert q.stride(-1) == 1 and out.stride(-1) == 1
+    assert block_size % config.block_n == 0, "decode tiles must not cross a cache block"
+    group = num_heads // num_kv_heads
+    kernels = _kernels_for(q.device)
+    one_split = num_splits == 1
+    if one_split:
+        part_out = out  # unused
+        part_lse = out
+        po_strides = (0, 0, 0)
+        pl_strides = (0, 0)
+    else:
+        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        po_strides = part_out.stride()[:3]
+        pl_strides = part_lse.stride()[:2]
+    scale_log2 = scale * math.log2(math.e)
+    kernels.decode_split[(num_kv_heads, num_splits, num_seqs)](
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        part_out,
+        part_lse,
+        scale_log2,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        *po_strides,
+        *pl_strides,
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config.block_n,
+        ONE_SPLIT=one_split,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if one_split:
+        return
+    kernels.decode_merge[(num_heads, num_seqs)](
+        query_start_loc,
+        out,
+        part_out,
+        part_lse,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        *po_strides,
+        *pl_strides,
+        HEAD_DIM=head_dim,
+        SPLITS_P2=triton.next_power_of_2(num_splits),
+        num_warps=4,
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    num_seqs: int,
+    config: PrefillConfig,
+    skip_single: bool = False,
+) -> None:
+    """Causal paged attention of every sequence's new tokens (``query_start_loc``) against its context.
+
+    The new tokens' keys/values must already be in the cache (``store_kv``). ``skip_single`` leaves the
+    sequences with one query token untouched (the decode kernel handles them).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    if num_seqs == 0 or num_tokens == 0:
+        return
+    _check_cache(key_cache, value_cache)
+    assert q.stride(-1) == 1 and out.stride(-1) == 1
+    assert block_size % config.block_n == 0, "prefill key tiles must not cross a cache block"
+    kernels = _kernels_for(q.device)
+    num_query_blocks = num_tokens // config.block_m + num_seqs
+    kernels.prefill[(num_heads * num_query_blocks,)](
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        scale * math.log2(math.e),
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        SKIP_SINGLE=skip_single,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )

@@ -1,0 +1,192 @@
+"""GPU checks of the ``triton`` and ``flash_attn`` backends against the ``torch`` backend (float32 reference).
+
+Ragged batches with shuffled block tables: decode (with CUDA-graph padding rows), plain prefill, prefix-cache
+hits, chunked prefill over a cached context and mixed batches; GQA ratios 1/2/4/8, block sizes 16/64/128/256,
+head sizes 64/128/256, bfloat16 and float16. Also: decode captured in a CUDA graph and replayed on new data.
+A timing table (median of 10 runs of ``forward``, store included) is printed at the end (``-s`` shows it).
+
+Run: ``python -m pytest plugins/attention_flash/tests -m gpu -x -q -s``
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+from nanovllm_attention_flash import FlashAttnBackend, TorchAttentionBackend, TritonAttentionBackend
+from nanovllm_attention_flash.testing import PagedCase, make_case, reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BACKENDS = {"triton": TritonAttentionBackend, "flash_attn": FlashAttnBackend}
+TOLERANCE = {torch.bfloat16: dict(atol=1e-2, rtol=2e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+TIMINGS: list[tuple[str, str, float]] = []
+
+
+def lengths(kind: str, block_size: int, seed: int) -> tuple[list[int], list[int], int]:
+    """(query_lens, context_lens, padding rows) of a ragged step of the given kind."""
+    rnd = random.Random(seed)
+    if kind == "decode":
+        n = 37
+        return [1] * n, [rnd.randint(0, 3000) for _ in range(n)], 3
+    if kind == "prefill":
+        n = 7
+        return [rnd.randint(1, 700) for _ in range(n)], [0] * n, 0
+    if kind == "prefix_hit":
+        n = 6
+        cached_blocks = [rnd.randint(1, 1024 // block_size) for _ in range(n)]
+        return [rnd.randint(1, 300) for _ in range(n)], [block_size * b for b in cached_blocks], 0
+    if kind == "chunked":
+        n = 5
+        return [rnd.randint(1, 512) for _ in range(n)], [rnd.randint(1, 2000) for _ in range(n)], 0
+    if kind == "mixed":
+        decode, chunks = 20, 3
+        q = [1] * decode + [rnd.randint(2, 400) for _ in range(chunks)]
+        c = [rnd.randint(1, 2000) for _ in range(decode)] + [rnd.randint(0, 900) for _ in range(chunks)]
+        order = list(range(len(q)))
+        rnd.shuffle(order)
+        return [q[i] for i in order], [c[i] for i in order], 0
+    raise ValueError(kind)
+
+
+KINDS = ["decode", "prefill", "prefix_hit", "chunked", "mixed"]
+# (kind, num_heads, num_kv_heads, head_dim, block_size, dtype): GQA sweep at the default block size, block-size
+# sweep, float16, other head sizes
+CASES = (
+    [(k, 2 * g, 2, 128, 256, torch.bfloat16) for k in KINDS for g in (1, 2, 4, 8)]
+    + [(k, 16, 8, 128, bs, torch.bfloat16) for k in KINDS for bs in (16, 64, 128)]
+    + [(k, 8, 2, 128, 128, torch.float16) for k in KINDS]
+    + [(k, 8, 4, 64, 64, torch.bfloat16) for k in ("decode", "chunked", "mixed")]
+    + [(k, 4, 2, 256, 64, torch.bfloat16) for k in ("decode", "chunked", "mixed")]
+)
+
+
+def case_id(c) -> str:
+    kind, h, kvh, d, bs, dtype = c
+    return f"{kind}-q{h}kv{kvh}-d{d}-bs{bs}-{str(dtype).removeprefix('torch.')}"
+
+
+def skip_unless_available(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+    reason = cls.check_available(torch.device("cuda"), dtype, head_dim)
+    if reason is None and block_size not in (cls.supported_block_sizes() or [block_size]):
+        reason = f"block size {block_size} unsupported"
+    if reason is not None:
+        pytest.skip(f"{cls.name}: {reason}")
+
+
+def median_us(fn, reps: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def timing_table():
+    yield
+    if TIMINGS:
+        names = sorted({n for _, n, _ in TIMINGS})
+        rows: dict[str, dict[str, float]] = {}
+        for case, name, us in TIMINGS:
+            rows.setdefault(case, {})[name] = us
+        width = max(len(c) for c in rows)
+        print(f"\n\nforward time, median of 10 (us)\n{'case':<{width}}  " + "  ".join(f"{n:>10}" for n in names))
+        for case, by_name in rows.items():
+            cells = "  ".join(f"{by_name[n]:>10.1f}" if n in by_name else f"{'-':>10}" for n in names)
+            print(f"{case:<{width}}  {cells}")
+
+
+def build(c, seed: int, name: str) -> PagedCase:
+    kind, h, kvh, d, bs, dtype = c
+    q, ctx, pads = lengths(kind, bs, seed)
+    # NaN in never-written slots catches unmasked reads; flash-attn-4 needs finite rows in partly used pages
+    fill = 0.0 if name == "flash_attn" else float("nan")
+    return make_case(q, ctx, num_heads=h, num_kv_heads=kvh, head_dim=d, block_size=bs, dtype=dtype, device="cuda",
+                     num_pad_rows=pads, unused_fill=fill, seed=seed)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+@pytest.mark.parametrize("c", CASES, ids=[case_id(c) for c in CASES])
+def test_matches_torch_backend(c, name: str) -> None:
+    kind, h, kvh, d, bs, dtype = c
+    cls = BACKENDS[name]
+    skip_unless_available(cls, dtype, d, bs)
+    case = build(c, seed=zlib.crc32(case_id(c).encode()) % 1000, name=name)
+    backend = case.backend(cls)
+    out = case.run(backend)
+    torch.cuda.synchronize()
+    assert out.shape == case.q.shape and out.dtype == dtype
+    assert torch.isfinite(out).all(), "non-finite output"
+    ref = reference(case, TorchAttentionBackend)
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+    cache = case.kv_cache.clone()
+    metadata = backend.build_metadata(case.batch)
+    TIMINGS.append((case_id(c), name, median_us(lambda: backend.forward(case.q, case.k, case.v, cache, metadata))))
+    if name == "triton" and bs == 256 and h == 16:  # the torch backend is slow: time it on one row of cases
+        torch_backend = case.backend(TorchAttentionBackend)
+        TIMINGS.append((case_id(c), "torch", median_us(lambda: case.run(torch_backend, cache), reps=3)))
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4, 64])
+def test_triton_decode_split_counts(num_kv_splits: int) -> None:
+    c = ("decode", 16, 8, 128, 64, torch.bfloat16)
+    skip_unless_available(TritonAttentionBackend, torch.bfloat16, 128, 64)
+    case = build(c, seed=7, name="triton")
+    out = case.run(case.backend(TritonAttentionBackend, num_kv_splits=num_kv_splits))
+    torch.testing.assert_close(out.float(), reference(case, TorchAttentionBackend), **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_decode_cuda_graph_replays_with_new_data(name: str) -> None:
+    """Capture ``forward`` for a fixed batch of 40 sequences + 8 padding rows over a static 48-block table,
+    replay it after copying another step's data into the same tensors, compare with eager ``forward``."""
+    cls = BACKENDS[name]
+    bs = 128
+    skip_unless_available(cls, torch.bfloat16, 128, bs)
+    assert cls.supports_cuda_graph
+    fill = 0.0 if name == "flash_attn" else float("nan")
+
+    def step(seed: int) -> PagedCase:
+        rnd = random.Random(seed)
+        return make_case([1] * 40, [rnd.randint(0, 5000) for _ in range(40)], num_heads=16, num_kv_heads=8,
+                         head_dim=128, block_size=bs, dtype=torch.bfloat16, device="cuda", num_pad_rows=8,
+                         table_width=48, num_blocks=1700, unused_fill=fill, seed=seed)
+
+    first, second = step(1), step(2)
+    assert first.kv_cache.shape == second.kv_cache.shape
+    static = first  # its tensors are the graph's static inputs
+    cache = static.kv_cache.clone()
+    backend = static.backend(cls)
+    metadata = backend.build_metadata(static.batch)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(static.q, static.k, static.v, cache, metadata)  # warm-up: compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = backend.forward(static.q, static.k, static.v, cache, metadata)
+    for dst, src in [(static.q, second.q), (static.k, second.k), (static.v, second.v), (cache, second.kv_cache)]:
+        dst.copy_(src)
+    b, nb = static.batch, second.batch
+    for dst, src in [(b.query_start_loc, nb.query_start_loc), (b.seq_lens, nb.seq_lens),
+                     (b.block_tables, nb.block_tables), (b.slot_mapping, nb.slot_mapping)]:
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = second.run(second.backend(cls))
+    torch.testing.assert_close(graph_out, eager, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(graph_out.float(), reference(second, TorchAttentionBackend), **TOLERANCE[torch.bfloat16])

@@ -1,0 +1,126 @@
+"""The ``triton`` backend's kernels in Triton's interpreter on CPU (float32), against the ``torch`` backend.
+
+CPU tensors always run the interpreted kernels (``triton_kernels`` picks the variant by device), so these tests
+need no ``TRITON_INTERPRET`` in the environment; it is set only around ``check_available`` calls, after
+``triton`` is imported, so it cannot leak into other tests' kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nanovllm_attention_flash import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
+from nanovllm_attention_flash.testing import make_case, reference  # noqa: E402
+
+from nanovllm_core import ConfigError  # noqa: E402
+from nanovllm_core.testing.conformance import AttentionBackendConformance  # noqa: E402
+
+# (query_lens, context_lens) of each step kind; lengths chosen to straddle 16- and 32-token blocks
+KINDS = {
+    "decode": ([1] * 5, [1, 15, 16, 40, 77]),
+    "prefill": ([1, 7, 20, 45], [0] * 4),
+    "prefix_hit": ([3, 17, 5], [16, 32, 64]),  # cached context is whole blocks (a prefix-cache hit)
+    "chunked": ([9, 16, 30], [13, 37, 50]),  # chunks that start mid-block
+    "mixed": ([1, 12, 1, 5, 1], [30, 0, 7, 21, 64]),  # prefill chunks beside decode tokens
+}
+GQA = {"mha": (2, 2), "gqa2": (4, 2), "gqa4": (4, 1)}
+
+
+def assert_matches_torch(case, out: torch.Tensor) -> None:
+    assert not torch.isnan(out).any(), "NaN in the output"
+    torch.testing.assert_close(out, reference(case, TorchAttentionBackend), atol=2e-5, rtol=2e-5)
+
+
+CASES = [(kind, heads, 16) for kind in KINDS for heads in GQA]
+CASES += [(kind, "gqa4", 32) for kind in ("decode", "chunked", "mixed")]
+
+
+@pytest.mark.parametrize("kind,heads,block_size", CASES, ids=[f"{k}-{h}-bs{b}" for k, h, b in CASES])
+def test_matches_torch_backend(kind: str, heads: str, block_size: int) -> None:
+    query_lens, context_lens = KINDS[kind]
+    num_heads, num_kv_heads = GQA[heads]
+    case = make_case(
+        query_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64, block_size=block_size,
+        num_pad_rows=2 if kind == "decode" else 0, seed=len(kind) + block_size,
+    )
+    backend = case.backend(TritonAttentionBackend)
+    metadata = backend.build_metadata(case.batch)
+    assert metadata.decode_only == (kind == "decode")
+    if kind == "mixed":
+        assert metadata.num_single_token_seqs == 3
+    assert_matches_torch(case, case.run(backend))
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 2, 16])
+def test_decode_split_counts(num_kv_splits: int) -> None:
+    """One split (direct write), a few, and more splits than tiles (empty splits must merge to nothing)."""
+    case = make_case([1] * 3, [3, 16, 97], num_heads=4, num_kv_heads=1, block_size=16, num_pad_rows=1)
+    assert_matches_torch(case, case.run(case.backend(TritonAttentionBackend, num_kv_splits=num_kv_splits)))
+
+
+def test_mixed_batch_without_host_lengths() -> None:
+    """Without ``query_start_loc_cpu`` the prefill kernel serves the one-token sequences of a mixed batch too."""
+    case = make_case(*KINDS["mixed"], num_heads=4, num_kv_heads=2, block_size=16)
+    case.batch.query_start_loc_cpu = []
+    case.batch.seq_lens_cpu = []
+    backend = case.backend(TritonAttentionBackend)
+    assert backend.build_metadata(case.batch).num_single_token_seqs == 0
+    out = case.run(backend)
+    case.batch.query_start_loc_cpu = [0]
+    for n in case.query_lens:
+        case.batch.query_start_loc_cpu.append(case.batch.query_start_loc_cpu[-1] + n)
+    case.batch.seq_lens_cpu = [c + n for c, n in zip(case.context_lens, case.query_lens)]
+    assert_matches_torch(case, out)
+
+
+def test_small_tiles_and_float16() -> None:
+    """Non-default tiles through the options, and float16 storage with float32 accumulation."""
+    case = make_case(*KINDS["chunked"], num_heads=4, num_kv_heads=2, block_size=32, dtype=torch.float16)
+    backend = case.backend(TritonAttentionBackend, prefill_block_m=16, prefill_block_n=16, decode_block_n=16)
+    out = case.run(backend).float()
+    torch.testing.assert_close(out, reference(case, TorchAttentionBackend), atol=2e-3, rtol=2e-3)
+
+
+def test_store_skips_padding_slots() -> None:
+    from nanovllm_attention_flash import triton_kernels
+
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    k, v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    slots = torch.tensor([17, -1, 63])
+    triton_kernels.store_kv(k, v, cache[0], cache[1], slots)
+    flat = cache.view(2, 64, 2, 64)
+    torch.testing.assert_close(flat[0, 17], k[0])
+    torch.testing.assert_close(flat[1, 63], v[2])
+    assert flat[:, [i for i in range(64) if i not in (17, 63)]].abs().sum() == 0
+
+
+def test_invalid_options_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="num_kv_split"):
+        make_case([1], [4]).backend(TritonAttentionBackend, num_kv_splits=3)
+    with pytest.raises(ConfigError, match="decode_block_n"):
+        make_case([1], [4], block_size=16).backend(TritonAttentionBackend, decode_block_n=32)
+    with pytest.raises(ConfigError, match="attention_options"):
+        make_case([1], [4]).backend(TritonAttentionBackend, not_an_option=1)
+
+
+def test_check_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "CUDA" in TritonAttentionBackend.check_available(cpu, torch.float32, 128)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert TritonAttentionBackend.check_available(cpu, torch.float32, 128) is None
+    assert "head_dim" in TritonAttentionBackend.check_available(cpu, torch.float32, 96)
+
+
+class TestTritonConformance(AttentionBackendConformance):
+    """The core's conformance kit, with the kernels interpreted on CPU."""
+
+    backend_cls = TritonAttentionBackend
+
+    def _setup(self):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TRITON_INTERPRET", "1")
+            return super()._setup()

@@ -1,0 +1,235 @@
+"""The conformance kit catches broken plugins: each check is run against a plugin with one deliberate bug.
+
+The in-tree plugins passing the same checks (``plugins/*/tests/test_conformance_*.py``) are the other half.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from nanovllm_attention_flash import TorchAttentionBackend
+from nanovllm_models_qwen3 import Qwen3ForCausalLM
+from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
+
+from nanovllm_core import ModelLoadError
+from nanovllm_core.testing.conformance import (
+    AttentionBackendConformance,
+    BlockManagerConformance,
+    ModelConformance,
+    SchedulerConformance,
+    shared_tiny_checkpoint,
+)
+
+KitFailure = (AssertionError, pytest.fail.Exception)
+
+
+# --- schedulers with one bug each -------------------------------------------------------------------
+
+
+class IgnoresTokenBudget(FifoScheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_num_batched_tokens = 1 << 20
+
+
+class IgnoresMaxNumSeqs(FifoScheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_num_seqs = 1 << 20
+
+
+class Lifo(FifoScheduler):
+    """Admits the newest request first: under a stream of requests the oldest never runs."""
+
+    def add(self, seq) -> None:
+        super().add(seq)
+        self.waiting.rotate(1)
+
+
+class AbortKeepsBlocks(FifoScheduler):
+    def abort(self, request_id: str):
+        free, self.block_manager.free = self.block_manager.free, lambda seq: None
+        try:
+            return super().abort(request_id)
+        finally:
+            self.block_manager.free = free
+
+
+class PreemptionKeepsComputedTokens(FifoScheduler):
+    """Frees a preempted sequence's blocks but still believes its KV is cached."""
+
+    def _preempt(self, seq) -> None:
+        computed = seq.num_computed_tokens
+        super()._preempt(seq)
+        seq.num_computed_tokens = computed
+
+
+class NeverCachesBlocks(FifoScheduler):
+    def __init__(self, config, block_manager, stop_checker) -> None:
+        super().__init__(config, block_manager, stop_checker)
+        block_manager.cache_full_blocks = lambda seq: None
+
+
+def scheduler_kit(cls: type) -> SchedulerConformance:
+    return type("Kit", (SchedulerConformance,), {"scheduler_cls": cls})()
+
+
+@pytest.mark.parametrize(
+    "broken, check, message",
+    [
+        (IgnoresTokenBudget, "test_token_budget_and_max_num_seqs", "token budget"),
+        (IgnoresMaxNumSeqs, "test_token_budget_and_max_num_seqs", "max_num_seqs"),
+        (Lifo, "test_no_starvation_under_a_stream_of_requests", "starved"),
+        (AbortKeepsBlocks, "test_abort_frees_blocks", "left blocks"),
+        (PreemptionKeepsComputedTokens, "test_preemption_under_kv_pressure_keeps_outputs", "not in the KV cache"),
+        (NeverCachesBlocks, "test_prefix_cache_hits_are_reported", "cache_full_blocks"),
+    ],
+)
+def test_scheduler_kit_catches(broken: type, check: str, message: str) -> None:
+    with pytest.raises(KitFailure, match=message):
+        getattr(scheduler_kit(broken), check)()
+
+
+def test_scheduler_kit_catches_a_scheduler_that_is_not_a_scheduler() -> None:
+    with pytest.raises(AssertionError, match="not a subclass of nanovllm_core.Scheduler"):
+        scheduler_kit(dict).test_is_a_scheduler()
+
+
+# --- block managers with one bug each ---------------------------------------------------------------
+
+
+class LeaksTheLastBlock(PrefixCachingBlockManager):
+    def free(self, seq) -> None:
+        if seq.block_table:
+            seq.block_table = seq.block_table[:-1]
+        super().free(seq)
+
+
+class PartialAllocate(PrefixCachingBlockManager):
+    """Takes the blocks it can get before finding out there are not enough."""
+
+    def allocate(self, seq, num_new_tokens: int) -> bool:
+        ok = super().allocate(seq, num_new_tokens)
+        if not ok and self.num_free_blocks and not seq.block_table:
+            super().allocate(seq, self.num_free_blocks * self.block_size)
+        return ok
+
+
+class ForgetsRefCounts(PrefixCachingBlockManager):
+    """Frees shared blocks on the first free, although another sequence still holds them."""
+
+    def free(self, seq) -> None:
+        for block_id in seq.block_table:
+            self.blocks[block_id].ref_count = 1
+        super().free(seq)
+
+
+def block_manager_kit(cls: type) -> BlockManagerConformance:
+    return type("Kit", (BlockManagerConformance,), {"block_manager_cls": cls})()
+
+
+@pytest.mark.parametrize(
+    "broken, check, message",
+    [
+        (LeaksTheLastBlock, "test_allocate_covers_the_tokens_and_free_returns_every_block", "after free"),
+        (LeaksTheLastBlock, "test_under_a_scheduler_with_shared_prefixes_and_kv_pressure", "leaked"),
+        (PartialAllocate, "test_allocate_is_all_or_nothing", "changed state"),
+        (ForgetsRefCounts, "test_prefix_cache_hit_is_the_shared_full_block_prefix", "must stay in use"),
+        (ForgetsRefCounts, "test_under_a_scheduler_with_shared_prefixes_and_kv_pressure", "freed while in use"),
+    ],
+)
+def test_block_manager_kit_catches(broken: type, check: str, message: str) -> None:
+    with pytest.raises(KitFailure, match=message):
+        getattr(block_manager_kit(broken), check)()
+
+
+# --- attention backends with one bug each -----------------------------------------------------------
+
+
+class ScaleOffByOnePercent(TorchAttentionBackend):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale *= 1.01
+
+
+class ForgetsToStore(TorchAttentionBackend):
+    def forward(self, q, k, v, kv_cache, metadata):
+        return super().forward(q, k, v, kv_cache.clone(), metadata)
+
+
+class IgnoresGqaGrouping(TorchAttentionBackend):
+    """Maps query head h to kv head h % num_kv_heads instead of h // group: right only for MHA."""
+
+    def forward(self, q, k, v, kv_cache, metadata):
+        group = self.num_heads // self.num_kv_heads
+        order = torch.arange(self.num_heads).view(self.num_kv_heads, group).t().reshape(-1)
+        return super().forward(q[:, order], k, v, kv_cache, metadata)[:, order.argsort()]
+
+
+@pytest.mark.parametrize(
+    "broken, heads",
+    [(ScaleOffByOnePercent, (4, 4)), (ForgetsToStore, (4, 4)), (IgnoresGqaGrouping, (8, 2))],
+)
+def test_attention_kit_catches(broken: type, heads: tuple[int, int]) -> None:
+    kit = type("Kit", (AttentionBackendConformance,), {"backend_cls": broken, "head_dim": 32})()
+    with pytest.raises(KitFailure, match="sequence"):
+        kit.test_ragged_batches_match_dense_attention(*heads)
+
+
+def test_attention_kit_passes_mha_for_the_gqa_bug() -> None:
+    """The GQA bug is invisible with one query head per kv head, which is why the kit checks both."""
+    kit = type("Kit", (AttentionBackendConformance,), {"backend_cls": IgnoresGqaGrouping, "head_dim": 32})()
+    kit.test_ragged_batches_match_dense_attention(4, 4)
+
+
+# --- models with one bug each -----------------------------------------------------------------------
+
+
+class RollsLogits(Qwen3ForCausalLM):
+    def compute_logits(self, hidden_states):
+        return super().compute_logits(hidden_states).roll(1, dims=-1)
+
+
+class LenientLoader(Qwen3ForCausalLM):
+    def load_weights(self, weights) -> None:
+        try:
+            super().load_weights(weights)
+        except ModelLoadError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def renamed_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Qwen3 whose config.json names the architecture ``BrokenQwen3``, so the broken class can take it."""
+
+    def make(architecture: str) -> Path:
+        path = tmp_path_factory.mktemp(architecture)
+        shutil.copytree(shared_tiny_checkpoint(tmp_path_factory), path, dirs_exist_ok=True)
+        config = json.loads((path / "config.json").read_text())
+        config["architectures"] = [architecture]
+        (path / "config.json").write_text(json.dumps(config))
+        return path
+
+    return make
+
+
+def test_model_kit_catches_wrong_logits(renamed_checkpoint) -> None:
+    kit = type("Kit", (ModelConformance,), {"model_cls": RollsLogits, "architecture": "RollsLogits"})()
+    with pytest.raises(AssertionError, match="first difference"):
+        kit.test_greedy_matches_transformers(renamed_checkpoint("RollsLogits"))
+
+
+def test_model_kit_catches_a_loader_that_accepts_missing_weights(tmp_path_factory) -> None:
+    kit = type("Kit", (ModelConformance,), {"model_cls": LenientLoader})()
+    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+        kit.test_load_weights_rejects_an_incomplete_checkpoint(shared_tiny_checkpoint(tmp_path_factory))
+
+
+def test_model_kit_catches_an_architecture_name_mismatch(tmp_path_factory) -> None:
+    kit = type("Kit", (ModelConformance,), {"model_cls": RollsLogits})()
+    with pytest.raises(AssertionError, match="architectures"):
+        kit.test_checkpoint_names_the_architecture(shared_tiny_checkpoint(tmp_path_factory))

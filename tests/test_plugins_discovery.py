@@ -1,0 +1,350 @@
+"""Plugin discovery through entry points, API versions, and the errors a plugin author hits.
+
+Each test builds fake distributions on the fly: a ``*.dist-info`` folder with ``METADATA`` and
+``entry_points.txt`` plus the plugin module, in a temporary folder put on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import nanovllm_core
+from nanovllm_core import PluginConflictError, UnknownPluginError
+from nanovllm_core.plugins import BrokenPlugin, PluginRegistry, api_supported, build_registry
+
+_ids = itertools.count()
+
+VALID_SCHEDULER = """
+    from nanovllm_core import hookimpl
+    from nanovllm_scheduler_fifo import FifoScheduler
+
+    NANOVLLM_PLUGIN_API = ">=1,<2"
+
+    class Renamed(FifoScheduler):
+        pass
+
+    @hookimpl
+    def nanovllm_register_schedulers(register):
+        register("{name}", Renamed)
+"""
+
+
+class FakeSite:
+    """A folder on ``sys.path`` holding fake distributions and their plugin modules (unique names per test)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.prefix = f"fake_plugin_{next(_ids)}_"
+
+    def module(self, name: str, source: str) -> str:
+        full = self.prefix + name
+        (self.root / f"{full}.py").write_text(textwrap.dedent(source))
+        return full
+
+    def dist(self, name: str, entry_points: dict[str, str], version: str = "1.0") -> None:
+        info = self.root / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        lines = "".join(f"{k} = {v}\n" for k, v in entry_points.items())
+        (info / "entry_points.txt").write_text(f"[nanovllm]\n{lines}")
+
+    def plugin(self, dist: str, source: str, version: str = "1.0") -> str:
+        """One distribution whose single entry point ``<dist>`` loads a module with ``source``."""
+        module = self.module(dist.replace("-", "_"), source)
+        self.dist(dist, {dist: module}, version)
+        return module
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSite:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    return FakeSite(tmp_path)
+
+
+def broken_of(registry: PluginRegistry, plugin: str) -> list[BrokenPlugin]:
+    return [b for b in registry.broken if b.plugin == plugin]
+
+
+def assert_others_still_load(registry: PluginRegistry) -> None:
+    assert registry.get("scheduler", "fifo").distribution == "nanovllm-scheduler-fifo"
+    assert registry.get("attention", "torch").distribution == "nanovllm-attention-flash"
+
+
+# --- discovery --------------------------------------------------------------------------------------
+
+
+def test_a_fake_distribution_is_discovered(site: FakeSite) -> None:
+    module = site.plugin("fake-sched", VALID_SCHEDULER.format(name="renamed"), version="2.3")
+    registry = build_registry()
+    reg = registry.get("scheduler", "renamed")
+    assert (reg.plugin, reg.distribution, reg.version, reg.module) == ("fake-sched", "fake-sched", "2.3", module)
+    assert not broken_of(registry, "fake-sched")
+    assert_others_still_load(registry)
+
+
+def test_two_distributions_may_use_the_same_entry_point_name(site: FakeSite) -> None:
+    site.dist("fake-one", {"plugin": site.module("one", VALID_SCHEDULER.format(name="one"))})
+    site.dist("fake-two", {"plugin": site.module("two", VALID_SCHEDULER.format(name="two"))})
+    registry = build_registry()
+    assert registry.get("scheduler", "one").distribution == "fake-one"
+    assert registry.get("scheduler", "two").distribution == "fake-two"
+    assert not registry.broken
+
+
+def test_a_duplicate_name_names_both_distributions(site: FakeSite) -> None:
+    site.plugin("fake-one", VALID_SCHEDULER.format(name="same"))
+    site.plugin("fake-two", VALID_SCHEDULER.format(name="same"))
+    with pytest.raises(PluginConflictError, match="'same'") as info:
+        build_registry()
+    assert "fake-one 1.0" in str(info.value) and "fake-two 1.0" in str(info.value)
+    assert "Uninstall one of the distributions or rename" in str(info.value)
+
+
+def test_a_name_taken_by_an_installed_plugin_is_a_conflict(site: FakeSite) -> None:
+    site.plugin("fake-fifo", VALID_SCHEDULER.format(name="fifo"))
+    with pytest.raises(PluginConflictError, match="nanovllm-scheduler-fifo .* fake-fifo|fake-fifo .* nanovllm-sch"):
+        build_registry()
+
+
+# --- plugin API versions ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, version, ok",
+    [(1, 1, True), (2, 1, False), ("1", 1, True), ("==1", 2, False), (">=1,<2", 1, True), (">=1,<2", 2, False),
+     (">= 1, < 3", 2, True), ("!=2", 2, False), (">1", 1, False), ("<=3", 3, True)],
+)
+def test_api_specifiers(spec: object, version: int, ok: bool) -> None:
+    assert api_supported(spec, version) is ok
+
+
+@pytest.mark.parametrize("spec", ["one", "", ">=1,", "~=1", "1.0", True, None, [1]])
+def test_invalid_api_specifiers(spec: object) -> None:
+    with pytest.raises(ValueError, match="not a version specifier"):
+        api_supported(spec, 1)
+
+
+def test_an_incompatible_plugin_is_broken_and_the_others_load(site: FakeSite) -> None:
+    source = VALID_SCHEDULER.format(name="future").replace('">=1,<2"', '">=2,<3"')
+    site.plugin("fake-future", source, version="5.0")
+    registry = build_registry()
+    [broken] = broken_of(registry, "fake-future")
+    assert (broken.distribution, broken.version) == ("fake-future", "5.0")
+    assert ">=2,<3" in broken.error
+    assert f"provides plugin API {nanovllm_core.PLUGIN_API_VERSION}" in broken.error
+    assert f"nanovllm-core {nanovllm_core.__version__}" in broken.error
+    assert "future" not in registry.names("scheduler")
+    with pytest.raises(UnknownPluginError, match="fake-future"):
+        registry.get("scheduler", "future")
+    assert_others_still_load(registry)
+
+
+def test_an_invalid_api_declaration_is_broken(site: FakeSite) -> None:
+    site.plugin("fake-badapi", VALID_SCHEDULER.format(name="x").replace('">=1,<2"', '"version one"'))
+    [broken] = broken_of(build_registry(), "fake-badapi")
+    assert "NANOVLLM_PLUGIN_API = 'version one' is not a version specifier" in broken.error
+
+
+def test_an_undeclared_api_means_api_1(site: FakeSite) -> None:
+    site.plugin("fake-old", VALID_SCHEDULER.format(name="old").replace('NANOVLLM_PLUGIN_API = ">=1,<2"', ""))
+    registry = build_registry()
+    assert ("old" in registry.names("scheduler")) is (nanovllm_core.PLUGIN_API_VERSION == 1)
+
+
+@pytest.mark.parametrize(
+    "module", ["nanovllm_scheduler_fifo.plugin", "nanovllm_attention_flash.plugin", "nanovllm_models_qwen3.plugin"]
+)
+def test_in_tree_plugins_declare_the_api(module: str) -> None:
+    spec = importlib.import_module(module).NANOVLLM_PLUGIN_API
+    assert api_supported(spec, nanovllm_core.PLUGIN_API_VERSION)
+
+
+# --- registered objects that do not satisfy their interface -----------------------------------------
+
+
+def test_a_class_that_is_not_a_scheduler(site: FakeSite) -> None:
+    site.plugin("fake-notsched", """
+        from nanovllm_core import hookimpl
+        from nanovllm_scheduler_fifo import FifoScheduler
+
+        class NotAScheduler:
+            pass
+
+        @hookimpl
+        def nanovllm_register_schedulers(register):
+            register("bad", NotAScheduler)
+            register("good", type("Good", (FifoScheduler,), {}))
+    """)
+    registry = build_registry()
+    [broken] = broken_of(registry, "fake-notsched")
+    assert "registered scheduler 'bad'" in broken.error
+    assert "is not a subclass of nanovllm_core.Scheduler" in broken.error
+    assert "`class NotAScheduler(nanovllm_core.Scheduler)`" in broken.error
+    assert "bad" not in registry.names("scheduler") and "good" in registry.names("scheduler")
+
+
+def test_a_scheduler_with_unimplemented_methods(site: FakeSite) -> None:
+    site.plugin("fake-half", """
+        from nanovllm_core import Scheduler, hookimpl
+
+        class Half(Scheduler):
+            def add(self, seq):
+                pass
+
+        @hookimpl
+        def nanovllm_register_schedulers(register):
+            register("half", Half)
+    """)
+    [broken] = broken_of(build_registry(), "fake-half")
+    assert "does not implement abort, has_unfinished, postprocess, schedule" in broken.error
+
+
+@pytest.mark.parametrize(
+    "hook, obj, expected",
+    [
+        ("nanovllm_register_block_managers", "dict", "not a subclass of nanovllm_core.BlockManager"),
+        ("nanovllm_register_attention_backends", "TorchAttentionBackend(4, 4, 32, 1.0, 16, None, None)",
+         "got an instance of TorchAttentionBackend; register the class itself"),
+        ("nanovllm_register_models", "NoLogits", "lacks compute_logits"),
+        ("nanovllm_register_models", "int", "is not a torch.nn.Module"),
+        ("nanovllm_register_models", "torch.nn.Linear", "lacks compute_logits, load_weights"),
+    ],
+)
+def test_objects_that_do_not_satisfy_their_interface(site: FakeSite, hook: str, obj: str, expected: str) -> None:
+    site.plugin("fake-bad", f"""
+        import torch
+        from nanovllm_attention_flash import TorchAttentionBackend
+        from nanovllm_core import hookimpl
+
+        class NoLogits(torch.nn.Module):
+            def forward(self, input_ids, positions):
+                return input_ids
+
+            def load_weights(self, weights):
+                pass
+
+        @hookimpl
+        def {hook}(register):
+            register("x", {obj})
+    """)
+    registry = build_registry()
+    [broken] = broken_of(registry, "fake-bad")
+    assert expected in broken.error
+    assert_others_still_load(registry)
+
+
+def test_a_model_without_forward(site: FakeSite) -> None:
+    site.plugin("fake-noforward", """
+        import torch
+        from nanovllm_core import hookimpl
+
+        class NoForward(torch.nn.Module):
+            def compute_logits(self, hidden_states):
+                return hidden_states
+
+            def load_weights(self, weights):
+                pass
+
+        @hookimpl
+        def nanovllm_register_models(register):
+            register("NoForward", NoForward)
+    """)
+    [broken] = broken_of(build_registry(), "fake-noforward")
+    assert "lacks forward;" in broken.error and "CausalLM protocol" in broken.error
+
+
+# --- hook implementations ---------------------------------------------------------------------------
+
+
+def test_a_hook_with_a_wrong_signature(site: FakeSite) -> None:
+    site.plugin("fake-sig", """
+        from nanovllm_core import hookimpl
+
+        @hookimpl
+        def nanovllm_register_schedulers(reg):
+            raise AssertionError("never called")
+    """)
+    registry = build_registry()
+    [broken] = broken_of(registry, "fake-sig")
+    assert "nanovllm_register_schedulers(reg) has the wrong signature" in broken.error
+    assert "write `def nanovllm_register_schedulers(register):`" in broken.error
+    assert_others_still_load(registry)
+
+
+def test_a_hook_with_a_typo_in_its_name(site: FakeSite) -> None:
+    site.plugin("fake-typo", """
+        from nanovllm_core import hookimpl
+
+        @hookimpl
+        def nanovllm_register_scheduler(register):
+            register("x", object)
+    """)
+    [broken] = broken_of(build_registry(), "fake-typo")
+    assert "unknown hook 'nanovllm_register_scheduler'; did you mean 'nanovllm_register_schedulers'?" in broken.error
+
+
+def test_a_hook_without_the_decorator(site: FakeSite) -> None:
+    site.plugin("fake-undecorated", """
+        def nanovllm_register_schedulers(register):
+            register("x", object)
+    """)
+    [broken] = broken_of(build_registry(), "fake-undecorated")
+    assert "not decorated with @nanovllm_core.hookimpl" in broken.error
+
+
+def test_a_plugin_without_hooks(site: FakeSite) -> None:
+    site.plugin("fake-empty", "VALUE = 1\n")
+    [broken] = broken_of(build_registry(), "fake-empty")
+    assert "implements no nanovllm hook" in broken.error
+
+
+def test_a_hook_that_raises(site: FakeSite) -> None:
+    site.plugin("fake-raises", """
+        from nanovllm_core import hookimpl
+
+        @hookimpl
+        def nanovllm_register_schedulers(register):
+            raise RuntimeError("boom")
+    """)
+    registry = build_registry()
+    [broken] = broken_of(registry, "fake-raises")
+    assert "nanovllm_register_schedulers raised RuntimeError: boom at " in broken.error
+    assert_others_still_load(registry)
+
+
+# --- entry points that point nowhere ----------------------------------------------------------------
+
+
+def test_an_entry_point_to_a_missing_module(site: FakeSite) -> None:
+    site.dist("fake-nomodule", {"fake-nomodule": "no_such_module_xyz.plugin"})
+    registry = build_registry()
+    [broken] = broken_of(registry, "fake-nomodule")
+    assert "points to module 'no_such_module_xyz.plugin', which cannot be imported" in broken.error
+    assert "fix [project.entry-points.nanovllm]" in broken.error
+    assert broken.distribution == "fake-nomodule"
+    assert_others_still_load(registry)
+
+
+def test_an_entry_point_to_a_missing_attribute(site: FakeSite) -> None:
+    module = site.module("attr", "VALUE = 1\n")
+    site.dist("fake-noattr", {"fake-noattr": f"{module}:plugin"})
+    [broken] = broken_of(build_registry(), "fake-noattr")
+    assert f"points to 'plugin', which module '{module}' does not define" in broken.error
+
+
+def test_a_plugin_whose_dependency_is_missing(site: FakeSite) -> None:
+    site.plugin("fake-nodep", "import not_installed_dependency_xyz\n")
+    [broken] = broken_of(build_registry(), "fake-nodep")
+    assert "install 'not_installed_dependency_xyz'" in broken.error
+
+
+def test_a_plugin_that_fails_at_import(site: FakeSite) -> None:
+    module = site.plugin("fake-crash", "raise RuntimeError('cannot start')\n")
+    [broken] = broken_of(build_registry(), "fake-crash")
+    assert "raised RuntimeError: cannot start at " in broken.error and f"{module}.py:1" in broken.error
