@@ -26,6 +26,18 @@ case "${1:?phase}" in
     bench triton --attention triton
     TAIL=4 bench triton_eager --attention triton --enforce-eager
     ;;
+  final-a)  # the end-to-end numbers of docs/benchmarks.md (first half of flash-attn travels alongside)
+    TAIL=6 bench triton --attention triton
+    TAIL=4 bench torch_small --attention torch --num-seqs 32 --max-input-len 256 --max-output-len 128
+    ;;
+  final-b)
+    TAIL=6 bench flash_attn --attention flash_attn
+    ;;
+  compiled)  # after fusing the small ops with torch.compile
+    step engine_tests 200 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "not flash_attn"
+    TAIL=25 bench triton --attention triton --profile
+    TAIL=25 bench triton_uncompiled --attention triton --no-compile-small-ops --profile
+    ;;
   flash)
     python -c "import flash_attn.cute; print('flash-attn-4 imports')"
     bench flash_attn --attention flash_attn

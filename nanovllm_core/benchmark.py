@@ -78,6 +78,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--json", help="also write the results as JSON to this file")
+    parser.add_argument(
+        "--profile", action="store_true", help="afterwards, profile 32 decode steps and print the top GPU kernels"
+    )
 
 
 def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[list[list[int]], list[int]]:
@@ -177,7 +180,10 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     t0 = time.perf_counter()
     llm = LLM(config=args.config, cli_overrides=overrides)
     load_s = time.perf_counter() - t0
-    llm.generate(["Benchmark: "], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    # warm-up: a full-size prefill and some decode steps, so compilation and autotuning stay out of the timing
+    # (token ids above the workload's 0..10000, so that no prefix of the timed prompts is cached)
+    warm = [[10001 + t % 5000 for t in p] for p in prompts[:32]]
+    llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     llm.stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
     llm.runner.track_gpu_time = device.type == "cuda"
@@ -233,6 +239,40 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             f"({100 * result['gpu_idle_fraction']:.1f}%), host input preparation "
             f"{result['host_prepare_ms_per_step']:.3f} ms/step over {result['steps']} steps"
         )
+    if args.profile and device.type == "cuda":
+        profile_decode(llm, prompts)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0
+
+
+def profile_decode(llm: Any, prompts: list[list[int]], steps: int = 32) -> None:
+    """Profile ``steps`` decode steps of the full batch; print where the GPU time goes, kernel by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanovllm_core import SamplingParams
+
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10**6)
+    ids = [llm.add_request(p, params) for p in prompts]
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in llm.scheduler.running.values()) or getattr(
+        llm.scheduler, "waiting", None
+    ):
+        llm.step()  # finish the prefills first
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+    for request_id in ids:
+        llm.abort_request(request_id)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    print(
+        f"profile of {steps} decode steps with {len(prompts)} sequences: "
+        f"GPU kernel time {total / 1e3 / steps:.2f} ms/step"
+    )
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
+        print(
+            f"  {100 * e.self_device_time_total / total:5.1f}%  {e.self_device_time_total / 1e3 / steps:7.3f} ms/step"
+            f"  x{e.count // steps:<4d} {e.key[:90]}"
+        )

@@ -68,6 +68,10 @@ class EngineConfig(BaseModel):
     )
     cpu_kvcache_gib: float = Field(1.0, gt=0, description="KV-cache size on CPU when num_kvcache_blocks is unset.")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
+    compile_small_ops: bool = Field(
+        True,
+        description="On CUDA, fuse the small elementwise ops (norms, rotary, activation, sampling) with torch.compile.",
+    )
     tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs (or CPU processes) to shard the model over.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)

@@ -19,6 +19,7 @@ from nanovllm_core.errors import ConfigError
 from nanovllm_core.forward_context import forward_context
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch, SchedulerOutput
 from nanovllm_core.layers.attention import Attention
+from nanovllm_core.layers.fused import set_compile
 from nanovllm_core.layers.sampler import Sampler, SamplingBatch
 from nanovllm_core.loader import iter_safetensors
 from nanovllm_core.sequence import Sequence
@@ -192,6 +193,7 @@ class ModelRunner:
         self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = model_shape(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = config.max_model_len
+        set_compile(device.type == "cuda" and config.compile_small_ops)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:

@@ -1,11 +1,11 @@
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from nanovllm_core.layers.fused import silu_and_mul
 
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` for a tensor holding ``[gate, up]`` along its last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)

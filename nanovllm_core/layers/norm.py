@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from nanovllm_core.layers.fused import add_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
     """RMS normalisation in float32; with ``residual`` it adds first and returns ``(normed, new_residual)``."""
@@ -10,16 +12,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        orig_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * x.to(orig_dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from nanovllm_core.errors import ModelLoadError
+from nanovllm_core.layers.fused import apply_rotary
 
 
 class RotaryEmbedding(nn.Module):
@@ -20,16 +21,9 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        x1, x2 = rot.float().chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        return torch.cat([out, rest], dim=-1) if rest.numel() else out
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q``: [tokens, heads, head_dim], ``k``: [tokens, kv_heads, head_dim]."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return apply_rotary(positions, q, k, self.cos_sin_cache, self.rotary_dim)
 
 
 def rope_theta_of(hf_config: Any) -> float:

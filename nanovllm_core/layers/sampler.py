@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm_core.layers.fused import temperature_race
 from nanovllm_core.sequence import Sequence
 
 
@@ -20,12 +21,15 @@ class SamplingBatch:
     min_p: torch.Tensor | None  # float32 [n]
     generators: list[torch.Generator | None]
     all_greedy: bool
+    any_greedy: bool = True
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
         params = [s.sampling_params for s in seqs]
         all_greedy = all(p.temperature == 0 for p in params)
         temps = torch.frombuffer(array("f", [p.temperature for p in params]), dtype=torch.float32)
+        if device.type == "cuda":
+            temps = temps.pin_memory()
         top_k = top_p = min_p = None
         if not all_greedy:
             if any(p.top_k > 0 for p in params):
@@ -34,7 +38,16 @@ class SamplingBatch:
                 top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
             if any(p.min_p > 0 for p in params):
                 min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device)
-        return cls(temps.to(device), top_k, top_p, min_p, [s.generator for s in seqs], all_greedy)
+        any_greedy = any(p.temperature == 0 for p in params)
+        return cls(
+            temps.to(device, non_blocking=True),
+            top_k,
+            top_p,
+            min_p,
+            [s.generator for s in seqs],
+            all_greedy,
+            any_greedy,
+        )
 
 
 class Sampler:
@@ -49,22 +62,26 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        logits = logits.float()
-        greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)
         temps = batch.temperatures
         is_greedy = temps == 0
-        logits = logits / torch.where(is_greedy, torch.ones_like(temps), temps).unsqueeze(1)
-        if batch.top_k is not None or batch.top_p is not None:
-            logits = self._top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if batch.min_p is not None:
-            threshold = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = self._exponential_noise(probs, batch.generators)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(is_greedy, greedy, sampled)
+        safe_temps = torch.where(is_greedy, torch.ones_like(temps), temps)
+        if batch.top_k is None and batch.top_p is None and batch.min_p is None:
+            noise = self._exponential_noise(logits, batch.generators)
+            sampled = temperature_race(logits, safe_temps, noise)
+        else:
+            logits32 = logits.float() / safe_temps.unsqueeze(1)
+            if batch.top_k is not None or batch.top_p is not None:
+                logits32 = self._top_k_top_p(logits32, batch.top_k, batch.top_p)
+            probs = torch.softmax(logits32, dim=-1)
+            if batch.min_p is not None:
+                threshold = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+                probs = probs.masked_fill(probs < threshold, 0.0)
+            sampled = (probs / self._exponential_noise(probs, batch.generators)).argmax(dim=-1)
+        if batch.any_greedy:
+            return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        return sampled
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -79,7 +96,7 @@ class Sampler:
         return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
     def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        noise = torch.empty_like(probs)
+        noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device)
         if self.generator is not None and self.generator.device == probs.device:
             noise.exponential_(generator=self.generator)
         else:
