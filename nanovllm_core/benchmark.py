@@ -181,8 +181,9 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     llm = LLM(config=args.config, cli_overrides=overrides)
     load_s = time.perf_counter() - t0
     # warm-up: a full-size prefill and some decode steps, so compilation and autotuning stay out of the timing
-    # (token ids above the workload's 0..10000, so that no prefix of the timed prompts is cached)
-    warm = [[10001 + t % 5000 for t in p] for p in prompts[:32]]
+    # (every token id shifted by one, so that no block of the timed prompts is in the prefix cache)
+    vocab = llm.hf_config.vocab_size
+    warm = [[(t + 1) % vocab for t in p] for p in prompts[:32]]
     llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     llm.stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
