@@ -16,6 +16,18 @@ from torch import nn
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.sequence import Sequence
 
+
+def _reject_options(plugin: object, kind: str, options: dict[str, Any]) -> None:
+    """Options that reach a base class were consumed by no subclass: they are misspelt or unsupported."""
+    if options:
+        from nanovllm_core.errors import ConfigError
+
+        raise ConfigError(
+            f"plugins.{kind}_options {sorted(options)} not accepted by {type(plugin).__name__}; declare them in "
+            "its `Options` model or its __init__"
+        )
+
+
 # ----------------------------------------------------------------------------------------------------
 # Block manager
 # ----------------------------------------------------------------------------------------------------
@@ -35,6 +47,7 @@ class BlockManager(ABC):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        _reject_options(self, "block_manager", options)
 
     @property
     @abstractmethod
@@ -121,8 +134,11 @@ class Scheduler(ABC):
     - ``schedule`` returns an empty output only when there is nothing to run;
     - ``add`` raises :class:`~nanovllm_core.errors.InvalidRequestError` for a request that can never be
       scheduled (it would never fit the KV cache), leaving the scheduler unchanged;
-    - ``postprocess`` advances ``num_computed_tokens``, appends sampled tokens, asks ``stop_checker`` whether
-      each sampled sequence is finished, frees finished sequences' blocks and returns them;
+    - ``postprocess`` advances ``num_computed_tokens``, calls ``block_manager.cache_full_blocks(seq)`` when a
+      step filled a block, appends sampled tokens, asks ``stop_checker`` whether each sampled sequence is
+      finished, sets ``status``/``finish_reason`` of finished ones, frees their blocks and returns them;
+    - preemption frees the sequence's blocks and resets ``num_computed_tokens`` to 0 (its KV is recomputed);
+    - ``abort`` of an unknown or already finished request id returns ``None``;
     - no waiting request is starved forever while others finish.
     """
 
@@ -132,6 +148,7 @@ class Scheduler(ABC):
         self.config = config
         self.block_manager = block_manager
         self.stop_checker = stop_checker
+        _reject_options(self, "scheduler", options)
 
     @abstractmethod
     def add(self, seq: Sequence) -> None: ...
@@ -231,6 +248,7 @@ class AttentionBackend(ABC):
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+        _reject_options(self, "attention", options)
 
     def build_metadata(self, batch: AttentionBatch) -> Any:
         """Turn the runner's batch description into whatever ``forward`` needs (called once per step)."""

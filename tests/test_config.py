@@ -79,3 +79,8 @@ def test_unknown_plugin_option_is_a_config_error(qwen3_path):
 def test_max_model_len_above_model_limit(qwen3_path):
     with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
         LLM(str(qwen3_path), max_model_len=100000)
+
+
+def test_unknown_attention_option_is_a_config_error(qwen3_path):
+    with pytest.raises(ConfigError, match=r"attention_options \['tile'\] not accepted by TorchAttentionBackend"):
+        LLM(str(qwen3_path), num_kvcache_blocks=8, plugins={"attention": "torch", "attention_options": {"tile": 4}})

@@ -15,6 +15,7 @@ import torch
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.model_runner import ModelRunner, model_shape
+from nanovllm_core.engine.options import instantiate
 from nanovllm_core.engine.parallel import (
     RunnerSpec,
     TensorParallelGroup,
@@ -64,24 +65,6 @@ def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtyp
     if isinstance(checkpoint, str):
         checkpoint = getattr(torch, checkpoint, None)
     return checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
-def instantiate(kind: str, cls: type, options: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-    """Build a plugin object, turning an unknown option into a ConfigError that lists the accepted ones."""
-    options_model = getattr(cls, "Options", None)
-    if options_model is not None:
-        try:
-            options = options_model(**options).model_dump()
-        except Exception as exc:  # noqa: BLE001 - pydantic ValidationError
-            raise ConfigError(f"invalid plugins.{kind}_options for {cls.__name__}: {exc}") from None
-    try:
-        return cls(*args, **kwargs, **options)
-    except TypeError as exc:
-        if options and "unexpected keyword" in str(exc):
-            raise ConfigError(
-                f"plugins.{kind}_options {sorted(options)} not accepted by {cls.__name__}: {exc}"
-            ) from None
-        raise
 
 
 def select_attention_backend(

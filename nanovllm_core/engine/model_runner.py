@@ -15,6 +15,7 @@ from torch import nn
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.cuda_graph import CudaGraphDecoder
+from nanovllm_core.engine.options import instantiate
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.forward_context import forward_context
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch, SchedulerOutput
@@ -207,7 +208,10 @@ class ModelRunner:
         if not self.attention_layers:
             raise ConfigError(f"{model_cls.__name__} has no nanovllm_core.layers.Attention layer")
         first = self.attention_layers[0]
-        self.backend = backend_cls(
+        self.backend = instantiate(
+            "attention",
+            backend_cls,
+            config.plugins.attention_options,
             num_heads=first.num_heads,
             num_kv_heads=first.num_kv_heads,
             head_dim=first.head_dim,
@@ -215,7 +219,6 @@ class ModelRunner:
             block_size=self.block_size,
             dtype=dtype,
             device=device,
-            **config.plugins.attention_options,
         )
         generator = torch.Generator(device=device)
         generator.manual_seed(config.seed)

@@ -37,7 +37,8 @@ import pytest
 import torch
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.llm_engine import LLMEngine, instantiate
+from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine.options import instantiate
 from nanovllm_core.errors import InvalidRequestError, ModelLoadError
 from nanovllm_core.hookspecs import hookimpl
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch, BlockManager, Scheduler, SchedulerOutput
