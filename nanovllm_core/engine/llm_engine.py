@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import time
@@ -203,25 +204,22 @@ class LLMEngine:
             raise ModelLoadError(f"could not load a tokenizer from {path!r}: {exc}") from None
 
     def _eos_token_ids(self) -> set[int]:
+        """EOS ids from config.json and generation_config.json (as transformers' generate uses them)."""
         ids: set[int] = set()
-        for source in (self.hf_config, getattr(self, "_generation_config", None)):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
+
+        def add(value: Any) -> None:
             if isinstance(value, int):
                 ids.add(value)
             elif isinstance(value, (list, tuple)):
                 ids.update(v for v in value if isinstance(v, int))
+
+        add(getattr(self.hf_config, "eos_token_id", None))
         gen_file = Path(self.config.model) / "generation_config.json"
         if gen_file.is_file():
-            import json
-
             try:
-                value = json.loads(gen_file.read_text()).get("eos_token_id")
+                add(json.loads(gen_file.read_text()).get("eos_token_id"))
             except json.JSONDecodeError:
-                value = None
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list):
-                ids.update(v for v in value if isinstance(v, int))
+                logger.warning("%s is not valid JSON; its eos_token_id is ignored", gen_file)
         if not ids and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
