@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.sequence import Sequence
+from nanovllm_core.sequence import Sequence, SequenceStatus
 
 
 def _reject_options(plugin: object, kind: str, options: dict[str, Any]) -> None:
@@ -136,7 +136,8 @@ class Scheduler(ABC):
       scheduled (it would never fit the KV cache), leaving the scheduler unchanged;
     - ``postprocess`` advances ``num_computed_tokens``, calls ``block_manager.cache_full_blocks(seq)`` when a
       step filled a block, appends sampled tokens, asks ``stop_checker`` whether each sampled sequence is
-      finished, sets ``status``/``finish_reason`` of finished ones, frees their blocks and returns them;
+      finished, sets ``status``/``finish_reason`` of finished ones, frees their blocks and returns them
+      (:meth:`advance` does all of this for one sequence);
     - preemption frees the sequence's blocks and resets ``num_computed_tokens`` to 0 (its KV is recomputed);
     - ``abort`` of an unknown or already finished request id returns ``None``;
     - no waiting request is starved forever while others finish.
@@ -163,6 +164,30 @@ class Scheduler(ABC):
     @abstractmethod
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request wherever it is and free its blocks; returns it, or ``None`` if unknown."""
+
+    def advance(self, seq: Sequence, num_new_tokens: int, token_id: int | None) -> bool:
+        """The bookkeeping of one sequence after a step, shared by every policy; ``postprocess`` calls it.
+
+        Advances ``num_computed_tokens``, lets the block manager index a block the step filled, appends the
+        sampled token (``None``: a prompt chunk that does not reach the end samples nothing) and asks
+        ``stop_checker``. Returns ``True`` when the sequence finished: its status and ``finish_reason`` are
+        set and its blocks freed; the caller then drops it from its own queues.
+        """
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens = after = before + num_new_tokens
+        block_size = self.block_manager.block_size
+        if after // block_size != before // block_size:
+            self.block_manager.cache_full_blocks(seq)
+        if token_id is None:
+            return False
+        seq.append_token(token_id)
+        reason = self.stop_checker(seq)
+        if reason is None:
+            return False
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        return True
 
     @abstractmethod
     def has_unfinished(self) -> bool: ...

@@ -48,15 +48,7 @@ class SerialScheduler(Scheduler):
     def postprocess(self, batch: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
         finished = []
         for seq, n, token_id in zip(batch.seqs, batch.num_new_tokens, sampled_token_ids):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-            if token_id is None:
-                continue
-            seq.append_token(token_id)
-            reason = self.stop_checker(seq)
-            if reason is not None:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-                self.block_manager.free(seq)
+            if self.advance(seq, n, token_id):
                 self.queue.remove(seq)
                 finished.append(seq)
         return finished

@@ -102,22 +102,8 @@ class FifoScheduler(Scheduler):
 
     def postprocess(self, batch: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
         finished = []
-        bm = self.block_manager
-        bs = bm.block_size
-        stop_checker = self.stop_checker
         for seq, num_new, token_id in zip(batch.seqs, batch.num_new_tokens, sampled_token_ids):
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens = after = before + num_new
-            if after // bs != before // bs:  # the step filled a block: make it findable
-                bm.cache_full_blocks(seq)
-            if token_id is None:
-                continue
-            seq.append_token(token_id)
-            reason = stop_checker(seq)
-            if reason is not None:
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = reason
-                bm.free(seq)
+            if self.advance(seq, num_new, token_id):
                 del self.running[seq.seq_id]
                 del self.requests[seq.request_id]
                 finished.append(seq)

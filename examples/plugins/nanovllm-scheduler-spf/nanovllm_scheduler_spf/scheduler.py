@@ -149,16 +149,7 @@ class ShortestPromptFirstScheduler(Scheduler):
     def postprocess(self, batch: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
         finished = []
         for seq, num_new, token_id in zip(batch.seqs, batch.num_new_tokens, sampled_token_ids):
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
-            if token_id is None:
-                continue
-            seq.append_token(token_id)
-            reason = self.stop_checker(seq)
-            if reason is not None:
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = reason
-                self.block_manager.free(seq)
+            if self.advance(seq, num_new, token_id):
                 del self.running[seq.seq_id]
                 del self.requests[seq.request_id]
                 finished.append(seq)

@@ -76,16 +76,7 @@ class DecodeFirstScheduler(Scheduler):
     def postprocess(self, batch: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
         finished = []
         for seq, n, token_id in zip(batch.seqs, batch.num_new_tokens, sampled_token_ids):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)  # make the filled blocks findable by the prefix cache
-            if token_id is None:  # a prompt chunk that does not reach the end samples nothing
-                continue
-            seq.append_token(token_id)
-            reason = self.stop_checker(seq)
-            if reason is not None:
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = reason
-                self.block_manager.free(seq)
+            if self.advance(seq, n, token_id):
                 del self.running[seq.seq_id]
                 del self.requests[seq.request_id]
                 finished.append(seq)
