@@ -48,16 +48,22 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         args = typing.get_args(annotation)
         base = next((a for a in args if a is not type(None)), annotation) if args else annotation
         if base is bool:
-            parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction,
-                                help=field.description)
+            parser.add_argument(
+                flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=field.description
+            )
         elif typing.get_origin(base) is typing.Literal:
             parser.add_argument(flag, dest=name, default=None, choices=typing.get_args(base), help=field.description)
         else:
-            parser.add_argument(flag, dest=name, default=None, type=base if base in (int, float) else str,
-                                help=field.description)
+            parser.add_argument(
+                flag, dest=name, default=None, type=base if base in (int, float) else str, help=field.description
+            )
     for name in ("scheduler", "block_manager", "attention"):
-        parser.add_argument("--" + name.replace("_", "-"), dest=f"plugin_{name}", default=None,
-                            help=PluginsConfig.model_fields[name].description)
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=f"plugin_{name}",
+            default=None,
+            help=PluginsConfig.model_fields[name].description,
+        )
 
 
 def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -66,8 +72,11 @@ def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name, None)
         if value is not None and name not in ("plugins",):
             overrides[name] = value
-    plugins = {n: getattr(args, f"plugin_{n}") for n in ("scheduler", "block_manager", "attention")
-               if getattr(args, f"plugin_{n}", None) is not None}
+    plugins = {
+        n: getattr(args, f"plugin_{n}")
+        for n in ("scheduler", "block_manager", "attention")
+        if getattr(args, f"plugin_{n}", None) is not None
+    }
     if plugins:
         overrides["plugins"] = plugins
     return overrides
@@ -83,8 +92,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elif args.model:
         overrides["model"] = args.model
     prompts = args.prompt or DEMO_PROMPTS
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed_request)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed_request,
+    )
     llm = LLM(config=args.config, cli_overrides=overrides)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
@@ -98,12 +113,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"    error: {out.error}")
         else:
             print(f"    output: {completion.text!r}  ({len(completion.token_ids)} tokens, {completion.finish_reason})")
-    totals = llm.stats.totals
-    prefill = totals["prefill_tokens"] / totals["prefill_s"] if totals["prefill_s"] else 0.0
-    decode = totals["decode_tokens"] / totals["decode_s"] if totals["decode_s"] else 0.0
-    print(f"{num_out} output tokens in {elapsed:.2f} s: {num_out / elapsed:,.1f} tok/s "
-          f"(prefill {prefill:,.0f} tok/s, decode {decode:,.0f} tok/s; attention backend "
-          f"{llm.attention_backend_name!r}, device {llm.device})")
+    print(
+        f"{num_out} output tokens in {elapsed:.2f} s: {num_out / elapsed:,.1f} tok/s ({llm.stats.rates_text()}; "
+        f"attention backend {llm.attention_backend_name!r}, device {llm.device}, "
+        f"KV cache {llm.runner.num_kvcache_blocks} blocks of {llm.config.kvcache_block_size} tokens)"
+    )
     return 0
 
 
@@ -123,11 +137,16 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         selection = PluginsConfig(**table)
     except ValueError as exc:
         raise ConfigError(f"[plugins] of {args.config}: {exc}") from None
-    selected = {"scheduler": selection.scheduler, "block_manager": selection.block_manager,
-                "attention": selection.attention}
+    selected = {
+        "scheduler": selection.scheduler,
+        "block_manager": selection.block_manager,
+        "attention": selection.attention,
+    }
     rows = [("", "kind", "name", "distribution", "version", "module")]
-    rows += [("*" if selected.get(r.kind) == r.name else "", r.kind, r.name, r.distribution, r.version, r.module)
-             for r in registry.all()]
+    rows += [
+        ("*" if selected.get(r.kind) == r.name else "", r.kind, r.name, r.distribution, r.version, r.module)
+        for r in registry.all()
+    ]
     for line in _table(rows):
         print(line)
     source = f"file {args.config}" if args.config else "the defaults"
@@ -229,14 +248,19 @@ def config_reference() -> str:
     ``PluginsConfig`` (``nanovllm config --reference > docs/config.md``)."""
     engine_flags = {
         n: ("--[no-]" if f.annotation is bool else "--") + n.replace("_", "-")
-        for n, f in EngineConfig.model_fields.items() if n != "plugins"
+        for n, f in EngineConfig.model_fields.items()
+        if n != "plugins"
     }
     engine_flags["model"] = "--model"
     plugin_flags = {n: "--" + n.replace("_", "-") for n in ("scheduler", "block_manager", "attention")}
-    example = {n: "/path/to/checkpoint" if n == "model" else EngineConfig.model_fields[n].get_default()
-               for n in EngineConfig.model_fields if n != "plugins"}
-    plugin_example = {n: PluginsConfig.model_fields[n].get_default(call_default_factory=True)
-                      for n in PluginsConfig.model_fields}
+    example = {
+        n: "/path/to/checkpoint" if n == "model" else EngineConfig.model_fields[n].get_default()
+        for n in EngineConfig.model_fields
+        if n != "plugins"
+    }
+    plugin_example = {
+        n: PluginsConfig.model_fields[n].get_default(call_default_factory=True) for n in PluginsConfig.model_fields
+    }
     out = [
         "# Configuration reference",
         "",
@@ -247,8 +271,8 @@ def config_reference() -> str:
         "four layers; a later layer overrides an earlier one key by key (the `[plugins]` table merges key by key):",
         "",
         "1. the defaults below;",
-        "2. a TOML file: `LLM(config=\"nanovllm.toml\")`, `LLMEngine(config=...)`, `nanovllm ... --config FILE`;",
-        "3. keyword arguments: `LLM(model, max_num_seqs=64, plugins={\"scheduler\": \"fifo\"})`;",
+        '2. a TOML file: `LLM(config="nanovllm.toml")`, `LLMEngine(config=...)`, `nanovllm ... --config FILE`;',
+        '3. keyword arguments: `LLM(model, max_num_seqs=64, plugins={"scheduler": "fifo"})`;',
         "4. command-line flags of `nanovllm generate`, `nanovllm bench` and `nanovllm config`.",
         "",
         "An invalid value fails before any weights load, naming the field and what is allowed.",
@@ -291,7 +315,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         overrides["model"] = args.model
     if "model" not in overrides and not (args.config and "model" in read_config_file(args.config)):
         raise ConfigError(
-            "model is not set: put `model = \"/path/to/checkpoint\"` in the --config file or pass --model "
+            'model is not set: put `model = "/path/to/checkpoint"` in the --config file or pass --model '
             "(`nanovllm config --reference` lists every field and its default)"
         )
     config = EngineConfig.load(args.config, cli_overrides=overrides)

@@ -65,12 +65,7 @@ class LLM(LLMEngine):
             while self.has_unfinished_requests():
                 finished = self.step()
                 if use_tqdm:
-                    s = self.stats
-                    kind, count = (
-                        ("prefill", s.num_prefill_tokens) if s.num_prefill_tokens else ("decode", s.num_decode_tokens)
-                    )
-                    rate = count / s.seconds if s.seconds > 0 else 0.0
-                    bar.set_postfix_str(f"{kind} {rate:,.0f} tok/s", refresh=False)
+                    bar.set_postfix_str(self.stats.rates_text(), refresh=False)
                 for out in finished:
                     results[out.request_id] = out
                     bar.update(1)

@@ -48,6 +48,13 @@ class StepStats:
         default_factory=lambda: {"prefill_tokens": 0, "decode_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0}
     )
 
+    def rates_text(self) -> str:
+        """``prefill N tok/s, decode M tok/s`` over everything run so far (what the progress bar shows)."""
+        t = self.totals
+        prefill = t["prefill_tokens"] / t["prefill_s"] if t["prefill_s"] else 0.0
+        decode = t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
+        return f"prefill {prefill:,.0f} tok/s, decode {decode:,.0f} tok/s"
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -143,16 +144,23 @@ class TensorParallelGroup:
         self.check_workers()
         dist.broadcast_object_list([(kind, payload)], src=0, group=self.control)
 
+    def _say_exit(self) -> None:
+        try:
+            dist.broadcast_object_list([("exit", None)], src=0, group=self.control)
+            dist.barrier(group=self.control)
+        except Exception:  # noqa: BLE001 - a peer already gone; the caller terminates the workers
+            pass
+
     def close(self, graceful: bool = True) -> None:
         if self.closed:
             return
         self.closed = True
         if graceful and all(p.is_alive() for p in self.processes):
-            try:
-                dist.broadcast_object_list([("exit", None)], src=0, group=self.control)
-                dist.barrier(group=self.control)
-            except Exception:  # noqa: BLE001 - a peer already gone; fall through to terminate
-                pass
+            # In a thread with a deadline: after a Ctrl-C the ranks may be out of step, and a collective that
+            # never completes must not keep the process from exiting; the workers are terminated below.
+            farewell = threading.Thread(target=self._say_exit, daemon=True)
+            farewell.start()
+            farewell.join(timeout=10)
         for proc in self.processes:
             proc.join(timeout=10)
             if proc.is_alive():
