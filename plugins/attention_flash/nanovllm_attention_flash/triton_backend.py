@@ -64,7 +64,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
-    priority = 20
+    priority = 30  # the fastest end to end on an H200 (docs/benchmarks.md), so `auto` takes it first
     supports_cuda_graph = True
 
     class Options(BaseModel):
