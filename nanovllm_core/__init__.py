@@ -20,7 +20,7 @@ from nanovllm_core.errors import (
     PluginError,
     UnknownPluginError,
 )
-from nanovllm_core.hookspecs import hookimpl
+from nanovllm_core.hookspecs import CORE_VERSION, PLUGIN_API_VERSION, hookimpl
 from nanovllm_core.interfaces import (
     AttentionBackend,
     AttentionBatch,
@@ -34,8 +34,7 @@ from nanovllm_core.plugins import get_registry, register_plugin, unregister_plug
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.sequence import Sequence, SequenceStatus
 
-__version__ = "0.1.0"
-PLUGIN_API_VERSION = 1
+__version__ = CORE_VERSION
 
 __all__ = [
     "LLM",

@@ -25,6 +25,8 @@ from typing import Any
 import pluggy
 
 PROJECT_NAME = "nanovllm"
+PLUGIN_API_VERSION = 1  # bumped when a hook or an interface changes incompatibly
+CORE_VERSION = "0.1.0"
 ENTRY_POINT_GROUP = "nanovllm"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

@@ -149,12 +149,10 @@ def api_supported(spec: object, version: int) -> bool:
 
 
 def _api_problem(plugin: Any) -> str | None:
-    import nanovllm_core
-
     spec = getattr(plugin, API_ATTRIBUTE, DEFAULT_PLUGIN_API)
-    core = f"nanovllm-core {nanovllm_core.__version__} provides plugin API {nanovllm_core.PLUGIN_API_VERSION}"
+    core = f"nanovllm-core {hookspecs.CORE_VERSION} provides plugin API {hookspecs.PLUGIN_API_VERSION}"
     try:
-        supported = api_supported(spec, nanovllm_core.PLUGIN_API_VERSION)
+        supported = api_supported(spec, hookspecs.PLUGIN_API_VERSION)
     except ValueError:
         return (
             f"{API_ATTRIBUTE} = {spec!r} is not a version specifier; write an integer or clauses such as "
