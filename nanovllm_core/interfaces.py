@@ -180,7 +180,7 @@ class Scheduler(ABC):
             self.block_manager.cache_full_blocks(seq)
         if token_id is None:
             return False
-        seq.append_token(token_id)
+        seq.token_ids.append(token_id)  # Sequence.append_token, inlined: this runs for every token
         reason = self.stop_checker(seq)
         if reason is None:
             return False

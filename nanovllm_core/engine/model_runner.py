@@ -121,9 +121,9 @@ def flatten_batch(batch: SchedulerOutput, block_size: int) -> HostBatch:
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
         seq_lens = [p + 1 for p in positions]
         query_start_loc = list(range(len(seqs) + 1))
-        sample_rows = [i for i, (seq, n) in enumerate(zip(seqs, seq_lens)) if n == seq.num_tokens]
+        sample_rows = [i for i, (seq, n) in enumerate(zip(seqs, seq_lens)) if n == len(seq.token_ids)]
         logits_indices = sample_rows
-        max_blocks = max(len(seq.block_table) for seq in seqs)
+        max_blocks = max(map(len, (seq.block_table for seq in seqs)))
     else:
         input_ids, positions, slots, query_start_loc, seq_lens, logits_indices, sample_rows, max_blocks = (
             _flatten_mixed(batch, bs)

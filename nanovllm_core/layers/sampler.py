@@ -26,19 +26,21 @@ class SamplingBatch:
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
         params = [s.sampling_params for s in seqs]
-        all_greedy = all(p.temperature == 0 for p in params)
-        temps = torch.frombuffer(array("f", [p.temperature for p in params]), dtype=torch.float32)
+        temperatures = [p.temperature for p in params]
+        num_greedy = temperatures.count(0)  # 0.0 == 0, so this counts both
+        all_greedy = num_greedy == len(params)
+        temps = torch.frombuffer(array("f", temperatures), dtype=torch.float32)
         if device.type == "cuda":
             temps = temps.pin_memory()
         top_k = top_p = min_p = None
-        if not all_greedy:
+        filtered = not all_greedy and any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
+        if filtered:
             if any(p.top_k > 0 for p in params):
                 top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]).to(device)
             if any(p.top_p < 1 for p in params):
                 top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
             if any(p.min_p > 0 for p in params):
                 min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device)
-        any_greedy = any(p.temperature == 0 for p in params)
         return cls(
             temps.to(device, non_blocking=True),
             top_k,
@@ -46,7 +48,7 @@ class SamplingBatch:
             min_p,
             [s.generator for s in seqs],
             all_greedy,
-            any_greedy,
+            num_greedy > 0,
         )
 
 
