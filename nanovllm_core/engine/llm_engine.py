@@ -297,7 +297,12 @@ class LLMEngine:
             seq.stop_reason = token
             return "stop"
         if params.stop_strings:
-            text = self._completion_text(seq)
+            # Only the newest tokens can complete a stop string that was not there a step ago, so decode a
+            # tail long enough to hold the longest one (every token decodes to at least one character, except
+            # pieces of a multi-byte character: hence the margin) instead of the whole completion each step.
+            window = max(map(len, params.stop_strings)) + 8
+            tail = seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - window) :]
+            text = self.tokenizer.decode(tail, skip_special_tokens=params.skip_special_tokens)
             for stop in params.stop_strings:
                 if stop in text:
                     seq.stop_reason = stop
