@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from nanovllm_core.errors import ConfigError
+
 QWEN3_0_6B = dict(
     vocab_size=151936,
     hidden_size=1024,
@@ -84,6 +86,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's lengths: prompts of randint(100, max_input_len), outputs of randint(100, max_output_len)."""
+    for name, value in (("--max-input-len", max_input_len), ("--max-output-len", max_output_len)):
+        if value < 100:
+            raise ConfigError(f"{name} {value} is too small: the workload draws lengths from 100 up to it (>= 100)")
+    if num_seqs < 1:
+        raise ConfigError(f"--num-seqs {num_seqs}: at least 1")
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
     max_tokens = [random.randint(100, max_output_len) for _ in range(num_seqs)]
