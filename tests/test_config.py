@@ -84,3 +84,10 @@ def test_max_model_len_above_model_limit(qwen3_path):
 def test_unknown_attention_option_is_a_config_error(qwen3_path):
     with pytest.raises(ConfigError, match=r"attention_options \['tile'\] not accepted by TorchAttentionBackend"):
         LLM(str(qwen3_path), num_kvcache_blocks=8, plugins={"attention": "torch", "attention_options": {"tile": 4}})
+
+
+def test_flash_attn_backend_rejects_options_before_loading_anything():
+    from nanovllm_attention_flash import FlashAttnBackend
+
+    with pytest.raises(ConfigError, match=r"attention_options \['tile'\] not accepted by FlashAttnBackend"):
+        FlashAttnBackend(2, 1, 64, 0.125, 16, None, None, tile=4)

@@ -89,11 +89,8 @@ class FlashAttnBackend(AttentionBackend):
         device: torch.device,
         **options: Any,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device)
-        if options:
-            from nanovllm_core import ConfigError
-
-            raise ConfigError(f"the flash_attn backend takes no attention_options (got {sorted(options)})")
+        # it takes no options: the base class rejects any that arrive, naming them
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device, **options)
         self._varlen = load_flash_attn_varlen_func()
         from nanovllm_attention_flash import triton_kernels
 
