@@ -20,6 +20,19 @@ bench() {  # bench NAME ARGS...: the nano-vllm workload through `nanovllm bench`
   step "bench_$name" "${BENCH_LIMIT:-200}" python -m nanovllm_core.cli bench --json "$OUT/bench_$name.json" "$@"
 }
 case "${1:?phase}" in
+  overlap-a)  # async scheduling + fused qk-norm/rope + sampling kernel: GPU tests, then the bench with and without
+    step gpu_tests_core 240 python -m pytest tests/test_gpu_engine.py tests/test_qk_norm_rope.py \
+      tests/test_sampling_kernel.py -m gpu -q -k "not flash_attn"
+    step kernel_tests_triton 150 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "triton"
+    TAIL=25 bench triton --attention triton --profile
+    TAIL=5 bench triton_sync --attention triton --async-scheduling off
+    ;;
+  overlap-b)  # flash-attn-4 beside it: prefill tile sweep, kernel table, parity, bench
+    python -c "import flash_attn.cute; print('flash-attn-4 imports')"
+    TAIL=60 step kernel_sweep 240 python plugins/attention_flash/bench_kernels.py --sweep --out "$OUT/sweep.md"
+    step engine_tests_flash 120 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "flash_attn"
+    TAIL=6 bench flash_attn --attention flash_attn
+    ;;
   triton)
     step kernel_tests_triton 150 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "triton"
     step engine_tests 150 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "not flash_attn"

@@ -50,6 +50,7 @@ def main() -> None:
         kvcache_block_size=args.block_size,
     )
     engine_like = SimpleNamespace(eos_token_ids={0}, config=config, tokenizer=None)
+    engine_like._token_stop = lambda seq: LLMEngine._token_stop(engine_like, seq)
     stop = lambda seq: LLMEngine.check_stop(engine_like, seq)  # noqa: E731 - the engine's own stop check
     bm = PrefixCachingBlockManager(args.num_seqs * 16, args.block_size)
     sched = FifoScheduler(config, bm, stop)

@@ -32,12 +32,13 @@ from nanovllm_core.interfaces import (
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.plugins import get_registry, register_plugin, unregister_plugin
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.sequence import Sequence, SequenceStatus
+from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 
 __version__ = CORE_VERSION
 
 __all__ = [
     "LLM",
+    "PLACEHOLDER_TOKEN",
     "PLUGIN_API_VERSION",
     "AttentionBackend",
     "AttentionBatch",

@@ -220,6 +220,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         "num_kvcache_blocks": llm.runner.num_kvcache_blocks,
         "enforce_eager": llm.config.enforce_eager,
         "cuda_graphs": llm.runner.graphs is not None,
+        "async_scheduling": llm.async_scheduling,
         "num_preemptions": getattr(llm.scheduler, "num_preemptions", None),
     }
     result.update(llm.runner.timing_summary())
@@ -229,7 +230,10 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         result.update(bound)
         result["bound_tok_per_s"] = produced / bound["bound_s"]
         result["percent_of_bound"] = 100 * bound["bound_s"] / elapsed
-    print(f"attention={result['attention']} device={result['device']} blocks={result['num_kvcache_blocks']}")
+    print(
+        f"attention={result['attention']} device={result['device']} blocks={result['num_kvcache_blocks']} "
+        f"cuda_graphs={result['cuda_graphs']} async_scheduling={result['async_scheduling']}"
+    )
     print(
         f"Total: {produced} tok, Time: {elapsed:.2f}s, Throughput: {produced / elapsed:,.0f} tok/s "
         f"(prefill {result['prefill_tok_per_s']:,.0f} tok/s, decode {result['decode_tok_per_s']:,.0f} tok/s)"

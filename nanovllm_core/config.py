@@ -72,6 +72,11 @@ class EngineConfig(BaseModel):
         True,
         description="On CUDA, fuse the small elementwise ops (norms, rotary, activation, sampling) with torch.compile.",
     )
+    async_scheduling: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Schedule and prepare step N+1 while the device runs step N. `auto`: on for CUDA with "
+        "tensor_parallel_size 1; `on` also on CPU (no speed-up there, same tokens); `off`: one step at a time.",
+    )
     tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs (or CPU processes) to shard the model over.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)

@@ -141,6 +141,14 @@ class Scheduler(ABC):
     - preemption frees the sequence's blocks and resets ``num_computed_tokens`` to 0 (its KV is recomputed);
     - ``abort`` of an unknown or already finished request id returns ``None``;
     - no waiting request is starved forever while others finish.
+
+    Async scheduling (``config.async_scheduling``, on by default on CUDA): the engine calls ``postprocess``
+    right after it launches a step, before the sampled tokens reach the host, with
+    :data:`~nanovllm_core.sequence.PLACEHOLDER_TOKEN` for each sampled token; ``schedule`` then sees that
+    placeholder as the last token of the sequence (the model runner feeds the real one on the device). Only
+    the length limit can end a sequence at that point. When the real token arrives and ends the sequence
+    (EOS, stop token, stop string) the engine removes it with ``abort`` and sets its finish reason. A policy
+    that goes through :meth:`advance` and never reads token values needs nothing more.
     """
 
     def __init__(
@@ -159,7 +167,8 @@ class Scheduler(ABC):
 
     @abstractmethod
     def postprocess(self, batch: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
-        """``sampled_token_ids[i]`` is the token sampled for ``batch.seqs[i]`` or ``None`` (mid-prompt chunk)."""
+        """``sampled_token_ids[i]`` is the token sampled for ``batch.seqs[i]``, ``None`` (mid-prompt chunk) or,
+        with async scheduling, ``PLACEHOLDER_TOKEN`` (the token is still on the device)."""
 
     @abstractmethod
     def abort(self, request_id: str) -> Sequence | None:

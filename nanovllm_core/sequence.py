@@ -8,6 +8,14 @@ import torch
 
 from nanovllm_core.sampling_params import SamplingParams
 
+PLACEHOLDER_TOKEN = -1
+"""Stands in ``Sequence.token_ids`` for a token the device sampled but the host has not read yet.
+
+With async scheduling the engine schedules step N+1 before step N's tokens reach the host: each sequence
+that step N samples gets this placeholder, and the model runner feeds the real token to step N+1 on the
+device. The engine writes the real token in before it checks stop conditions or returns any output.
+"""
+
 
 class SequenceStatus(Enum):
     WAITING = auto()

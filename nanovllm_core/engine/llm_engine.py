@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.model_runner import ModelRunner, model_shape
+from nanovllm_core.engine.model_runner import ModelRunner, PendingStep, model_shape
 from nanovllm_core.engine.options import instantiate
 from nanovllm_core.engine.parallel import (
     RunnerSpec,
@@ -25,12 +25,12 @@ from nanovllm_core.engine.parallel import (
     worker_main,
 )
 from nanovllm_core.errors import ConfigError, InvalidRequestError, ModelLoadError
-from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler
+from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler, SchedulerOutput
 from nanovllm_core.loader import load_hf_config
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.plugins import PluginRegistry, get_registry
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.sequence import Sequence, SequenceStatus
+from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,19 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._requests: dict[str, Sequence] = {}
         self.stats = StepStats()
+        self.async_scheduling = self._use_async_scheduling()
+        self._in_flight: PendingStep | None = None
+
+    def _use_async_scheduling(self) -> bool:
+        mode = self.config.async_scheduling
+        if mode == "off":
+            return False
+        if self.tp_group is not None:
+            # the workers would need the sampled ids from rank 0 on their devices each step
+            if mode == "on":
+                raise ConfigError("async_scheduling='on' needs tensor_parallel_size=1 (set it to 'auto' or 'off')")
+            return False
+        return mode == "on" or self.device.type == "cuda"
 
     # --- set-up helpers -------------------------------------------------------------------------------
 
@@ -275,20 +288,40 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its blocks are freed. Returns its partial output, or None."""
         seq = self.scheduler.abort(request_id)
+        # async scheduling: a request that hit its length limit has left the scheduler but waits for its last token
+        seq = self._requests.pop(request_id, None) if seq is None else seq
         self._requests.pop(request_id, None)
         if seq is None:
             return None
+        while seq.token_ids[-1] == PLACEHOLDER_TOKEN:  # a token the device is still producing: dropped
+            seq.token_ids.pop()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
         return self._output(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # --- stepping -------------------------------------------------------------------------------------
 
     def check_stop(self, seq: Sequence) -> str | None:
-        """The finish reason after ``seq`` got a new token, or None to go on (handed to the scheduler)."""
+        """The finish reason after ``seq`` got a new token, or None to go on (handed to the scheduler).
+
+        While the new token is a placeholder (async scheduling) only the length can end the sequence; the
+        token's own conditions are checked when it arrives.
+        """
+        if seq.token_ids[-1] != PLACEHOLDER_TOKEN:
+            reason = self._token_stop(seq)
+            if reason is not None:
+                return reason
+        num_tokens = len(seq.token_ids)
+        max_tokens = seq.sampling_params.max_tokens
+        if num_tokens - seq.num_prompt_tokens >= max_tokens or num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _token_stop(self, seq: Sequence) -> str | None:
+        """``"stop"`` when the last token is an EOS, a stop token or completes a stop string, else None."""
         params = seq.sampling_params
         token = seq.token_ids[-1]
         if token in self.eos_token_ids and not params.ignore_eos:
@@ -307,9 +340,6 @@ class LLMEngine:
                 if stop in text:
                     seq.stop_reason = stop
                     return "stop"
-        num_tokens = len(seq.token_ids)
-        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
-            return "length"
         return None
 
     def _completion_text(self, seq: Sequence) -> str:
@@ -332,20 +362,78 @@ class LLMEngine:
         )
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; returns the requests that finished in it."""
+        """Schedule and run one step; returns the requests that finished in it.
+
+        With async scheduling the step is launched and the previous step's tokens are read while the device
+        runs it, so a request finishes one ``step()`` call after the step that sampled its last token.
+        """
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        if not batch.seqs:
+        if not batch.seqs and self._in_flight is None:
             return []
+        num_prefill, num_decode = self._token_counts(batch)
+        if not self.async_scheduling:
+            finished = self.scheduler.postprocess(batch, self.runner.execute(batch))
+        else:
+            launched = self.runner.launch(batch, self._in_flight) if batch.seqs else None
+            finished = self._receive(self._in_flight) if self._in_flight is not None else []
+            self._in_flight = launched
+            if launched is not None:
+                self._advance_optimistically(launched)
+        self._count(num_prefill, num_decode, time.perf_counter() - start)
+        outputs = []
+        for seq in finished:
+            self._requests.pop(seq.request_id, None)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _advance_optimistically(self, launched: PendingStep) -> None:
+        """Postprocess a launched step before its tokens are known: each sampling sequence gets a placeholder.
+
+        Sequences that reached their length limit finish here (their blocks are freed: the device works in
+        stream order, so nothing reuses them before the step ends) and are returned once their token arrives.
+        """
+        batch = launched.batch
+        placeholders: list[int | None] = [None] * len(batch.seqs)
+        for row in launched.sample_rows:
+            placeholders[row] = PLACEHOLDER_TOKEN
+        if any(seq.is_finished for seq in batch.seqs):  # a stop token of the previous step ended them
+            live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
+            batch = SchedulerOutput([batch.seqs[i] for i in live], [batch.num_new_tokens[i] for i in live])
+            placeholders = [placeholders[i] for i in live]
+        self.scheduler.postprocess(batch, placeholders)
+
+    def _receive(self, pending: PendingStep) -> list[Sequence]:
+        """Read a launched step's tokens (waits for it), put them in place of the placeholders, check stops."""
+        finished = []
+        for seq, token in zip(pending.batch.seqs, pending.tokens()):
+            if token is None or self._requests.get(seq.request_id) is not seq:
+                continue  # mid-prompt chunk, or aborted by the caller since
+            seq.token_ids[-1] = token
+            reason = self._token_stop(seq)
+            if seq.is_finished:  # ended by its length when it was advanced: this is its last token
+                if reason is not None:
+                    seq.finish_reason = reason
+            elif reason is not None:
+                self.scheduler.abort(seq.request_id)  # drops it from the queues and frees its blocks
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = reason
+            else:
+                continue
+            finished.append(seq)
+        return finished
+
+    @staticmethod
+    def _token_counts(batch: SchedulerOutput) -> tuple[int, int]:
+        """(prompt tokens, decode tokens) of a scheduled step."""
         num_decode = sum(
             1
             for n, s in zip(batch.num_new_tokens, batch.seqs)
             if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
         )
-        num_prefill = batch.total_new_tokens - num_decode
-        sampled = self.runner.execute(batch)
-        finished = self.scheduler.postprocess(batch, sampled)
-        elapsed = time.perf_counter() - start
+        return batch.total_new_tokens - num_decode, num_decode
+
+    def _count(self, num_prefill: int, num_decode: int, elapsed: float) -> None:
         self.stats.num_prefill_tokens, self.stats.num_decode_tokens, self.stats.seconds = (
             num_prefill,
             num_decode,
@@ -358,8 +446,3 @@ class LLMEngine:
         if num_decode:
             totals["decode_tokens"] += num_decode
             totals["decode_s"] += elapsed * num_decode / (num_prefill + num_decode)
-        outputs = []
-        for seq in finished:
-            self._requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq))
-        return outputs

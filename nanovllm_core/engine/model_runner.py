@@ -6,7 +6,7 @@ import logging
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from nanovllm_core.layers.attention import Attention
 from nanovllm_core.layers.fused import set_compile
 from nanovllm_core.layers.sampler import Sampler, SamplingBatch
 from nanovllm_core.loader import iter_safetensors
-from nanovllm_core.sequence import Sequence
+from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +59,50 @@ def host_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> 
     return t
 
 
-def _flatten_mixed(batch: SchedulerOutput, bs: int) -> tuple:
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    logits_indices: list[int] = []
-    sample_rows: list[int] = []
-    max_blocks = 0
+@dataclass
+class HostBatch:
+    """One step's model inputs as plain lists: built once on rank 0, sent as is to tensor-parallel workers."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    max_blocks: int
+    max_query_len: int
+    logits_indices: list[int]
+    sample_rows: list[int]
+    block_tables: list[int] = field(default_factory=list)  # flattened [num_seqs, max_blocks], padded with 0
+    # async scheduling: input_ids[placeholder_dst[i]] is row placeholder_src[i] of the previous step's tokens
+    placeholder_dst: list[int] = field(default_factory=list)
+    placeholder_src: list[int] = field(default_factory=list)
+
+
+def _flatten_decode(seqs: list[Sequence], bs: int) -> tuple[HostBatch, list[tuple[int, int]]]:
+    """Pure decode, the common case, kept cheap."""
+    positions = [seq.num_computed_tokens for seq in seqs]
+    input_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
+    seq_lens = [p + 1 for p in positions]
+    sample_rows = [i for i, (seq, n) in enumerate(zip(seqs, seq_lens)) if n == len(seq.token_ids)]
+    host = HostBatch(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=[seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)],
+        query_start_loc=list(range(len(seqs) + 1)),
+        seq_lens=seq_lens,
+        max_blocks=max(map(len, (seq.block_table for seq in seqs))),
+        max_query_len=1,
+        logits_indices=sample_rows,
+        sample_rows=sample_rows,
+    )
+    return host, [(i, i) for i, token in enumerate(input_ids) if token == PLACEHOLDER_TOKEN]
+
+
+def _flatten_mixed(batch: SchedulerOutput, bs: int) -> tuple[HostBatch, list[tuple[int, int]]]:
+    host = HostBatch([], [], [], [0], [], 0, max(batch.num_new_tokens), [], [])
+    input_ids, positions, slots = host.input_ids, host.positions, host.slot_mapping
+    query_start_loc = host.query_start_loc
+    placeholder_rows: list[tuple[int, int]] = []  # (flat index, batch row) of tokens still on the device
     for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
         start = seq.num_computed_tokens
         end = start + n
@@ -86,68 +121,44 @@ def _flatten_mixed(batch: SchedulerOutput, bs: int) -> tuple:
                 slots.extend(range(base + pos, base + block_end))
                 pos = block_end
         query_start_loc.append(query_start_loc[-1] + n)
-        seq_lens.append(end)
-        if len(table) > max_blocks:
-            max_blocks = len(table)
+        host.seq_lens.append(end)
+        if len(table) > host.max_blocks:
+            host.max_blocks = len(table)
         if end == seq.num_tokens:
-            logits_indices.append(query_start_loc[-1] - 1)
-            sample_rows.append(row)
-    return input_ids, positions, slots, query_start_loc, seq_lens, logits_indices, sample_rows, max_blocks
+            host.logits_indices.append(query_start_loc[-1] - 1)
+            host.sample_rows.append(row)
+            if seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+                placeholder_rows.append((query_start_loc[-1] - 1, row))
+    return host, placeholder_rows
 
 
-@dataclass
-class HostBatch:
-    """One step's model inputs as plain lists: built once on rank 0, sent as is to tensor-parallel workers."""
+def flatten_batch(batch: SchedulerOutput, block_size: int, previous_rows: dict[int, int] | None = None) -> HostBatch:
+    """Flatten a scheduled batch into token ids, positions, KV slots and block tables (host work).
 
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    block_tables: list[int]  # flattened [num_seqs, max_blocks], padded with 0
-    max_blocks: int
-    max_query_len: int
-    logits_indices: list[int]
-    sample_rows: list[int]
-
-
-def flatten_batch(batch: SchedulerOutput, block_size: int) -> HostBatch:
-    """Flatten a scheduled batch into token ids, positions, KV slots and block tables (host work)."""
-    bs = block_size
+    ``previous_rows`` maps ``seq_id`` to the row of the in-flight step's sampled tokens (async scheduling): a
+    sequence whose last token is still :data:`PLACEHOLDER_TOKEN` takes its input from there, on the device.
+    """
     seqs = batch.seqs
-    if max(batch.num_new_tokens) == 1:  # pure decode: the common case, kept cheap
-        positions = [seq.num_computed_tokens for seq in seqs]
-        input_ids = [seq.token_ids[p] for seq, p in zip(seqs, positions)]
-        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
-        seq_lens = [p + 1 for p in positions]
-        query_start_loc = list(range(len(seqs) + 1))
-        sample_rows = [i for i, (seq, n) in enumerate(zip(seqs, seq_lens)) if n == len(seq.token_ids)]
-        logits_indices = sample_rows
-        max_blocks = max(map(len, (seq.block_table for seq in seqs)))
+    if max(batch.num_new_tokens) == 1:
+        host, placeholder_rows = _flatten_decode(seqs, block_size)
     else:
-        input_ids, positions, slots, query_start_loc, seq_lens, logits_indices, sample_rows, max_blocks = (
-            _flatten_mixed(batch, bs)
-        )
-    flat_tables: list[int] = []
-    zeros = [0] * max_blocks
+        host, placeholder_rows = _flatten_mixed(batch, block_size)
+    if placeholder_rows:
+        if previous_rows is None:
+            raise RuntimeError("a scheduled token is a placeholder but no step is in flight to supply it")
+        host.placeholder_dst = [dst for dst, _ in placeholder_rows]
+        host.placeholder_src = [previous_rows[seqs[row].seq_id] for _, row in placeholder_rows]
+    flat_tables = host.block_tables
+    zeros = [0] * host.max_blocks
     for seq in seqs:
         flat_tables.extend(seq.block_table)
         flat_tables.extend(zeros[len(seq.block_table) :])
-    return HostBatch(
-        input_ids,
-        positions,
-        slots,
-        query_start_loc,
-        seq_lens,
-        flat_tables,
-        max_blocks,
-        max(batch.num_new_tokens),
-        logits_indices,
-        sample_rows,
-    )
+    return host
 
 
-def to_model_inputs(host: HostBatch, block_size: int, device: torch.device) -> ModelInputs:
+def to_model_inputs(
+    host: HostBatch, block_size: int, device: torch.device, previous_tokens: torch.Tensor | None = None
+) -> ModelInputs:
     num_seqs = len(host.seq_lens)
     attention = AttentionBatch(
         query_start_loc=host_tensor(host.query_start_loc, torch.int32, device),
@@ -162,8 +173,13 @@ def to_model_inputs(host: HostBatch, block_size: int, device: torch.device) -> M
         query_start_loc_cpu=host.query_start_loc,
         seq_lens_cpu=host.seq_lens,
     )
+    input_ids = host_tensor(host.input_ids, torch.int64, device)
+    if host.placeholder_dst:
+        assert previous_tokens is not None
+        src = host_tensor(host.placeholder_src, torch.int64, device)
+        input_ids.index_copy_(0, host_tensor(host.placeholder_dst, torch.int64, device), previous_tokens[src])
     return ModelInputs(
-        input_ids=host_tensor(host.input_ids, torch.int64, device),
+        input_ids=input_ids,
         positions=host_tensor(host.positions, torch.int64, device),
         attention=attention,
         logits_indices=host_tensor(host.logits_indices, torch.int64, device),
@@ -174,6 +190,38 @@ def to_model_inputs(host: HostBatch, block_size: int, device: torch.device) -> M
 def prepare_inputs(batch: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
     """``flatten_batch`` then the tensors on ``device``."""
     return to_model_inputs(flatten_batch(batch, block_size), block_size, device)
+
+
+class PendingStep:
+    """A launched step: its sampled tokens are on their way to the host (one copy, no sync until read)."""
+
+    def __init__(self, batch: SchedulerOutput, sample_rows: list[int], token_tensor: torch.Tensor | None) -> None:
+        self.batch = batch
+        self.sample_rows = sample_rows
+        self.token_tensor = token_tensor
+        # where each sampled sequence's token sits in token_tensor, for the next step's placeholder inputs
+        self.row_of_seq = {batch.seqs[row].seq_id: i for i, row in enumerate(sample_rows)}
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+        if token_tensor is not None and token_tensor.is_cuda:
+            self._host = torch.empty(token_tensor.shape, dtype=token_tensor.dtype, pin_memory=True)
+            self._host.copy_(token_tensor, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = token_tensor
+
+    def tokens(self) -> list[int | None]:
+        """The sampled token of each row of the batch, ``None`` for rows that sample nothing (waits for the
+        device: the step's one synchronisation)."""
+        sampled: list[int | None] = [None] * len(self.batch.seqs)
+        if self._host is None:
+            return sampled
+        if self._copied is not None:
+            self._copied.synchronize()
+        for row, token in zip(self.sample_rows, self._host.tolist()):
+            sampled[row] = token
+        return sampled
 
 
 class ModelRunner:
@@ -357,13 +405,18 @@ class ModelRunner:
         self.compute_logits(to_model_inputs(host, self.block_size, self.device))
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> list[int | None]:
-        """Run one step; returns the sampled token for each sequence of ``batch`` (``None`` mid-prompt)."""
+    def launch(self, batch: SchedulerOutput, in_flight: PendingStep | None = None) -> PendingStep:
+        """Queue one step on the device and return without waiting for it.
+
+        ``in_flight`` is the step launched before this one whose tokens the host has not read yet (async
+        scheduling): tokens of ``batch`` that are still placeholders are taken from it on the device.
+        """
         t0 = time.perf_counter()
-        host = flatten_batch(batch, self.block_size)
+        host = flatten_batch(batch, self.block_size, in_flight.row_of_seq if in_flight is not None else None)
         if self.on_step is not None:
             self.on_step(host)
-        inputs = to_model_inputs(host, self.block_size, self.device)
+        previous = in_flight.token_tensor if in_flight is not None else None
+        inputs = to_model_inputs(host, self.block_size, self.device, previous)
         self.host_prepare_s += time.perf_counter() - t0
         self.num_steps += 1
         events = None
@@ -371,21 +424,18 @@ class ModelRunner:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
             self._step_events.append(events)
-        sampled: list[int | None] = [None] * len(batch.seqs)
-        if not inputs.sample_rows:
-            self.compute_logits(inputs)
-            if events is not None:
-                events[1].record()
-            return sampled
         logits = self.compute_logits(inputs)
-        seqs: list[Sequence] = [batch.seqs[r] for r in inputs.sample_rows]
-        token_tensor = self.sampler(logits, SamplingBatch.from_seqs(seqs, self.vocab_size, self.device))
+        token_tensor = None
+        if inputs.sample_rows:
+            seqs: list[Sequence] = [batch.seqs[r] for r in inputs.sample_rows]
+            token_tensor = self.sampler(logits, SamplingBatch.from_seqs(seqs, self.vocab_size, self.device))
         if events is not None:
             events[1].record()
-        tokens = token_tensor.tolist()
-        for row, token in zip(inputs.sample_rows, tokens):
-            sampled[row] = token
-        return sampled
+        return PendingStep(batch, inputs.sample_rows, token_tensor)
+
+    def execute(self, batch: SchedulerOutput) -> list[int | None]:
+        """Run one step; returns the sampled token for each sequence of ``batch`` (``None`` mid-prompt)."""
+        return self.launch(batch).tokens()
 
     def timing_summary(self) -> dict[str, float]:
         """Host time spent turning batches into tensors; with ``track_gpu_time``, GPU busy and idle time
