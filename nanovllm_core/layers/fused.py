@@ -24,6 +24,11 @@ def set_compile(enabled: bool) -> None:
     _enabled = enabled
 
 
+def fused_enabled() -> bool:
+    """Whether :func:`set_compile` turned fusion on: hand-fused kernels (such as ``qk_norm_rope``) follow it too."""
+    return _enabled
+
+
 def fused(fn: F_) -> F_:
     compiled: Callable | None = None
 

@@ -20,6 +20,8 @@ from nanovllm_core.layers import (
     VocabParallelEmbedding,
     get_rope,
 )
+from nanovllm_core.layers.fused import fused_enabled
+from nanovllm_core.layers.qk_norm_rope import qk_norm_rope
 from nanovllm_core.loader import load_weights
 
 
@@ -49,9 +51,16 @@ class QwenAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if q.is_cuda and fused_enabled():
+            # one Triton kernel for both norms and the rotation (four small kernels otherwise)
+            q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            rope = self.rotary_emb
+            q, k = qk_norm_rope(positions, q, k, q_weight, k_weight, eps, rope.cos_sin_cache, rope.rotary_dim)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
         return self.o_proj(o)
 
