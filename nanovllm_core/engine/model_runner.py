@@ -270,7 +270,7 @@ class ModelRunner:
         )
         generator = torch.Generator(device=device)
         generator.manual_seed(config.seed)
-        self.sampler = Sampler(generator)
+        self.sampler = Sampler(generator, seed=config.seed)
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs: CudaGraphDecoder | None = None
         if device.type == "cuda" and not config.enforce_eager and backend_cls.supports_cuda_graph:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import random
 from array import array
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from nanovllm_core.layers.fused import temperature_race
+from nanovllm_core.layers.fused import fused_enabled, temperature_race
 from nanovllm_core.sequence import Sequence
 
 
@@ -36,11 +39,11 @@ class SamplingBatch:
         filtered = not all_greedy and any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         if filtered:
             if any(p.top_k > 0 for p in params):
-                top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]).to(device)
+                top_k = _on_device([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64, device)
             if any(p.top_p < 1 for p in params):
-                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device)
+                top_p = _on_device([p.top_p for p in params], torch.float32, device)
             if any(p.min_p > 0 for p in params):
-                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device)
+                min_p = _on_device([p.min_p for p in params], torch.float32, device)
         return cls(
             temps.to(device, non_blocking=True),
             top_k,
@@ -52,20 +55,36 @@ class SamplingBatch:
         )
 
 
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without blocking the host (a pageable copy would wait for the GPU)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 class Sampler:
     """Picks one token per row of ``logits``.
 
     Sampling uses the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws from
     ``p`` exactly and lets a seeded request draw its noise from its own generator, so its tokens do not
     depend on what else is in the batch.
+
+    On CUDA, batches with temperature only (no top-k/top-p/min-p, no seeded request) take one Triton kernel
+    that makes its noise in-kernel from a Philox seed (``sampling_kernel.sample_temperature``). The seeds come
+    from a host-side stream started from ``seed`` (default: the generator's initial seed, else 0): reading the
+    device generator's state every step would synchronise with the GPU.
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, *, seed: int | None = None) -> None:
         self.generator = generator
+        if seed is None:
+            seed = generator.initial_seed() if generator is not None else 0
+        self._kernel_seeds = random.Random(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
             return logits.argmax(dim=-1)
+        if self._use_kernel(logits, batch):
+            return _sampling_kernel().sample_temperature(logits, batch.temperatures, self._kernel_seeds.getrandbits(31))
         temps = batch.temperatures
         is_greedy = temps == 0
         safe_temps = torch.where(is_greedy, torch.ones_like(temps), temps)
@@ -84,6 +103,10 @@ class Sampler:
         if batch.any_greedy:
             return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
         return sampled
+
+    @staticmethod
+    def _use_kernel(logits: torch.Tensor, batch: SamplingBatch) -> bool:
+        return logits.is_cuda and fused_enabled() and kernel_eligible(batch) and _sampling_kernel() is not None
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -107,3 +130,19 @@ class Sampler:
             if gen is not None:
                 noise[row] = torch.empty(probs.size(-1)).exponential_(generator=gen).to(probs.device)
         return noise
+
+
+def kernel_eligible(batch: SamplingBatch) -> bool:
+    """Whether the in-kernel-noise sampler can draw this batch: temperature only, no per-request generator."""
+    no_filters = batch.top_k is None and batch.top_p is None and batch.min_p is None
+    return no_filters and all(gen is None for gen in batch.generators)
+
+
+@functools.cache
+def _sampling_kernel() -> ModuleType | None:
+    """The Triton sampling module, or None without triton (core does not depend on it)."""
+    try:
+        from nanovllm_core.layers import sampling_kernel
+    except ImportError:
+        return None
+    return sampling_kernel
