@@ -70,7 +70,8 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
     compile_small_ops: bool = Field(
         True,
-        description="On CUDA, fuse the small elementwise ops (norms, rotary, activation, sampling) with torch.compile.",
+        description="On CUDA, fuse the small ops: norms, rotary and activation with torch.compile; q/k norm + "
+        "rotary and temperature sampling with hand-written Triton kernels.",
     )
     async_scheduling: Literal["auto", "on", "off"] = Field(
         "auto",
