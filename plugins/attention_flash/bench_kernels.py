@@ -10,11 +10,17 @@ the output. TFLOP/s counts 4 * head_dim flops per (query head, visible key) pair
 
     python plugins/attention_flash/bench_kernels.py --out /tmp/kernels.md
     python plugins/attention_flash/bench_kernels.py --sweep      # also try other triton decode/prefill tiles
+    python plugins/attention_flash/bench_kernels.py --sweep prefill --backends triton,flash_attn  # that sweep alone
+
+The prefill sweep times each tile configuration of ``prefill_sweep_configs`` (both K/V load paths: pointers and
+TMA) on the four prefill cases and ends with a table of every configuration beside flash-attn-4.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import random
 import sys
 import time
@@ -128,8 +134,8 @@ def run_main(args, names: list[str]) -> list[Row]:
     return rows
 
 
-def run_sweep(args) -> list[Row]:
-    """Other decode tiles / split counts and prefill tiles of the triton backend (to tune the defaults)."""
+def run_decode_sweep(args) -> list[Row]:
+    """Other decode tiles / split counts of the triton backend (to tune the defaults)."""
     rows: list[Row] = []
     decode_tiles = [(64, 4, 3), (64, 4, 5), (32, 4, 3), (32, 4, 5), (128, 4, 3), (128, 8, 3), (64, 8, 3), (128, 8, 5)]
     for batch, context in ((256, 1024), (32, 1024), (1, 4096)):
@@ -145,21 +151,172 @@ def run_sweep(args) -> list[Row]:
                 measure("sweep-d", f"B={batch} ctx={context} {tag}", case, ["triton"], rows, **opts)
         del case
         torch.cuda.empty_cache()
-    prefill_tiles = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3),
-                     (128, 64, 4, 3)]
-    for label, case in list(prefill_cases(args).items())[:3]:
-        for block_m, block_n, warps, stages in prefill_tiles:
-            if args.block_size % block_n:
-                continue
-            opts = dict(prefill_block_m=block_m, prefill_block_n=block_n, prefill_num_warps=warps,
-                        prefill_num_stages=stages)
-            try:
-                measure("sweep-p", f"{label} m{block_m} n{block_n} w{warps} s{stages}", case, ["triton"], rows, **opts)
-            except Exception as exc:  # noqa: BLE001 - a tile that does not fit shared memory
-                print(f"  sweep-p {label} m{block_m} n{block_n} w{warps} s{stages}: {type(exc).__name__}: {exc}")
-        del case
-        torch.cuda.empty_cache()
     return rows
+
+
+SMEM_PER_BLOCK = 227 * 1024  # the most shared memory one thread block may use on an H100/H200 (sm_90)
+
+
+def prefill_sweep_configs(head_dim: int, block_size: int, dtype: torch.dtype) -> list:
+    """The prefill tiles the sweep times: pointer and TMA K/V loads x BLOCK_M {64, 128} x BLOCK_N {32, 64, 128}
+    x num_stages {2, 3, 4} x num_warps {4, 8}, pruned to what can win on Hopper (a wgmma covers 64 query rows
+    per warpgroup of 4 warps):
+
+    - BLOCK_M 64 runs on 4 warps and BLOCK_M 128 on 8 (one warpgroup per 64 rows). BLOCK_M 128 on 4 warps
+      spills registers at every BLOCK_N (ptxas for sm_90, head_dim 128: the 128 x 128 fp32 accumulator alone
+      takes 128 registers a thread), and BLOCK_M 64 on 8 warps splits each row's softmax across two warpgroups
+      (Triton's fused-attention tutorial skips 8 warps for tiles under 128 x 128 on Hopper);
+    - BLOCK_M 64 stops at BLOCK_N 64 (it spills at 128); BLOCK_N is capped at the cache block size;
+    - the Q tile and ``num_stages`` K and V tiles fit in a block's shared memory.
+
+    For head_dim 128, bfloat16 and 256-token blocks: 14 tiles per load path, 28 in all.
+    """
+    from nanovllm_attention_flash.triton_kernels import PrefillConfig
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    configs = []
+    for use_tma in (False, True):
+        for block_m, num_warps, block_ns in ((64, 4, (32, 64)), (128, 8, (32, 64, 128))):
+            for block_n in sorted({min(n, block_size) for n in block_ns}):
+                for stages in (2, 3, 4):
+                    if (block_m + 2 * stages * block_n) * head_dim * itemsize > SMEM_PER_BLOCK:
+                        continue
+                    configs.append(PrefillConfig(block_m, block_n, num_warps, stages, use_tma))
+    return configs
+
+
+def tile_tag(cfg) -> str:
+    return f"{'tma' if cfg.use_tma else 'ptr'} m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+def tile_options(cfg) -> dict:
+    return dict(prefill_block_m=cfg.block_m, prefill_block_n=cfg.block_n, prefill_num_warps=cfg.num_warps,
+                prefill_num_stages=cfg.num_stages, prefill_use_tma=cfg.use_tma)
+
+
+def precompile_prefill(case: PagedCase, configs: list) -> None:
+    """Compile the prefill kernel for every config on a thread pool before timing (the compiler releases the GIL
+    for most of its work): a few times faster than compiling one config after the other. Compile errors are
+    left for the timed run to report; without Triton's async-compile mode, each config compiles when first run."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return
+    from nanovllm_attention_flash import triton_kernels
+
+    start = time.perf_counter()
+    b, cache, out = case.batch, case.kv_cache, torch.empty_like(case.q)  # only shapes and types matter here
+    workers = max(1, min(16, (os.cpu_count() or 2) - 1))
+    with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
+        for cfg in configs:
+            try:
+                triton_kernels.prefill_attention(case.q, cache[0], cache[1], b.block_tables, b.seq_lens,
+                                                 b.query_start_loc, out, case.scale, b.num_seqs, cfg, warmup=True)
+            except Exception:  # noqa: BLE001 - reported by the timed run
+                pass
+    print(f"  compiled {len(configs)} prefill configs on {workers} threads in {time.perf_counter() - start:.1f} s",
+          flush=True)
+
+
+def run_prefill_sweep(args, names: list[str]) -> tuple[list[Row], str]:
+    """Every tile of ``prefill_sweep_configs`` (tiny ones with ``--smoke``) on the four prefill cases, flash-attn-4
+    beside them; a config that fails (out of shared memory, a compile error) is reported and skipped."""
+    from nanovllm_attention_flash.triton_kernels import PrefillConfig, default_prefill_config
+
+    if args.smoke:
+        common = dict(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                      block_size=args.block_size, dtype=args.dtype, device=args.device, unused_fill=0.0)
+        cases = {"2 chunks of 20 over 17 cached": make_case([20, 20], [17, 17], **common)}
+        default = PrefillConfig(16, 16, 4, 2)
+        configs = [default, PrefillConfig(16, 16, 4, 2, use_tma=True), PrefillConfig(16, 2 * args.block_size, 4, 2)]
+    else:
+        cases = dict(list(prefill_cases(args).items())[:4])
+        default = default_prefill_config(args.head_dim, args.block_size)
+        configs = prefill_sweep_configs(args.head_dim, args.block_size, args.dtype)
+        if default not in configs:
+            configs.insert(0, default)
+    print(f"prefill sweep: {len(configs)} configs x {len(cases)} cases", flush=True)
+    precompile_prefill(next(iter(cases.values())), configs)
+    rows: list[Row] = []
+    times: dict[tuple[str, str], float] = {}
+    reference: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    for label, case in cases.items():
+        if "flash_attn" in names:
+            try:
+                measure("sweep-p", label, case, ["flash_attn"], rows)
+                reference[label] = rows[-1].us
+            except Exception as exc:  # noqa: BLE001 - the table is still useful without it
+                print(f"  sweep-p {label} flash_attn: {type(exc).__name__}: {exc}")
+        for cfg in configs:
+            tag = tile_tag(cfg)
+            if tag in failed:
+                continue
+            try:
+                measure("sweep-p", f"{label} {tag}", case, ["triton"], rows, **tile_options(cfg))
+                times[(label, tag)] = rows[-1].us
+            except Exception as exc:  # noqa: BLE001 - a tile that does not fit shared memory, a compile error
+                failed[tag] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc) else ''}"
+                print(f"  sweep-p {label} {tag}: {failed[tag]}", flush=True)
+        del case
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows, prefill_sweep_table(list(cases), configs, tile_tag(default), times, reference, failed)
+
+
+def prefill_sweep_table(labels: list[str], configs: list, default_tag: str, times: dict[tuple[str, str], float],
+                        reference: dict[str, float], failed: dict[str, str]) -> str:
+    """Markdown: one row per config (fastest first by geometric mean over the cases, relative to the default
+    config), one column per case with its time and, in brackets, flash-attn-4's time / this."""
+    def speedup(tag: str) -> float | None:  # geometric mean of default time / this time
+        ratios = [times[(c, default_tag)] / times[(c, tag)] for c in labels if (c, tag) in times and (c, default_tag)
+                  in times]
+        return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+
+    tags = [tile_tag(cfg) for cfg in configs if tile_tag(cfg) not in failed]
+    tags.sort(key=lambda t: -(speedup(t) or 0.0))
+    lines = ["## Prefill tile sweep (triton)", "",
+             "Time in us; in brackets: flash_attn time / this (1.00 = as fast as flash-attn-4). Last column: "
+             f"geometric-mean speed-up over the default config ({default_tag}).", "",
+             "| config | " + " | ".join(labels) + " | vs default |",
+             "|---|" + "---:|" * (len(labels) + 1)]
+    if reference:
+        lines.append("| flash_attn | " + " | ".join(f"{reference[c]:.1f}" if c in reference else "" for c in labels)
+                     + " | |")
+    for tag in tags:
+        cells = []
+        for c in labels:
+            us = times.get((c, tag))
+            cells.append("" if us is None else f"{us:.1f}" + (f" ({reference[c] / us:.2f})" if c in reference else ""))
+        gain = speedup(tag)
+        name = f"{tag} (default)" if tag == default_tag else tag
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'' if gain is None else f'{gain:.3f}'} |")
+    lines.append("")
+    lines += [f"- {tag} failed: {error}" for tag, error in failed.items()]
+    best = []
+    for c in labels:
+        measured = [(times[(c, t)], t) for t in tags if (c, t) in times]
+        if measured:
+            us, tag = min(measured)
+            vs = f", flash_attn / this {reference[c] / us:.2f}" if c in reference else ""
+            best.append(f"- best for {c}: {tag}, {us:.1f} us{vs}")
+    return "\n".join(lines + best) + "\n"
+
+
+def run_sweep(args, names: list[str], what: str = "all") -> tuple[list[Row], str]:
+    """The decode sweep and/or the prefill sweep (``what``: all, decode, prefill); the prefill sweep's table."""
+    rows: list[Row] = []
+    text = ""
+    if what in ("all", "decode") and not args.smoke:
+        rows += run_decode_sweep(args)
+    if what in ("all", "prefill"):
+        prefill_rows, text = run_prefill_sweep(args, names)
+        rows += prefill_rows
+    return rows, text
 
 
 def device_name() -> str:
@@ -192,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the results as a markdown table here")
     parser.add_argument("--backends", default="triton,flash_attn,torch", help="comma-separated subset")
-    parser.add_argument("--sweep", action="store_true", help="also sweep triton tile configurations")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode", "prefill"],
+                        help="also sweep triton tile configurations; `--sweep decode` / `--sweep prefill`: that sweep "
+                        "alone, without the main tables (with --smoke: a tiny prefill sweep)")
     parser.add_argument("--num-heads", type=int, default=16)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -222,12 +381,19 @@ def main(argv: list[str] | None = None) -> int:
         print("triton is needed for the timings (do_bench) and the KV store", file=sys.stderr)
         return 1
     print(f"{device_name()}: {names}")
-    rows = run_smoke(args, names) if args.smoke else run_main(args, names)
-    if args.sweep and not args.smoke:
-        rows += run_sweep(args)
+    rows: list[Row] = []
+    if args.sweep in (None, "all"):
+        rows += run_smoke(args, names) if args.smoke else run_main(args, names)
+    sweep_text = ""
+    if args.sweep:
+        sweep_rows, sweep_text = run_sweep(args, names, args.sweep)
+        rows += sweep_rows
     text = markdown(rows, args, skipped)
     print()
     print(text)
+    if sweep_text:  # last, so the tail of the log shows it
+        print(sweep_text)
+        text += "\n" + sweep_text
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)

@@ -82,6 +82,9 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_block_n: int | None = Field(None, ge=16, le=256, description="Keys per prefill tile.")
         prefill_num_warps: int | None = Field(None, ge=1, le=16)
         prefill_num_stages: int | None = Field(None, ge=1, le=6)
+        prefill_use_tma: bool | None = Field(
+            None, description="Load prefill K/V tiles through TMA descriptors (compute capability 9.0+; else ignored)."
+        )
 
     @classmethod
     def check_available(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -142,6 +145,7 @@ class TritonAttentionBackend(AttentionBackend):
             block_n=opts.prefill_block_n or prefill.block_n,
             num_warps=opts.prefill_num_warps or prefill.num_warps,
             num_stages=opts.prefill_num_stages or prefill.num_stages,
+            use_tma=prefill.use_tma if opts.prefill_use_tma is None else opts.prefill_use_tma,
         )
         tiles = {"decode_block_n": self.decode_config.block_n, "prefill_block_n": self.prefill_config.block_n}
         for what, tile in tiles.items():

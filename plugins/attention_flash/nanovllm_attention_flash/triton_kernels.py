@@ -14,7 +14,8 @@ Kernels (all of them take device tensors and never synchronise with the host):
   output itself.
 - ``prefill_attention``: variable-length causal attention of the new tokens of each sequence against its whole
   context read from the paged cache (cached prefix + this chunk), causal with offset
-  ``seq_len - query_len``: plain prefills, chunked prefills and prefix-cache hits take the same path.
+  ``seq_len - query_len``: plain prefills, chunked prefills and prefix-cache hits take the same path. Its K/V
+  tiles load through pointers, or through Hopper TMA descriptors with ``PrefillConfig.use_tma``.
 
 Every kernel tile of ``BLOCK_N`` keys lies inside one cache block (``BLOCK_N`` divides ``block_size``; both are
 powers of two), so a tile costs one block-table lookup and its rows are ``head_dim``-contiguous 16-byte loads.
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 import triton
@@ -256,41 +257,53 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SEQ_CHUNK: tl.constexpr,
     SKIP_SINGLE: tl.constexpr,
+    USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Program (query block, query head): ``BLOCK_M`` new tokens of one sequence against its paged context.
 
     Query blocks are numbered without a host-side table: sequence ``i``'s blocks start at
-    ``query_start_loc[i] // BLOCK_M + i`` (these ranges are disjoint and their union fits in
-    ``num_tokens // BLOCK_M + num_seqs``); a binary search over ``query_start_loc`` finds the sequence and
-    programs past its last block exit. Blocks are visited last-first so the longest (causal) ones start first.
+    ``query_start_loc[i] // BLOCK_M + i`` (strictly increasing in ``i``; the ranges are disjoint and their union
+    fits in ``num_tokens // BLOCK_M + num_seqs``). A program finds its sequence by counting the sequences that
+    start at or before its block (``SEQ_CHUNK`` of ``query_start_loc`` per vector load: one round trip for
+    batches of up to ``SEQ_CHUNK`` sequences instead of a chain of ``log2(num_seqs)`` dependent loads); programs
+    past a sequence's last block exit. Blocks are visited last-first so the longest (causal) ones start first.
     Row ``r`` of the chunk sits at context position ``seq_len - query_len + r`` and sees keys up to it: keys
     before the block's first position are unmasked; the diagonal tiles are masked. ``SKIP_SINGLE`` leaves
     sequences with one query token to the decode kernel.
+
+    Scores stay unscaled: the running max is kept in base-2 units (``rowmax(s) * scale_log2``) and
+    ``p = exp2(s * scale_log2 - m)`` is one FMA per score. Each tile's block-table entry is loaded one tile
+    ahead into a register (a plain load, carried to the next iteration), so the K/V address of a tile never
+    waits on a load issued in the same iteration: the compiler's software pipeline keeps its K/V copies in
+    flight instead of draining them to fetch the table entry.
+
+    ``USE_TMA``: ``KEY_CACHE``/``VALUE_CACHE`` are tensor descriptors over the cache viewed as
+    ``[num_blocks * block_size, num_kv_heads * head_dim]`` with ``[BLOCK_N, HEAD_DIM]`` boxes (Hopper TMA);
+    a tile is the box at row ``block * BLOCK_SIZE + start % BLOCK_SIZE``, column ``kv_head * HEAD_DIM``.
+    Otherwise they are pointers and tiles are gathered with 16-byte loads.
     """
     # one flat grid axis: heads vary fastest (the group's programs read the same K/V tiles together),
     # query blocks last-first
     head = tl.program_id(0) % NUM_HEADS
     pid = tl.num_programs(0) // NUM_HEADS - 1 - tl.program_id(0) // NUM_HEADS
-    lo = pid * 0
-    hi = num_seqs + lo
-    while lo + 1 < hi:
-        mid = (lo + hi) // 2
-        first_block = tl.load(QUERY_START_LOC + mid) // BLOCK_M + mid
-        go_right = first_block <= pid
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
-    seq = lo
+    seq = pid * 0 - 1
+    for chunk in range(0, num_seqs, SEQ_CHUNK):
+        offs_s = chunk + tl.arange(0, SEQ_CHUNK)
+        in_batch = offs_s < num_seqs
+        first_blocks = tl.load(QUERY_START_LOC + offs_s, mask=in_batch, other=0) // BLOCK_M + offs_s
+        seq += tl.reduce(((first_blocks <= pid) & in_batch).to(tl.int32), 0, tl.standard._sum_combine)
     q_start = tl.load(QUERY_START_LOC + seq)
     q_len = tl.load(QUERY_START_LOC + seq + 1) - q_start
+    seq_len = tl.load(SEQ_LENS + seq)
     m_block = pid - (q_start // BLOCK_M + seq)
     if m_block * BLOCK_M >= q_len:
         return
     if SKIP_SINGLE:
         if q_len == 1:
             return
-    seq_len = tl.load(SEQ_LENS + seq)
     context = seq_len - q_len
     kv_head = head // GROUP
 
@@ -307,46 +320,71 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
-    k_base = KEY_CACHE + kv_head * stride_c_head
-    v_base = VALUE_CACHE + kv_head * stride_c_head
+    if USE_TMA:
+        col = kv_head * HEAD_DIM  # this KV head's column in the 2-D view
+    else:
+        # a tile is (one scalar tile offset) + (these fixed in-tile offsets)
+        tile_offs = offs_n[:, None] * stride_c_tok + offs_d[None, :]
+        k_base = KEY_CACHE + kv_head * stride_c_head
+        v_base = VALUE_CACHE + kv_head * stride_c_head
     table = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
+    block_next = tl.load(table)  # the first tile's block (every sequence here has a key)
 
     # keys every row of the block sees: [0, context + first row), whole tiles only
     unmasked_end = ((context + m_block * BLOCK_M) // BLOCK_N) * BLOCK_N
     for start in range(0, unmasked_end, BLOCK_N):
-        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
-        offsets = block * stride_c_block + ((start % BLOCK_SIZE) + offs_n)[:, None] * stride_c_tok + offs_d[None, :]
-        k = tl.load(k_base + offsets)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+        block = block_next
+        # the next tile (here or the diagonal's first) starts at or before the block's first row: a key
+        block_next = tl.load(table + (start + BLOCK_N) // BLOCK_SIZE)
+        if USE_TMA:
+            row = block * BLOCK_SIZE + start % BLOCK_SIZE
+            k = KEY_CACHE.load([row, col])
+        else:
+            tile = block.to(tl.int64) * stride_c_block + (start % BLOCK_SIZE) * stride_c_tok
+            k = tl.load(k_base + tile + tile_offs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
+        p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        v = tl.load(v_base + offsets)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if USE_TMA:
+            v = VALUE_CACHE.load([row, col])
+        else:
+            v = tl.load(v_base + tile + tile_offs)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # the diagonal: causal mask and the end of the context
+    # the diagonal: causal mask and the end of the context. Row r sees keys <= min(its position, seq_len - 1)
+    # (rows past the chunk's end see the whole context, so no row is ever empty)
     masked_end = tl.minimum(context + (m_block + 1) * BLOCK_M, seq_len)
-    positions = context + offs_m
+    last_key = tl.minimum(context + offs_m, seq_len - 1)
     for start in range(unmasked_end, masked_end, BLOCK_N):
-        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+        block = block_next
+        block_next = tl.load(table + tl.minimum(start + BLOCK_N, seq_len - 1) // BLOCK_SIZE)
         keys = start + offs_n
-        key_mask = keys < seq_len
-        offsets = block * stride_c_block + ((start % BLOCK_SIZE) + offs_n)[:, None] * stride_c_tok + offs_d[None, :]
-        k = tl.load(k_base + offsets, mask=key_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        visible = (keys[None, :] <= positions[:, None]) & key_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+        # keys past seq_len are read but never used: K's scores are masked out below; V's rows are zeroed
+        # (p is 0 there, but the slots may hold NaN/Inf and 0 * NaN is NaN)
+        if USE_TMA:
+            row = block * BLOCK_SIZE + start % BLOCK_SIZE
+            k = KEY_CACHE.load([row, col])
+        else:
+            tile = block.to(tl.int64) * stride_c_block + (start % BLOCK_SIZE) * stride_c_tok
+            k = tl.load(k_base + tile + tile_offs)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
+        p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        v = tl.load(v_base + offsets, mask=key_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if USE_TMA:
+            v = VALUE_CACHE.load([row, col])
+            v = tl.where((keys < seq_len)[:, None], v, 0.0)
+        else:
+            v = tl.load(v_base + tile + tile_offs, mask=(keys < seq_len)[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc * (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     o_ptrs = OUT + tokens[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_mask[:, None])
 
@@ -394,12 +432,13 @@ def _kernel_set(interpret: bool) -> _KernelSet:
         _fix_interpreter_scalars()
     else:
         from triton.runtime.jit import JITFunction as wrap
-    # batch-dependent integers are not specialised (a value of 1 or a multiple of 16 would compile a variant)
+    # batch-dependent integers (counts, the block table's width) are not specialised: a value of 1 or a
+    # multiple of 16 would compile a variant
     return _KernelSet(
         store_kv=wrap(_store_kv_kernel),
         decode_split=wrap(_decode_split_kernel, do_not_specialize=["num_splits"]),
         decode_merge=wrap(_decode_merge_kernel, do_not_specialize=["num_splits"]),
-        prefill=wrap(_prefill_kernel, do_not_specialize=["num_seqs"]),
+        prefill=wrap(_prefill_kernel, do_not_specialize=["num_seqs", "stride_bt"]),
     )
 
 
@@ -428,12 +467,18 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Tiles of the prefill kernel: ``block_m`` queries x ``block_n`` keys (``block_n`` divides the block size)."""
+    """Tiles of the prefill kernel: ``block_m`` queries x ``block_n`` keys (``block_n`` divides the block size).
+
+    ``use_tma``: load K/V tiles through TMA tensor descriptors where the device has TMA (compute capability 9.0
+    or newer; Triton's interpreter emulates it) and the cache's layout allows the 2-D view (see
+    ``kv_tensor_descriptors``); elsewhere the pointer path runs.
+    """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    use_tma: bool = False
 
 
 def default_decode_config(head_dim: int, block_size: int) -> DecodeConfig:
@@ -446,9 +491,7 @@ def default_prefill_config(head_dim: int, block_size: int) -> PrefillConfig:
     """128 x 64 tiles with 8 warps for head_dim <= 128; 64 x 32 with 4 warps for head_dim 256."""
     if head_dim > 128:
         return PrefillConfig(block_m=64, block_n=min(32, block_size), num_warps=4, num_stages=2)
-    return PrefillConfig(
-        block_m=128, block_n=min(64, block_size), num_warps=8 if head_dim >= 128 else 4, num_stages=3
-    )
+    return PrefillConfig(block_m=128, block_n=min(64, block_size), num_warps=8 if head_dim >= 128 else 4, num_stages=3)
 
 
 MAX_KV_SPLITS = 64
@@ -617,6 +660,52 @@ def decode_attention(
     )
 
 
+@lru_cache(maxsize=16)
+def has_tma(device: torch.device) -> bool:
+    """Whether ``device`` can load through TMA descriptors: an NVIDIA GPU of compute capability 9.0 or newer, or
+    Triton's interpreter (any device type but ``cuda``)."""
+    if device.type != "cuda":
+        return True
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def kv_tensor_descriptors(key_cache: torch.Tensor, value_cache: torch.Tensor, block_n: int) -> tuple | None:
+    """TMA descriptors for the prefill kernel, or ``None`` where the pointer path must run instead.
+
+    Each cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` is viewed as the 2-D tensor
+    ``[num_blocks * block_size, num_kv_heads * head_dim]`` (row ``block * block_size + offset``, column
+    ``kv_head * head_dim``) with ``[block_n, head_dim]`` boxes; that needs whole blocks and heads to be packed
+    (``stride(0) == block_size * stride(1)``, ``stride(2) == head_dim``), 16-byte aligned rows and bases, and
+    row indices that fit in int32.
+    """
+    if not has_tma(key_cache.device):
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # an older Triton
+        return None
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    row_stride = key_cache.stride(1)
+    itemsize = key_cache.element_size()
+    if (
+        key_cache.stride(0) != block_size * row_stride
+        or key_cache.stride(2) != head_dim
+        or (row_stride * itemsize) % 16
+        or key_cache.data_ptr() % 16
+        or value_cache.data_ptr() % 16
+        or num_blocks * block_size >= 2**31
+    ):
+        return None
+    shape = [num_blocks * block_size, num_kv_heads * head_dim]
+    strides = [row_stride, 1]
+    box = [block_n, head_dim]
+    return TensorDescriptor(key_cache, shape, strides, box), TensorDescriptor(value_cache, shape, strides, box)
+
+
+# query_start_loc entries a prefill program reads per vector load to find its sequence
+PREFILL_SEQ_CHUNK = 256
+
+
 def prefill_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -629,11 +718,13 @@ def prefill_attention(
     num_seqs: int,
     config: PrefillConfig,
     skip_single: bool = False,
+    warmup: bool = False,
 ) -> None:
     """Causal paged attention of every sequence's new tokens (``query_start_loc``) against its context.
 
     The new tokens' keys/values must already be in the cache (``store_kv``). ``skip_single`` leaves the
-    sequences with one query token untouched (the decode kernel handles them).
+    sequences with one query token untouched (the decode kernel handles them). ``warmup``: only compile the
+    kernel for these arguments (Triton's ``warmup``; compiled kernels only), launching nothing.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -644,11 +735,14 @@ def prefill_attention(
     assert q.stride(-1) == 1 and out.stride(-1) == 1
     assert block_size % config.block_n == 0, "prefill key tiles must not cross a cache block"
     kernels = _kernels_for(q.device)
-    num_query_blocks = num_tokens // config.block_m + num_seqs
-    kernels.prefill[(num_heads * num_query_blocks,)](
+    descriptors = kv_tensor_descriptors(key_cache, value_cache, config.block_n) if config.use_tma else None
+    k_arg, v_arg = descriptors if descriptors is not None else (key_cache, value_cache)
+    grid = (num_heads * (num_tokens // config.block_m + num_seqs),)
+    launch = partial(kernels.prefill.warmup, grid=grid) if warmup else kernels.prefill[grid]
+    launch(
         q,
-        key_cache,
-        value_cache,
+        k_arg,
+        v_arg,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -669,7 +763,9 @@ def prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
+        SEQ_CHUNK=PREFILL_SEQ_CHUNK,
         SKIP_SINGLE=skip_single,
+        USE_TMA=descriptors is not None,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -2,7 +2,8 @@
 
 Ragged batches with shuffled block tables: decode (with CUDA-graph padding rows), plain prefill, prefix-cache
 hits, chunked prefill over a cached context and mixed batches; GQA ratios 1/2/4/8, block sizes 16/64/128/256,
-head sizes 64/128/256, bfloat16 and float16. Also: decode captured in a CUDA graph and replayed on new data.
+head sizes 64/128/256, bfloat16 and float16; the triton backend with its default options and with the prefill
+kernel's TMA variant (``prefill_use_tma``). Also: decode captured in a CUDA graph and replayed on new data.
 A timing table (median of 10 runs of ``forward``, store included) is printed at the end (``-s`` shows it).
 
 Run: ``python -m pytest plugins/attention_flash/tests -m gpu -x -q -s``
@@ -24,6 +25,12 @@ pytestmark = [
 ]
 
 BACKENDS = {"triton": TritonAttentionBackend, "flash_attn": FlashAttnBackend}
+# backend variants checked against the torch backend: name -> (backend, options)
+VARIANTS = {
+    "triton": (TritonAttentionBackend, {}),
+    "triton_tma": (TritonAttentionBackend, {"prefill_use_tma": True}),  # prefill K/V through TMA descriptors
+    "flash_attn": (FlashAttnBackend, {}),
+}
 TOLERANCE = {torch.bfloat16: dict(atol=1e-2, rtol=2e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 TIMINGS: list[tuple[str, str, float]] = []
 
@@ -117,14 +124,16 @@ def build(c, seed: int, name: str) -> PagedCase:
                      num_pad_rows=pads, unused_fill=fill, seed=seed)
 
 
-@pytest.mark.parametrize("name", list(BACKENDS))
+@pytest.mark.parametrize("name", list(VARIANTS))
 @pytest.mark.parametrize("c", CASES, ids=[case_id(c) for c in CASES])
 def test_matches_torch_backend(c, name: str) -> None:
     kind, h, kvh, d, bs, dtype = c
-    cls = BACKENDS[name]
+    cls, options = VARIANTS[name]
+    if name == "triton_tma" and kind == "decode":
+        pytest.skip("decode steps do not run the prefill kernel")
     skip_unless_available(cls, dtype, d, bs)
     case = build(c, seed=zlib.crc32(case_id(c).encode()) % 1000, name=name)
-    backend = case.backend(cls)
+    backend = case.backend(cls, **options)
     out = case.run(backend)
     torch.cuda.synchronize()
     assert out.shape == case.q.shape and out.dtype == dtype

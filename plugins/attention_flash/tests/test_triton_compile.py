@@ -3,7 +3,8 @@
 Triton's interpreter (``test_triton_interpret.py``) checks the arithmetic but accepts code the compiler would
 reject; this compiles each kernel ahead of time for ``cuda:90`` with the default tiles (head_dim 128, bf16,
 256-token blocks, arguments specialised as the JIT does for 16-aligned pointers and strides) and checks the
-PTX: 16-byte ``cp.async`` key/value loads in the attention kernels, tensor-core MMAs, 16-byte store copies.
+PTX: 16-byte ``cp.async`` key/value loads in the attention kernels (kept in flight across iterations by the
+prefill pipeline), TMA loads in the prefill kernel's TMA variant, tensor-core MMAs, 16-byte store copies.
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ POINTERS = {
 }
 
 
-def compile_ptx(fn, constexprs: dict, num_warps: int, num_stages: int) -> str:
+def compile_ptx(fn, constexprs: dict, num_warps: int, num_stages: int, descriptors: dict | None = None) -> str:
+    """PTX of ``fn`` for sm_90; ``descriptors`` maps parameters that are host tensor descriptors to their type."""
     params = list(inspect.signature(fn).parameters)
     signature, attrs = {}, {}
     for i, name in enumerate(params):
         if name in constexprs:
             signature[name] = "constexpr"
+        elif descriptors and name in descriptors:
+            signature[name] = descriptors[name]
         elif name in POINTERS:
             signature[name] = POINTERS[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -76,16 +80,38 @@ def test_merge_kernel_compiles_for_sm90() -> None:
     assert count(r"ld\.global\S*\.v4", ptx) > 0
 
 
+def prefill_constexprs(cfg: tk.PrefillConfig, use_tma: bool) -> dict:
+    return dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                SEQ_CHUNK=tk.PREFILL_SEQ_CHUNK, SKIP_SINGLE=True, USE_TMA=use_tma, DOT_PRECISION="tf32")
+
+
 def test_prefill_kernel_compiles_for_sm90() -> None:
     cfg = tk.default_prefill_config(128, 256)
-    ptx = compile_ptx(
-        tk._prefill_kernel,
-        dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-             SKIP_SINGLE=True, DOT_PRECISION="tf32"),
-        cfg.num_warps, cfg.num_stages,
-    )
+    ptx = compile_ptx(tk._prefill_kernel, prefill_constexprs(cfg, False), cfg.num_warps, cfg.num_stages)
     assert count(CP_ASYNC_16, ptx) >= 16
     assert count(r"wgmma\.mma_async", ptx) > 0, "Hopper prefill should use wgmma"
+
+
+@pytest.mark.parametrize("num_stages", [3, 4])
+def test_prefill_pipeline_keeps_key_value_copies_in_flight(num_stages: int) -> None:
+    """With ``num_stages`` buffers the main loop waits only for the oldest tile's copies (K and V: one group each),
+    leaving ``2 * (num_stages - 2)`` groups in flight. A block-table entry loaded in the same iteration as the
+    tile it addresses would be pipelined as one more async copy, and the loop would drain every copy each
+    iteration (``cp.async.wait_group 0``) to read it."""
+    cfg = tk.PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=num_stages)
+    ptx = compile_ptx(tk._prefill_kernel, prefill_constexprs(cfg, False), cfg.num_warps, cfg.num_stages)
+    waits = {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)}
+    assert 2 * (num_stages - 2) in waits, f"K/V copies are not kept in flight: wait_group {sorted(waits)}"
+
+
+def test_prefill_tma_variant_compiles_for_sm90() -> None:
+    cfg = tk.PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, use_tma=True)
+    desc = f"tensordesc<bf16[{cfg.block_n}, 128]>"
+    ptx = compile_ptx(tk._prefill_kernel, prefill_constexprs(cfg, True), cfg.num_warps, cfg.num_stages,
+                      descriptors={"KEY_CACHE": desc, "VALUE_CACHE": desc})
+    assert count(r"cp\.async\.bulk\.tensor\.2d", ptx) >= 4, "K/V tiles should load through TMA"
+    assert count(CP_ASYNC_16, ptx) == 0, "no K/V tile should fall back to cp.async"
+    assert count(r"wgmma\.mma_async", ptx) > 0
 
 
 def test_store_kernel_compiles_for_sm90() -> None:

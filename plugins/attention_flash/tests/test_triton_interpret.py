@@ -76,12 +76,77 @@ def test_mixed_batch_without_host_lengths() -> None:
     assert_matches_torch(case, out)
 
 
-def test_small_tiles_and_float16() -> None:
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+def test_small_tiles_and_float16(use_tma: bool) -> None:
     """Non-default tiles through the options, and float16 storage with float32 accumulation."""
     case = make_case(*KINDS["chunked"], num_heads=4, num_kv_heads=2, block_size=32, dtype=torch.float16)
-    backend = case.backend(TritonAttentionBackend, prefill_block_m=16, prefill_block_n=16, decode_block_n=16)
+    backend = case.backend(
+        TritonAttentionBackend, prefill_block_m=16, prefill_block_n=16, decode_block_n=16, prefill_use_tma=use_tma
+    )
     out = case.run(backend).float()
     torch.testing.assert_close(out, reference(case, TorchAttentionBackend), atol=2e-3, rtol=2e-3)
+
+
+def _spy_tma(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Record, for each prefill launch, whether it got tensor descriptors (the TMA path)."""
+    from nanovllm_attention_flash import triton_kernels
+
+    used: list[bool] = []
+    original = triton_kernels.kv_tensor_descriptors
+
+    def spy(*args, **kwargs):
+        descriptors = original(*args, **kwargs)
+        used.append(descriptors is not None)
+        return descriptors
+
+    monkeypatch.setattr(triton_kernels, "kv_tensor_descriptors", spy)
+    return used
+
+
+TMA_CASES = [("prefill", 16, 16), ("prefix_hit", 32, 16), ("chunked", 32, 32), ("mixed", 16, 16)]
+
+
+@pytest.mark.parametrize("kind,block_size,block_n", TMA_CASES, ids=[f"{k}-bs{b}-n{n}" for k, b, n in TMA_CASES])
+def test_prefill_tma_matches_torch_backend(kind: str, block_size: int, block_n: int, monkeypatch) -> None:
+    """The TMA variant (``prefill_use_tma``; descriptor loads emulated by the interpreter): ragged chunks whose
+    diagonal tiles run past ``seq_len`` into never-written (NaN) slots, which must not reach the output."""
+    used = _spy_tma(monkeypatch)
+    case = make_case(*KINDS[kind], num_heads=4, num_kv_heads=2, block_size=block_size, seed=block_size + block_n)
+    backend = case.backend(TritonAttentionBackend, prefill_use_tma=True, prefill_block_m=16, prefill_block_n=block_n)
+    assert_matches_torch(case, case.run(backend))
+    assert used == [True], "the prefill kernel should have taken the TMA path"
+
+
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+def test_prefill_many_sequences_chunked_lookup(use_tma: bool, monkeypatch) -> None:
+    """Programs find their sequence by counting ``query_start_loc`` entries ``SEQ_CHUNK`` at a time: with a chunk
+    of 4, 11 sequences (one-token ones included, prefill kernel only) need three chunks, the last one partial."""
+    from nanovllm_attention_flash import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "PREFILL_SEQ_CHUNK", 4)
+    query_lens = [3, 1, 17, 2, 1, 9, 33, 1, 5, 16, 2]
+    context_lens = [0, 5, 16, 0, 40, 3, 0, 17, 31, 16, 64]
+    case = make_case(query_lens, context_lens, num_heads=4, num_kv_heads=1, block_size=16, seed=5)
+    backend = case.backend(TritonAttentionBackend, prefill_block_m=16, prefill_block_n=16, prefill_use_tma=use_tma)
+    assert_matches_torch(case, case.run(backend))  # one-token sequences left to the decode kernel
+    host_starts = case.batch.query_start_loc_cpu
+    case.batch.query_start_loc_cpu = []  # no host lengths: the prefill kernel serves the one-token sequences too
+    out = case.run(backend)
+    case.batch.query_start_loc_cpu = host_starts
+    assert_matches_torch(case, out)
+
+
+def test_tma_descriptors_need_a_packed_cache() -> None:
+    """The 2-D view behind the TMA path needs whole blocks and heads packed; other layouts take the pointer path."""
+    from nanovllm_attention_flash import triton_kernels
+
+    packed = torch.zeros(2, 4, 16, 2, 64)
+    descriptors = triton_kernels.kv_tensor_descriptors(packed[0], packed[1], 16)
+    assert descriptors is not None
+    assert [list(d.shape) for d in descriptors] == [[64, 128], [64, 128]]
+    assert [list(d.block_shape) for d in descriptors] == [[16, 64], [16, 64]]
+    padded_heads = torch.zeros(2, 4, 16, 2, 80)[..., :64]
+    assert triton_kernels.kv_tensor_descriptors(padded_heads[0], padded_heads[1], 16) is None
 
 
 def test_store_skips_padding_slots() -> None:
