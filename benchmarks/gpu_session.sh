@@ -29,7 +29,7 @@ case "${1:?phase}" in
     ;;
   overlap-b)  # flash-attn-4 beside it: prefill tile sweep, kernel table, parity, bench
     python -c "import flash_attn.cute; print('flash-attn-4 imports')"
-    TAIL=60 step kernel_sweep 240 python plugins/attention_flash/bench_kernels.py --sweep --out "$OUT/sweep.md"
+    TAIL=70 step kernel_sweep 240 python plugins/attention_flash/bench_kernels.py --sweep prefill --backends triton,flash_attn --out "$OUT/sweep.md"
     step engine_tests_flash 120 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "flash_attn"
     TAIL=6 bench flash_attn --attention flash_attn
     ;;
