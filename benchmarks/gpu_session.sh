@@ -20,12 +20,29 @@ bench() {  # bench NAME ARGS...: the nano-vllm workload through `nanovllm bench`
   step "bench_$name" "${BENCH_LIMIT:-200}" python -m nanovllm_core.cli bench --json "$OUT/bench_$name.json" "$@"
 }
 case "${1:?phase}" in
-  overlap-a)  # async scheduling + fused qk-norm/rope + sampling kernel: GPU tests, then the bench with and without
-    step gpu_tests_core 240 python -m pytest tests/test_gpu_engine.py tests/test_qk_norm_rope.py \
-      tests/test_sampling_kernel.py -m gpu -q -k "not flash_attn"
-    step kernel_tests_triton 150 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "triton"
+  overlap-a)  # async scheduling + fused qk-norm/rope + sampling kernel: bench, GPU tests, bench without overlap
     TAIL=25 bench triton --attention triton --profile
+    step gpu_tests_core 150 python -m pytest tests/test_gpu_engine.py tests/test_qk_norm_rope.py \
+      tests/test_sampling_kernel.py -m gpu -q -x -k "not flash_attn"
+    step kernel_tests_triton 120 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "triton"
     TAIL=5 bench triton_sync --attention triton --async-scheduling off
+    ;;
+  final2-a)  # this session's final figures (with flash-attn's first half alongside)
+    step gpu_tests_core 150 python -m pytest tests/test_gpu_engine.py tests/test_qk_norm_rope.py \
+      tests/test_sampling_kernel.py -m gpu -q -s -k "not flash_attn"
+    step kernel_tests_triton 120 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "triton"
+    TAIL=25 bench triton --attention triton --profile
+    TAIL=4 bench triton_sync --attention triton --async-scheduling off
+    TAIL=4 bench triton_no_compile --attention triton --no-compile-small-ops
+    TAIL=4 bench triton_eager --attention triton --enforce-eager --no-compile-small-ops
+    TAIL=4 bench torch_small --attention torch --num-seqs 32 --max-input-len 256 --max-output-len 128
+    ;;
+  final2-b)
+    TAIL=30 step kernel_bench 200 python plugins/attention_flash/bench_kernels.py --out "$OUT/kernels.md"
+    step engine_tests_flash 120 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "flash_attn"
+    TAIL=4 bench flash_attn --attention flash_attn
+    TAIL=4 bench flash_attn_sync --attention flash_attn --async-scheduling off
+    step kernel_tests_flash 150 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "flash"
     ;;
   overlap-b)  # flash-attn-4 beside it: prefill tile sweep, kernel table, parity, bench
     python -c "import flash_attn.cute; print('flash-attn-4 imports')"

@@ -38,6 +38,13 @@ def hf_model(bf16_path):
     return AutoModelForCausalLM.from_pretrained(bf16_path, dtype=torch.bfloat16).cuda().eval()
 
 
+@pytest.fixture(scope="module")
+def hf_model_fp32(bf16_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(bf16_path, dtype=torch.float32).cuda().eval()
+
+
 def hf_greedy_bf16(model, prompt, n):
     with torch.no_grad():
         out = model.generate(
@@ -57,7 +64,7 @@ def available_backends():
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
 @pytest.mark.parametrize("backend", ["torch", "triton", "flash_attn"])
-def test_greedy_and_logits_match_transformers(bf16_path, hf_model, backend, enforce_eager):
+def test_greedy_and_logits_match_transformers(bf16_path, hf_model, hf_model_fp32, backend, enforce_eager):
     if backend not in available_backends():
         pytest.skip(f"{backend} is not available here")
     block = 256 if backend == "flash_attn" else 64
@@ -82,7 +89,8 @@ def test_greedy_and_logits_match_transformers(bf16_path, hf_model, backend, enfo
         assert ours[:4] == ref[:4], (backend, prompt[:5], ours, ref)
     print(f"\n{backend} eager={enforce_eager}: fraction of the first 16 tokens equal to transformers: {agree}")
     assert sum(agree) / len(agree) >= 0.9
-    # logits of the last prompt token, against transformers
+    # logits of the last prompt token against transformers in float32: no further off than twice transformers'
+    # own bf16 run (bf16 rounding alone moves logits by 1-2%; a wrong kernel moves them by far more)
     for prompt in PROMPTS[1:4]:
         seq = llm.make_sequence(prompt, SamplingParams(temperature=0), None)
         assert llm.block_manager.allocate(seq, seq.num_uncomputed_tokens)
@@ -91,9 +99,16 @@ def test_greedy_and_logits_match_transformers(bf16_path, hf_model, backend, enfo
         ours = llm.runner.compute_logits(llm.runner.prepare(batch)).float()[0]
         llm.block_manager.free(seq)
         with torch.no_grad():
-            ref = hf_model(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
-        rel = (ours - ref).norm() / ref.norm()
-        assert rel < 2e-2, (backend, rel.item())
+            ids = torch.tensor([prompt], device="cuda")
+            ref_bf16 = hf_model(ids).logits[0, -1].float()
+            ref = hf_model_fp32(ids).logits[0, -1].float()
+        ours_err = ((ours - ref).norm() / ref.norm()).item()
+        hf_err = ((ref_bf16 - ref).norm() / ref.norm()).item()
+        print(
+            f"{backend} eager={enforce_eager} {len(prompt)} tokens: logits rel. error vs float32 {ours_err:.4f}, "
+            f"transformers bf16 {hf_err:.4f}"
+        )
+        assert ours_err < max(2 * hf_err, 5e-3), (backend, ours_err, hf_err)
 
 
 def test_single_rank_nccl_under_torchrun(bf16_path, tmp_path):

@@ -139,7 +139,7 @@ class TritonAttentionBackend(AttentionBackend):
             num_warps=opts.decode_num_warps or decode.num_warps,
             num_stages=opts.decode_num_stages or decode.num_stages,
         )
-        prefill = kernels.default_prefill_config(head_dim, block_size)
+        prefill = kernels.default_prefill_config(head_dim, block_size, dtype, torch.device(device))
         self.prefill_config = kernels.PrefillConfig(
             block_m=opts.prefill_block_m or prefill.block_m,
             block_n=opts.prefill_block_n or prefill.block_n,

@@ -146,9 +146,14 @@ def _decode_split_kernel(
     k_base = KEY_CACHE + kv_head * stride_c_head
     v_base = VALUE_CACHE + kv_head * stride_c_head
     table = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
+    # each tile's block-table entry is loaded one tile ahead (as in the prefill kernel), so the K/V loads of a
+    # tile never wait on a load issued in the same iteration; the index is clamped to the last key
+    last_key = tl.maximum(seq_len - 1, 0)
+    block_next = tl.load(table + tl.minimum(tile_begin * BLOCK_N, last_key) // BLOCK_SIZE)
     for tile in range(tile_begin, tile_end):
         start = tile * BLOCK_N
-        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+        block = block_next.to(tl.int64)
+        block_next = tl.load(table + tl.minimum(start + BLOCK_N, last_key) // BLOCK_SIZE)
         rows = (start % BLOCK_SIZE) + offs_n
         key_mask = (start + offs_n) < seq_len
         offsets = block * stride_c_block + rows[:, None] * stride_c_tok + offs_d[None, :]
@@ -487,8 +492,17 @@ def default_decode_config(head_dim: int, block_size: int) -> DecodeConfig:
     return DecodeConfig(block_n=min(block_n, block_size), num_warps=4, num_stages=2 if head_dim > 128 else 3)
 
 
-def default_prefill_config(head_dim: int, block_size: int) -> PrefillConfig:
-    """128 x 64 tiles with 8 warps for head_dim <= 128; 64 x 32 with 4 warps for head_dim 256."""
+def default_prefill_config(
+    head_dim: int, block_size: int, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> PrefillConfig:
+    """128 x 64 tiles with 8 warps for head_dim <= 128; 64 x 32 with 4 warps for head_dim 256.
+
+    On Hopper-class GPUs (TMA) with 16-bit head_dim 128 caches: 64 x 64 tiles, 4 warps, 3 stages, K/V through
+    TMA, the fastest of the tile sweep on an H200 (docs/benchmarks/kernels.md; 1.15x the pointer default).
+    """
+    tma_ok = device is not None and device.type == "cuda" and has_tma(device)
+    if tma_ok and head_dim == 128 and dtype in (torch.float16, torch.bfloat16) and block_size >= 64:
+        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, use_tma=True)
     if head_dim > 128:
         return PrefillConfig(block_m=64, block_n=min(32, block_size), num_warps=4, num_stages=2)
     return PrefillConfig(block_m=128, block_n=min(64, block_size), num_warps=8 if head_dim >= 128 else 4, num_stages=3)

@@ -118,3 +118,17 @@ def test_store_kernel_compiles_for_sm90() -> None:
     ptx = compile_ptx(tk._store_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P2=8, DIM_P2=128, BLOCK_SIZE=256),
                       4, 1)
     assert count(r"st\.global\S*\.v4", ptx) >= 2
+
+
+def test_decode_pipeline_keeps_key_value_copies_in_flight() -> None:
+    """The decode loop loads each tile's block-table entry one tile ahead, as the prefill loop does, so its
+    K/V copies stay in flight across iterations (no ``cp.async.wait_group 0`` inside the loop)."""
+    cfg = tk.default_decode_config(128, 256)
+    ptx = compile_ptx(
+        tk._decode_split_kernel,
+        dict(GROUP=2, BLOCK_H=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=cfg.block_n, ONE_SPLIT=False,
+             DOT_PRECISION="tf32"),
+        cfg.num_warps, cfg.num_stages,
+    )
+    waits = {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)}
+    assert 2 * (cfg.num_stages - 2) in waits, f"K/V copies are not kept in flight: wait_group {sorted(waits)}"
