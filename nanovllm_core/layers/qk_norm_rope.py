@@ -130,11 +130,9 @@ def _kernel(interpret: bool) -> Any:
     import triton.language
 
     tl = triton.language
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction as wrap
-    else:
-        from triton.runtime.jit import JITFunction as wrap
-    return wrap(_qk_norm_rope_kernel)
+    from nanovllm_core.layers.triton_jit import wrap_kernel
+
+    return wrap_kernel(_qk_norm_rope_kernel, interpret)
 
 
 def _next_power_of_2(n: int) -> int:

@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from nanovllm_core.layers.triton_jit import wrap_kernel
+
 _INDEX_SENTINEL = tl.constexpr(2**31 - 1)
 # -log2(u) is at least ~8.6e-8 for u <= 1 - 2**-24; a fast approximate log2 can still round it to 0 or below
 _MIN_NEG_LOG2_U = tl.constexpr(8e-8)
@@ -156,40 +158,12 @@ class _KernelSet:
     merge: object
 
 
-def _fix_interpreter_scalars() -> None:
-    """Let Triton's interpreter use scalar tensors as loop bounds under NumPy >= 2.4.
-
-    The interpreter keeps a scalar as a one-element 1-D array and converts it with ``int(array)``, which
-    NumPy 2.4 rejects. Wrapping its per-launch patching so that ``__index__`` reads the single element touches
-    interpreted runs only, and is undone with the interpreter's other patches. (The Triton attention plugin
-    carries the same fix; core does not import plugins.)
-    """
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_nanovllm_scalar_fix", False):
-        return
-
-    def patch_lang_tensor(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patch_lang_tensor._nanovllm_scalar_fix = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
 @lru_cache(maxsize=2)
 def _kernel_set(interpret: bool) -> _KernelSet:
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction as wrap
-
-        _fix_interpreter_scalars()
-    else:
-        from triton.runtime.jit import JITFunction as wrap
     # the seed changes every launch and the split counts with the batch: do not compile a variant per value
     return _KernelSet(
-        sample=wrap(_sample_kernel, do_not_specialize=["seed", "tiles_per_split", "num_splits"]),
-        merge=wrap(_merge_kernel, do_not_specialize=["num_splits"]),
+        sample=wrap_kernel(_sample_kernel, interpret, do_not_specialize=["seed", "tiles_per_split", "num_splits"]),
+        merge=wrap_kernel(_merge_kernel, interpret, do_not_specialize=["num_splits"]),
     )
 
 

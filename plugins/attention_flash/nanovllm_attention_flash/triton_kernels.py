@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm_core.layers.triton_jit import wrap_kernel
+
 # ----------------------------------------------------------------------------------------------------
 # Kernel bodies
 # ----------------------------------------------------------------------------------------------------
@@ -407,36 +409,9 @@ class _KernelSet:
     prefill: object
 
 
-def _fix_interpreter_scalars() -> None:
-    """Let Triton's interpreter use scalar tensors as loop bounds under NumPy >= 2.4.
-
-    The interpreter keeps a scalar as a one-element 1-D array and turns it into a Python int with ``int(array)``
-    (for ``range(lo, hi)`` with tensor bounds), which NumPy 2.4 rejects. The patch wraps the interpreter's
-    per-launch patching so that ``__index__`` reads the single element instead; it touches interpreted runs
-    only (compiled kernels never use it) and is undone with the rest of the interpreter's patches.
-    """
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_nanovllm_scalar_fix", False):
-        return
-
-    def patch_lang_tensor(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patch_lang_tensor._nanovllm_scalar_fix = True
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
 @lru_cache(maxsize=2)
 def _kernel_set(interpret: bool) -> _KernelSet:
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction as wrap
-
-        _fix_interpreter_scalars()
-    else:
-        from triton.runtime.jit import JITFunction as wrap
+    wrap = partial(wrap_kernel, interpret=interpret)
     # batch-dependent integers (counts, the block table's width) are not specialised: a value of 1 or a
     # multiple of 16 would compile a variant
     return _KernelSet(
