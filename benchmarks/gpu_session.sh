@@ -44,6 +44,12 @@ case "${1:?phase}" in
     TAIL=4 bench flash_attn_sync --attention flash_attn --async-scheduling off
     step kernel_tests_flash 150 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "flash"
     ;;
+  decode-tune)  # the bench without overlap, the decode tile sweep after the block-table prefetch, the bench
+    TAIL=4 bench triton_sync --attention triton --async-scheduling off
+    TAIL=3 step decode_sweep 200 python plugins/attention_flash/bench_kernels.py --sweep decode --backends triton \
+      --out "$OUT/decode_sweep.md"
+    TAIL=4 bench triton --attention triton
+    ;;
   overlap-b)  # flash-attn-4 beside it: prefill tile sweep, kernel table, parity, bench
     python -c "import flash_attn.cute; print('flash-attn-4 imports')"
     TAIL=70 step kernel_sweep 240 python plugins/attention_flash/bench_kernels.py --sweep prefill --backends triton,flash_attn --out "$OUT/sweep.md"

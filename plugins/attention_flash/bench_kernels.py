@@ -148,7 +148,11 @@ def run_decode_sweep(args) -> list[Row]:
                 if splits is not None:
                     opts["num_kv_splits"] = splits
                 tag = f"n{block_n} w{warps} s{stages} splits={'auto' if splits is None else splits}"
-                measure("sweep-d", f"B={batch} ctx={context} {tag}", case, ["triton"], rows, **opts)
+                try:
+                    measure("sweep-d", f"B={batch} ctx={context} {tag}", case, ["triton"], rows, **opts)
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report it, go on
+                    print(f"  sweep-d B={batch} ctx={context} {tag}: {type(exc).__name__}: {exc}", flush=True)
+                    break  # the other split counts of this tile fail the same way
         del case
         torch.cuda.empty_cache()
     return rows
