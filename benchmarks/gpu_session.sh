@@ -50,6 +50,12 @@ case "${1:?phase}" in
       --out "$OUT/decode_sweep.md"
     TAIL=4 bench triton --attention triton
     ;;
+  tp2)  # two H200s (kind nvidia-h200-x2): NCCL TP=2 parity, the workload at TP=2 and TP=1
+    step gpu_tests_tp2 200 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "tp2"
+    TAIL=4 bench tp2 --attention triton --tensor-parallel-size 2
+    TAIL=4 bench tp1 --attention triton
+    rm -f "$OUT/pip.log"
+    ;;
   overlap-b)  # flash-attn-4 beside it: prefill tile sweep, kernel table, parity, bench
     python -c "import flash_attn.cute; print('flash-attn-4 imports')"
     TAIL=70 step kernel_sweep 240 python plugins/attention_flash/bench_kernels.py --sweep prefill --backends triton,flash_attn --out "$OUT/sweep.md"
