@@ -105,6 +105,28 @@ def worker_main(rank: int, world_size: int, init_method: str, spec: RunnerSpec) 
         dist.destroy_process_group()
 
 
+def _within(fn: Any, seconds: float) -> bool:
+    """Run ``fn`` with a deadline (in a daemon thread: a collective whose peers are gone must not keep the
+    process from exiting); True if it finished without an error. At interpreter exit, where Python 3.12 starts no
+    new thread (``weakref.finalize`` runs then), it runs in this thread."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported as False; the caller falls back
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # interpreter shutdown
+        run()
+        return not errors
+    thread.join(timeout=seconds)
+    return not thread.is_alive() and not errors
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -145,30 +167,23 @@ class TensorParallelGroup:
         dist.broadcast_object_list([(kind, payload)], src=0, group=self.control)
 
     def _say_exit(self) -> None:
-        try:
-            dist.broadcast_object_list([("exit", None)], src=0, group=self.control)
-            dist.barrier(group=self.control)
-        except Exception:  # noqa: BLE001 - a peer already gone; the caller terminates the workers
-            pass
+        dist.broadcast_object_list([("exit", None)], src=0, group=self.control)
+        dist.barrier(group=self.control)
 
     def close(self, graceful: bool = True) -> None:
         if self.closed:
             return
         self.closed = True
-        if graceful and all(p.is_alive() for p in self.processes):
-            # In a thread with a deadline: after a Ctrl-C the ranks may be out of step, and a collective that
-            # never completes must not keep the process from exiting; the workers are terminated below.
-            farewell = threading.Thread(target=self._say_exit, daemon=True)
-            farewell.start()
-            farewell.join(timeout=10)
+        if graceful and all(p.is_alive() for p in self.processes) and _within(self._say_exit, 10):
+            # Every rank is leaving now: tear the groups down together, before waiting for the workers to
+            # exit. NCCL's teardown can wait for its peers, so a rank 0 that joined the workers first (while they
+            # sat in their own teardown) and destroyed its group after they were gone would wait forever.
+            _within(dist.destroy_process_group, 60)
         for proc in self.processes:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+        if dist.is_initialized():  # the farewell failed (a peer gone or out of step): best effort, bounded
+            _within(dist.destroy_process_group, 10)
         set_tensor_parallel(0, 1)
