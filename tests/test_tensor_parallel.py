@@ -154,3 +154,20 @@ def test_ctrl_c_leaves_no_worker_behind(qwen3_path, tmp_path):
     while any(running(pid) for pid in workers) and time.time() < deadline:
         time.sleep(0.2)
     assert not [pid for pid in workers if running(pid)]
+
+
+def test_farewell_runs_inline_when_no_thread_can_start(monkeypatch):
+    """At interpreter exit (where ``weakref.finalize`` closes the group) Python 3.12 refuses new threads: the
+    shutdown steps must still run, in the calling thread."""
+    import threading
+
+    from nanovllm_core.engine import parallel
+
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    calls = []
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    assert parallel._within(lambda: calls.append("ran"), 1)
+    assert calls == ["ran"]
+    assert not parallel._within(lambda: 1 / 0, 1)  # a failing step reports False, raises nothing
