@@ -288,9 +288,9 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its blocks are freed. Returns its partial output, or None."""
         seq = self.scheduler.abort(request_id)
-        # async scheduling: a request that hit its length limit has left the scheduler but waits for its last token
-        seq = self._requests.pop(request_id, None) if seq is None else seq
-        self._requests.pop(request_id, None)
+        known = self._requests.pop(request_id, None)
+        if seq is None:  # async scheduling: one that hit its length limit left the scheduler, awaiting its token
+            seq = known
         if seq is None:
             return None
         while seq.token_ids[-1] == PLACEHOLDER_TOKEN:  # a token the device is still producing: dropped

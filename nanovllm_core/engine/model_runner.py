@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from nanovllm_core.engine.cuda_graph import CudaGraphDecoder
 from nanovllm_core.engine.options import instantiate
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.forward_context import forward_context
+from nanovllm_core.host_tensor import host_tensor
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch, SchedulerOutput
 from nanovllm_core.layers.attention import Attention
 from nanovllm_core.layers.fused import set_compile
@@ -43,20 +43,6 @@ def model_shape(hf_config: Any) -> tuple[int, int, int, int]:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     return hf_config.num_hidden_layers, num_heads, num_kv_heads, head_dim
-
-
-_ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
-
-
-def host_tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A list of ints as a tensor on ``device``; through ``array`` (much faster than ``torch.tensor(list)``)
-    and, for CUDA, a pinned buffer copied without blocking the host."""
-    if not values:
-        return torch.empty(0, dtype=dtype, device=device)
-    t = torch.frombuffer(array(_ARRAY_CODES[dtype], values), dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 @dataclass
@@ -201,15 +187,13 @@ class PendingStep:
         self.token_tensor = token_tensor
         # where each sampled sequence's token sits in token_tensor, for the next step's placeholder inputs
         self.row_of_seq = {batch.seqs[row].seq_id: i for i, row in enumerate(sample_rows)}
-        self._host: torch.Tensor | None = None
+        self._host = token_tensor
         self._copied: torch.cuda.Event | None = None
         if token_tensor is not None and token_tensor.is_cuda:
             self._host = torch.empty(token_tensor.shape, dtype=token_tensor.dtype, pin_memory=True)
             self._host.copy_(token_tensor, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
-        else:
-            self._host = token_tensor
 
     def tokens(self) -> list[int | None]:
         """The sampled token of each row of the batch, ``None`` for rows that sample nothing (waits for the

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import random
-from array import array
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
+from nanovllm_core.host_tensor import host_tensor
 from nanovllm_core.layers.fused import fused_enabled, temperature_race
 from nanovllm_core.sequence import Sequence
 
@@ -32,20 +32,17 @@ class SamplingBatch:
         temperatures = [p.temperature for p in params]
         num_greedy = temperatures.count(0)  # 0.0 == 0, so this counts both
         all_greedy = num_greedy == len(params)
-        temps = torch.frombuffer(array("f", temperatures), dtype=torch.float32)
-        if device.type == "cuda":
-            temps = temps.pin_memory()
         top_k = top_p = min_p = None
         filtered = not all_greedy and any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
         if filtered:
             if any(p.top_k > 0 for p in params):
-                top_k = _on_device([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64, device)
+                top_k = host_tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64, device)
             if any(p.top_p < 1 for p in params):
-                top_p = _on_device([p.top_p for p in params], torch.float32, device)
+                top_p = host_tensor([p.top_p for p in params], torch.float32, device)
             if any(p.min_p > 0 for p in params):
-                min_p = _on_device([p.min_p for p in params], torch.float32, device)
+                min_p = host_tensor([p.min_p for p in params], torch.float32, device)
         return cls(
-            temps.to(device, non_blocking=True),
+            host_tensor(temperatures, torch.float32, device),
             top_k,
             top_p,
             min_p,
@@ -53,12 +50,6 @@ class SamplingBatch:
             all_greedy,
             num_greedy > 0,
         )
-
-
-def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on ``device`` without blocking the host (a pageable copy would wait for the GPU)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class Sampler:
