@@ -9,7 +9,7 @@ announces it with an entry point in the ``nanovllm`` group, found through the st
 
 The module also declares which plugin API versions it supports (see ``nanovllm_core.PLUGIN_API_VERSION``)::
 
-    NANOVLLM_PLUGIN_API = ">=1,<2"
+    NANOVLLM_PLUGIN_API = ">=2,<3"
 
 Every hook is called once per process, when the registry is first built (the engine builds it; so do
 ``nanovllm plugins`` and :func:`nanovllm_core.get_registry`). A hook implementation takes exactly one argument,
@@ -25,7 +25,7 @@ from typing import Any
 import pluggy
 
 PROJECT_NAME = "nanovllm"
-PLUGIN_API_VERSION = 1  # bumped when a hook or an interface changes incompatibly
+PLUGIN_API_VERSION = 2  # bumped when a hook or an interface changes incompatibly (2: the engine owns requests)
 CORE_VERSION = "0.1.0"
 ENTRY_POINT_GROUP = "nanovllm"
 

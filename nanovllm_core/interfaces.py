@@ -6,14 +6,15 @@ Each docstring states the invariants the engine relies on; ``nanovllm_core.testi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
-from torch import nn
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.host_tensor import host_tensor
 from nanovllm_core.sequence import Sequence, SequenceStatus
 
 
@@ -71,12 +72,14 @@ class BlockManager(ABC):
 
     @abstractmethod
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Give ``seq`` the blocks to hold ``seq.num_computed_tokens + num_new_tokens`` tokens.
+        """Make ``seq.block_table`` cover its first ``seq.num_computed_tokens + num_new_tokens`` tokens, counting
+        ``num_computed_tokens`` as it was before the call; return ``False`` and change nothing when the free blocks
+        do not suffice.
 
-        For a sequence with an empty block table this first claims its cached prefix and advances
-        ``seq.num_computed_tokens`` past it (``num_new_tokens`` counts from the old value, so asking for
-        ``seq.num_uncomputed_tokens`` always covers the whole sequence). Returns ``False`` and changes
-        nothing when there are not enough free blocks.
+        With an empty block table (``num_computed_tokens`` is 0) the cached prefix is claimed first and
+        ``num_computed_tokens`` advanced past it; ``num_new_tokens`` still counts from 0, so the table covers
+        ``max(cached prefix, num_new_tokens)`` tokens. Schedulers usually call
+        :meth:`Scheduler.allocate_chunk`, which does the arithmetic.
         """
 
     @abstractmethod
@@ -85,9 +88,6 @@ class BlockManager(ABC):
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Called after each step: make the blocks the step filled findable by later lookups. Optional."""
-
-    def stats(self) -> dict[str, int]:
-        return {"num_blocks": self.num_blocks, "num_free_blocks": self.num_free_blocks}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -101,7 +101,8 @@ class SchedulerOutput:
 
     Sequence ``i`` computes tokens ``[seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens[i])``.
     Any mix is allowed: prompt chunks next to single decode tokens. A token is sampled for each
-    sequence whose chunk reaches its last token.
+    sequence whose chunk reaches its last token. ``preempted`` lists the sequences this step preempted
+    (informational: they hold no blocks any more).
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -110,6 +111,10 @@ class SchedulerOutput:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
 
     @property
     def total_new_tokens(self) -> int:
@@ -120,89 +125,138 @@ class SchedulerOutput:
         return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens
 
 
-StopChecker = Callable[[Sequence], "str | None"]
-
-
 class Scheduler(ABC):
-    """Decides each step which sequences run and how many tokens each computes.
+    """A scheduling policy: each step, which sequences run and how many new tokens each computes.
 
-    The engine calls ``add`` for new requests, then repeatedly ``schedule`` -> model -> ``postprocess``.
+    The engine owns the requests (ids, validation, the fit check against the KV cache and ``max_model_len``,
+    stop decisions, finish reasons, aborts, outputs). This base class owns the queues' bookkeeping:
 
-    Invariants:
-    - a step never holds more than ``config.max_num_seqs`` sequences or ``config.max_num_batched_tokens``
-      new tokens, and every scheduled sequence has the blocks its new tokens need (``BlockManager.allocate``);
-    - ``schedule`` returns an empty output only when there is nothing to run;
-    - ``add`` raises :class:`~nanovllm_core.errors.InvalidRequestError` for a request that can never be
-      scheduled (it would never fit the KV cache), leaving the scheduler unchanged;
-    - ``postprocess`` advances ``num_computed_tokens``, calls ``block_manager.cache_full_blocks(seq)`` when a
-      step filled a block, appends sampled tokens, asks ``stop_checker`` whether each sampled sequence is
-      finished, sets ``status``/``finish_reason`` of finished ones, frees their blocks and returns them
-      (:meth:`advance` does all of this for one sequence);
-    - preemption frees the sequence's blocks and resets ``num_computed_tokens`` to 0 (its KV is recomputed);
-    - ``abort`` of an unknown or already finished request id returns ``None``;
-    - no waiting request is starved forever while others finish.
+    - ``waiting`` (a deque, arrival order) holds added sequences; ``running`` (a dict ``seq_id -> seq`` in
+      admission order) holds admitted ones. A policy moves a sequence from one to the other with :meth:`admit`
+      (after taking it out of ``waiting`` itself). Sequences may hold KV blocks in either.
+    - :meth:`add`, :meth:`postprocess`, :meth:`finish` and :meth:`preempt` are the mechanism the engine and
+      policies call; a policy normally overrides none of them.
+    - :meth:`allocate_chunk` is how a policy gets KV blocks for a prompt chunk (it claims a cached prefix on
+      first admission); ``block_manager.allocate(seq, 1)`` is enough for a decode token.
 
-    Async scheduling (``config.async_scheduling``, on by default on CUDA): the engine calls ``postprocess``
-    right after it launches a step, before the sampled tokens reach the host, with
-    :data:`~nanovllm_core.sequence.PLACEHOLDER_TOKEN` for each sampled token; ``schedule`` then sees that
-    placeholder as the last token of the sequence (the model runner feeds the real one on the device). Only
-    the length limit can end a sequence at that point. When the real token arrives and ends the sequence
-    (EOS, stop token, stop string) the engine removes it with ``abort`` and sets its finish reason. A policy
-    that goes through :meth:`advance` and never reads token values needs nothing more.
+    A policy writes :meth:`schedule` and, to keep ``waiting`` in another order, the small queue hooks
+    :meth:`enqueue` (a new request), :meth:`requeue` (a preempted one) and :meth:`remove_waiting`.
+
+    Invariants of ``schedule`` (the engine checks them every step and names the plugin that broke one):
+    - at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` new tokens; each sequence once, with
+      ``1 <= num_new_tokens <= seq.num_uncomputed_tokens`` and blocks that cover them;
+    - it returns an empty output only when nothing can run (every waiting sequence fits an empty cache, so
+      with no sequence running an empty output while sequences wait is a bug);
+    - no waiting sequence is starved forever while others finish.
+
+    Async scheduling is invisible here: a sequence's last token may be
+    :data:`~nanovllm_core.sequence.PLACEHOLDER_TOKEN` (sampled on the device, not read yet); a policy reads
+    lengths and counts, never token values.
     """
 
-    def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, stop_checker: StopChecker, **options: Any
-    ) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, **options: Any) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.stop_checker = stop_checker
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self.num_preemptions = 0
         _reject_options(self, "scheduler", options)
 
-    @abstractmethod
-    def add(self, seq: Sequence) -> None: ...
+    # --- the policy -----------------------------------------------------------------------------------
 
     @abstractmethod
-    def schedule(self) -> SchedulerOutput: ...
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's sequences and their new-token counts, allocating their blocks."""
 
-    @abstractmethod
-    def postprocess(self, batch: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
-        """``sampled_token_ids[i]`` is the token sampled for ``batch.seqs[i]``, ``None`` (mid-prompt chunk) or,
-        with async scheduling, ``PLACEHOLDER_TOKEN`` (the token is still on the device)."""
+    # --- queue hooks (override to keep ``waiting`` in another order) ----------------------------------
 
-    @abstractmethod
-    def abort(self, request_id: str) -> Sequence | None:
-        """Drop a request wherever it is and free its blocks; returns it, or ``None`` if unknown."""
+    def enqueue(self, seq: Sequence) -> None:
+        """Put a new sequence in ``waiting``."""
+        self.waiting.append(seq)
 
-    def advance(self, seq: Sequence, num_new_tokens: int, token_id: int | None) -> bool:
-        """The bookkeeping of one sequence after a step, shared by every policy; ``postprocess`` calls it.
+    def requeue(self, seq: Sequence) -> None:
+        """Put a preempted sequence back in ``waiting`` (default: at its head, to be recomputed first)."""
+        self.waiting.appendleft(seq)
 
-        Advances ``num_computed_tokens``, lets the block manager index a block the step filled, appends the
-        sampled token (``None``: a prompt chunk that does not reach the end samples nothing) and asks
-        ``stop_checker``. Returns ``True`` when the sequence finished: its status and ``finish_reason`` are
-        set and its blocks freed; the caller then drops it from its own queues.
+    def remove_waiting(self, seq: Sequence) -> None:
+        """Take ``seq`` out of ``waiting`` (it finished or was aborted before being admitted)."""
+        self.waiting.remove(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # --- mechanism ------------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """A new sequence; the engine has validated it and checked it fits the cache."""
+        seq.status = SequenceStatus.WAITING
+        self.enqueue(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def admit(self, seq: Sequence) -> None:
+        """Move ``seq``, already taken out of ``waiting`` by the policy, to ``running``."""
+        seq.status = SequenceStatus.RUNNING
+        self.running[seq.seq_id] = seq
+
+    def allocate_chunk(self, seq: Sequence, budget: int, *, whole_prompt: bool = False) -> int:
+        """Blocks for ``seq``'s next chunk of at most ``budget`` tokens; returns the chunk's size, 0 when the
+        cache has no room (nothing changed then).
+
+        On first admission (empty block table) this claims the cached prefix, so the chunk starts after it.
+        ``whole_prompt=True`` reserves blocks for every uncomputed token now, whatever the chunk size.
         """
-        before = seq.num_computed_tokens
-        seq.num_computed_tokens = after = before + num_new_tokens
-        block_size = self.block_manager.block_size
-        if after // block_size != before // block_size:
-            self.block_manager.cache_full_blocks(seq)
-        if token_id is None:
-            return False
-        seq.token_ids.append(token_id)  # Sequence.append_token, inlined: this runs for every token
-        reason = self.stop_checker(seq)
-        if reason is None:
-            return False
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        bm = self.block_manager
+        if seq.block_table:
+            n = min(seq.num_uncomputed_tokens, budget)
+            return n if bm.allocate(seq, seq.num_uncomputed_tokens if whole_prompt else n) else 0
+        cached = bm.num_cached_tokens(seq)
+        n = min(seq.num_tokens - cached, budget)
+        # num_computed_tokens is 0 here; allocate claims the cached prefix and covers the first ``want`` tokens
+        want = seq.num_tokens if whole_prompt else cached + n
+        if n <= 0 or not bm.allocate(seq, want):
+            return 0
+        return n
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the running ``seq``'s blocks and put it back with :meth:`requeue`."""
+        del self.running[seq.seq_id]
         self.block_manager.free(seq)
-        return True
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        self.requeue(seq)
 
-    @abstractmethod
-    def has_unfinished(self) -> bool: ...
+    def finish(self, seq: Sequence) -> None:
+        """Drop ``seq`` from the queues and free its blocks (the engine calls this on stop and abort)."""
+        if self.running.pop(seq.seq_id, None) is None:
+            self.remove_waiting(seq)
+        self.block_manager.free(seq)
 
-    def num_unfinished(self) -> int:
-        return 0
+    def postprocess(self, batch: SchedulerOutput, sampled_token_ids: list[int | None]) -> None:
+        """After a step: advance ``num_computed_tokens``, let the block manager index the blocks the step filled
+        and append each sampled token (``None``: a prompt chunk short of the end samples nothing).
+
+        Tokens are :data:`~nanovllm_core.sequence.PLACEHOLDER_TOKEN` until the engine reads them from the device.
+        """
+        bm = self.block_manager
+        block_size = bm.block_size
+        for seq, num_new, token_id in zip(batch.seqs, batch.num_new_tokens, sampled_token_ids):
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = after = before + num_new
+            if after // block_size != before // block_size:
+                bm.cache_full_blocks(seq)
+            if token_id is not None:
+                seq.token_ids.append(token_id)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -212,12 +266,19 @@ class Scheduler(ABC):
 
 @dataclass
 class AttentionBatch:
-    """The backend-independent description of one step, built by the model runner (tensors on device).
+    """The backend-independent description of one step (tensors on the device, plus host copies of the lengths).
 
     Sequence ``i`` owns query tokens ``query_start_loc[i]:query_start_loc[i+1]`` of the flattened batch;
     after this step its context holds ``seq_lens[i]`` tokens, the first ``seq_lens[i] - query_len`` of which
     were already in the cache. ``slot_mapping[t]`` is where token ``t``'s key and value go in the cache
-    (``block * block_size + offset``), ``-1`` for padding that must not be stored.
+    (``block * block_size + offset``), ``-1`` for padding that must not be stored. ``max_seq_len`` is at least
+    every ``seq_lens[i]``.
+
+    Made by :meth:`build` (or :meth:`from_spans`), everywhere: the model runner, CUDA-graph capture, the
+    profile run and the test kits. A CUDA-graph batch is built once per batch size and its tensors are refilled
+    before each replay of a pure-decode step: its ``max_seq_len`` is ``max_model_len`` and its host lists keep
+    the capture-time values (``query_start_loc_cpu`` stays right, one token per row; ``seq_lens_cpu`` are 0),
+    so a backend with ``supports_cuda_graph`` must not read ``seq_lens_cpu`` when ``max_query_len <= 1``.
     """
 
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
@@ -232,9 +293,76 @@ class AttentionBatch:
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
 
-    @property
-    def is_pure_decode(self) -> bool:
-        return self.max_query_len == 1
+    @classmethod
+    def build(
+        cls,
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]] | torch.Tensor,
+        slot_mapping: list[int] | torch.Tensor,
+        block_size: int,
+        device: torch.device,
+        *,
+        max_query_len: int | None = None,
+        max_seq_len: int | None = None,
+    ) -> AttentionBatch:
+        """The batch of these host lengths (kept as the ``*_cpu`` fields, copied to ``device`` without blocking).
+
+        ``block_tables`` as lists are padded with 0 to the longest; ``slot_mapping`` as a list becomes int64.
+        The scalars come from the lengths; a caller that knows ``max_query_len`` passes it (saves a pass), and
+        ``max_seq_len`` may be an upper bound (CUDA-graph capture).
+        """
+        num_seqs = len(seq_lens)
+        if not isinstance(block_tables, torch.Tensor):
+            width = max(map(len, block_tables), default=0)
+            flat = [b for table in block_tables for b in (*table, *[0] * (width - len(table)))]
+            block_tables = host_tensor(flat, torch.int32, device).view(num_seqs, width)
+        if not isinstance(slot_mapping, torch.Tensor):
+            slot_mapping = host_tensor(slot_mapping, torch.int64, device)
+        if max_query_len is None:
+            max_query_len = max((b - a for a, b in zip(query_start_loc, query_start_loc[1:])), default=0)
+        return cls(
+            query_start_loc=host_tensor(query_start_loc, torch.int32, device),
+            seq_lens=host_tensor(seq_lens, torch.int32, device),
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens, default=0) if max_seq_len is None else max_seq_len,
+            num_seqs=num_seqs,
+            num_tokens=query_start_loc[-1],
+            block_size=block_size,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+
+    @classmethod
+    def from_spans(
+        cls, block_tables: list[list[int]], spans: list[tuple[int, int]], block_size: int, device: torch.device
+    ) -> AttentionBatch:
+        """The batch in which sequence ``i`` (blocks ``block_tables[i]``) computes positions ``spans[i] =
+        (start, end)``, its first ``start`` tokens being in the cache already."""
+        query_start_loc, slots = [0], []
+        for table, (start, end) in zip(block_tables, spans):
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            query_start_loc.append(query_start_loc[-1] + end - start)
+        return cls.build(query_start_loc, [end for _, end in spans], block_tables, slots, block_size, device)
+
+    def head(self, num_seqs: int) -> AttentionBatch:
+        """The first ``num_seqs`` sequences, as views of this batch's tensors (``max_seq_len`` kept: a bound)."""
+        query_start_loc = self.query_start_loc_cpu[: num_seqs + 1]
+        return AttentionBatch(
+            query_start_loc=self.query_start_loc[: num_seqs + 1],
+            seq_lens=self.seq_lens[:num_seqs],
+            block_tables=self.block_tables[:num_seqs],
+            slot_mapping=self.slot_mapping[: query_start_loc[-1]],
+            max_query_len=max((b - a for a, b in zip(query_start_loc, query_start_loc[1:])), default=0),
+            max_seq_len=self.max_seq_len,
+            num_seqs=num_seqs,
+            num_tokens=query_start_loc[-1],
+            block_size=self.block_size,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=self.seq_lens_cpu[:num_seqs],
+        )
 
 
 class AttentionBackend(ABC):
@@ -263,6 +391,37 @@ class AttentionBackend(ABC):
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's cache; the default is ``(2, num_blocks, block_size, num_kv_heads, head_dim)``."""
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @classmethod
+    def check_kv_cache_dtype(cls, kv_cache_dtype: str, device: torch.device) -> str | None:
+        """``None`` if the backend can keep its cache in ``kv_cache_dtype`` on ``device``, else why not (shown to
+        the user). ``EngineConfig.kv_cache_dtype``: ``"auto"`` (the model's dtype) or ``"fp8"`` (float8 e4m3 with
+        scales of the backend's choosing). The default accepts ``"auto"`` only."""
+        if kv_cache_dtype == "auto":
+            return None
+        return f"kv_cache_dtype {kv_cache_dtype!r} is not supported (supported: 'auto')"
+
+    @classmethod
+    def kv_cache_spec(
+        cls,
+        kv_cache_dtype: str,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and element type of one layer's cache for a ``kv_cache_dtype`` that ``check_kv_cache_dtype``
+        accepted (``dtype``: the model's). The runner allocates zeros of ``(num_layers, *shape)`` and hands layer
+        ``i``'s slice to ``forward``; the shape must grow linearly with ``num_blocks``. Default:
+        ``kv_cache_shape(...)`` in ``dtype``. A backend whose ``"fp8"`` cache differs must still accept a cache
+        of ``kv_cache_shape`` in the model's dtype (the runner's memory-profiling forward uses one)."""
+        return cls.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype
+
+    def warmup(self, kv_cache: torch.Tensor) -> None:
+        """Optional: compile and load every kernel variant ``forward`` can meet on caches like ``kv_cache`` (one
+        layer's), so that the first requests run at steady speed. The runner calls it once, after allocating the
+        KV cache and before capturing CUDA graphs; the cache's contents must stay unchanged. Default: nothing."""
 
     def __init__(
         self,
@@ -321,5 +480,3 @@ class CausalLM(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
-
-ModelClass = type[nn.Module]

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from enum import Enum, auto
 
 import torch
@@ -39,11 +38,11 @@ class Sequence:
         token_ids: list[int],
         sampling_params: SamplingParams,
         request_id: str | None = None,
-        prompt: str | None = None,
+        index: int = 0,
     ) -> None:
         self.seq_id = next(Sequence._counter)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
-        self.prompt = prompt
+        self.index = index  # which of the request's ``n`` samples this is
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params
@@ -51,15 +50,14 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # owned by the block manager: hashes of the leading full blocks
         self.num_computed_tokens = 0
-        self.num_cached_prompt_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.num_cached_prompt_tokens: int | None = None  # found in the prefix cache when first scheduled
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.arrival_time = time.monotonic()
         self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
+        if sampling_params.seed is not None:  # each of the n samples draws from its own stream
             self.generator = torch.Generator()
-            self.generator.manual_seed(sampling_params.seed)
+            self.generator.manual_seed((sampling_params.seed + index) % (1 << 64))
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -17,7 +17,7 @@ from nanovllm_core.layers import (
 )
 from nanovllm_core.loader import load_weights
 
-NANOVLLM_PLUGIN_API = ">=1,<2"
+NANOVLLM_PLUGIN_API = ">=2,<3"
 
 
 class LlamaAttention(nn.Module):

@@ -4,7 +4,7 @@ import torch
 
 from nanovllm_core import AttentionBackend, AttentionBatch, hookimpl
 
-NANOVLLM_PLUGIN_API = ">=1,<2"
+NANOVLLM_PLUGIN_API = ">=2,<3"
 
 
 class NaiveAttentionBackend(AttentionBackend):

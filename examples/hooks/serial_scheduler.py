@@ -10,7 +10,7 @@ from collections import deque
 from nanovllm_core import InvalidRequestError, Scheduler, SchedulerOutput, Sequence, hookimpl
 from nanovllm_core.sequence import SequenceStatus
 
-NANOVLLM_PLUGIN_API = ">=1,<2"
+NANOVLLM_PLUGIN_API = ">=2,<3"
 
 
 class SerialScheduler(Scheduler):

@@ -2,7 +2,7 @@
 
 from nanovllm_core import BlockManager, Sequence, hookimpl
 
-NANOVLLM_PLUGIN_API = ">=1,<2"
+NANOVLLM_PLUGIN_API = ">=2,<3"
 
 
 class SimpleBlockManager(BlockManager):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as SequenceABC
+from dataclasses import replace
+from typing import Any
 
 from tqdm.auto import tqdm
 
-from nanovllm_core.engine.llm_engine import LLMEngine, Prompt
+from nanovllm_core.engine.core import Prompt
+from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
@@ -26,14 +29,12 @@ class LLM(LLMEngine):
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
 
-        A prompt that cannot be served (empty, too long, token ids outside the vocabulary) gets an output
-        with ``error`` set and ``finish_reason="error"``; the other prompts still complete.
+        A prompt that cannot be served (empty, too long, not tokenizable, token ids outside the vocabulary)
+        gets an output with ``error`` set and ``finish_reason="error"``; the other prompts still complete. After
+        any exception (Ctrl-C included) nothing of this call stays queued. Calls from several threads run one
+        after the other (the engine serves one caller at a time).
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, SequenceABC) and len(sampling_params) == len(prompts):
@@ -42,33 +43,36 @@ class LLM(LLMEngine):
             raise InvalidRequestError(
                 f"sampling_params must be one SamplingParams or a list with one per prompt ({len(prompts)} prompts)"
             )
+        with self._lock:
+            if self.num_unfinished_requests:
+                raise InvalidRequestError(
+                    f"{self.num_unfinished_requests} requests added with add_request() are still unfinished; "
+                    "drive them with step() (or abort them) before calling generate()"
+                )
+            return self._generate(prompts, params_list, use_tqdm)
+
+    def _generate(self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-            request_id = f"generate-{id(self)}-{i}-{len(self._requests)}"
-            try:
-                self.add_request(prompt, params, request_id=request_id)
-            except InvalidRequestError as exc:
-                logger.warning("prompt %d rejected: %s", i, exc)
-                results[request_id] = RequestOutput(
-                    request_id=request_id,
-                    prompt=prompt if isinstance(prompt, str) else None,
-                    prompt_token_ids=list(prompt) if isinstance(prompt, list) else [],
-                    outputs=[CompletionOutput(0, "", [], "error")],
-                    finished=True,
-                    error=str(exc),
-                )
-            order.append(request_id)
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        bar.update(len(results))
         try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                request_id = f"generate-{i}"
+                order.append(request_id)
+                if isinstance(params, SamplingParams) and params.output_kind != "final":
+                    params = replace(params, output_kind="final")
+                try:
+                    self.add_request(prompt, params, request_id=request_id)
+                except InvalidRequestError as exc:
+                    logger.warning("prompt %d rejected: %s", i, exc)
+                    results[request_id] = _error_output(request_id, prompt, str(exc))
+                    bar.update(1)
             while self.has_unfinished_requests():
-                finished = self.step()
-                if use_tqdm:
-                    bar.set_postfix_str(self.stats.rates_text(), refresh=False)
-                for out in finished:
+                for out in self.step():
                     results[out.request_id] = out
                     bar.update(1)
+                if use_tqdm:
+                    bar.set_postfix_str(self._progress_text(), refresh=False)
         except BaseException:
             for request_id in order:  # leave the engine clean for the next call
                 if request_id not in results:
@@ -77,3 +81,36 @@ class LLM(LLMEngine):
         finally:
             bar.close()
         return [results[r] for r in order]
+
+    def _progress_text(self) -> str:
+        stats = self.stats()
+        text = self.step_stats.rates_text()
+        if stats.prefix_cache_queries:
+            text += f", prefix hits {100 * stats.prefix_cache_hit_rate:.0f}%"
+        if stats.num_preemptions:
+            text += f", {stats.num_preemptions} preemptions"
+        return text
+
+
+def _as_prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (a string, or a flat list of numbers: token ids) or a list of prompts, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and not any(isinstance(p, (str, list, tuple)) for p in prompts):
+        return [list(prompts)]  # token ids; a non-integer among them is reported for this prompt
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of prompts, not "
+                                  f"{type(prompts).__name__}")
+    return list(prompts)
+
+
+def _error_output(request_id: str, prompt: Any, error: str) -> RequestOutput:
+    token_ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=token_ids,
+        outputs=[CompletionOutput(0, "", [], "error")],
+        finished=True,
+        error=error,
+    )

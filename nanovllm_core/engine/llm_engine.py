@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -15,7 +14,8 @@ from typing import Any
 import torch
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.model_runner import ModelRunner, PendingStep, model_shape
+from nanovllm_core.engine.core import EngineCore, Prompt
+from nanovllm_core.engine.model_runner import ModelRunner, model_shape
 from nanovllm_core.engine.options import instantiate
 from nanovllm_core.engine.parallel import (
     RunnerSpec,
@@ -24,17 +24,14 @@ from nanovllm_core.engine.parallel import (
     local_device,
     worker_main,
 )
-from nanovllm_core.errors import ConfigError, InvalidRequestError, ModelLoadError
+from nanovllm_core.errors import ConfigError, ModelLoadError
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler, SchedulerOutput
 from nanovllm_core.loader import load_hf_config
-from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.plugins import PluginRegistry, get_registry
-from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+__all__ = ["LLMEngine", "Prompt", "StepStats"]
 
 
 @dataclass
@@ -54,6 +51,16 @@ class StepStats:
         prefill = t["prefill_tokens"] / t["prefill_s"] if t["prefill_s"] else 0.0
         decode = t["decode_tokens"] / t["decode_s"] if t["decode_s"] else 0.0
         return f"prefill {prefill:,.0f} tok/s, decode {decode:,.0f} tok/s"
+
+    def count(self, num_prefill: int, num_decode: int, elapsed: float) -> None:
+        self.num_prefill_tokens, self.num_decode_tokens, self.seconds = num_prefill, num_decode, elapsed
+        totals = self.totals
+        if num_prefill:
+            totals["prefill_tokens"] += num_prefill
+            totals["prefill_s"] += elapsed * num_prefill / (num_prefill + num_decode)
+        if num_decode:
+            totals["decode_tokens"] += num_decode
+            totals["decode_s"] += elapsed * num_decode / (num_prefill + num_decode)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -103,8 +110,12 @@ def select_attention_backend(
     )
 
 
-class LLMEngine:
-    """The engine: ``add_request`` then ``step`` until ``has_unfinished_requests()`` is false."""
+class LLMEngine(EngineCore):
+    """The engine: ``add_request`` then ``step`` until ``has_unfinished_requests()`` is false.
+
+    Loads the config, the plugins, the tokenizer and the model; :class:`EngineCore` owns the requests and steps.
+    A context manager: ``with LLMEngine(...) as engine:`` shuts it down on exit.
+    """
 
     def __init__(
         self,
@@ -149,6 +160,7 @@ class LLMEngine:
         self.attention_backend_name = backend_cls.name
         self.tokenizer = self._load_tokenizer(cfg.tokenizer or cfg.model)
         self.eos_token_ids = self._eos_token_ids()
+        self.step_stats = StepStats()
         self.tp_group: TensorParallelGroup | None = None
         tp = cfg.tensor_parallel_size
         if tp > 1 or launched_by_torchrun():  # torchrun with one process: a one-rank NCCL/gloo group
@@ -168,14 +180,19 @@ class LLMEngine:
             cfg.kvcache_block_size,
             enable_prefix_caching=cfg.enable_prefix_caching,
         )
-        self.scheduler: Scheduler = instantiate(
-            "scheduler", scheduler_cls, cfg.plugins.scheduler_options, cfg, self.block_manager, self.check_stop
+        scheduler: Scheduler = instantiate(
+            "scheduler", scheduler_cls, cfg.plugins.scheduler_options, cfg, self.block_manager
         )
-        self._request_counter = itertools.count()
-        self._requests: dict[str, Sequence] = {}
-        self.stats = StepStats()
-        self.async_scheduling = self._use_async_scheduling()
-        self._in_flight: PendingStep | None = None
+        super().__init__(
+            cfg,
+            scheduler,
+            _StepTimer(self.runner, self.step_stats),
+            scheduler_name=cfg.plugins.scheduler,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.hf_config.vocab_size,
+            async_scheduling=self._use_async_scheduling(),
+        )
 
     def _use_async_scheduling(self) -> bool:
         mode = self.config.async_scheduling
@@ -244,205 +261,31 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    # --- requests -------------------------------------------------------------------------------------
+    def __enter__(self) -> LLMEngine:
+        return self
 
-    def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams | None, request_id: str | None) -> Sequence:
-        """Validate a request and turn it into a Sequence (raises InvalidRequestError; queues nothing)."""
-        sampling_params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(sampling_params, SamplingParams):
-            raise InvalidRequestError(f"sampling_params must be a SamplingParams, not {type(sampling_params).__name__}")
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            text, token_ids = None, list(prompt)
-        else:
-            raise InvalidRequestError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
-        vocab = self.hf_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        max_len = self.config.max_model_len
-        if len(token_ids) >= max_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens; max_model_len={max_len} allows at most {max_len - 1} "
-                "(one position is needed for the first output token)"
-            )
-        if request_id is None:
-            request_id = str(next(self._request_counter))
-        elif request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        return Sequence(token_ids, sampling_params, request_id=request_id, prompt=text)
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
-    def add_request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
-    ) -> str:
-        """Queue one request and return its id. Invalid requests raise InvalidRequestError and queue nothing."""
-        seq = self.make_sequence(prompt, sampling_params, request_id)
-        self.scheduler.add(seq)
-        self._requests[seq.request_id] = seq
-        return seq.request_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is; its blocks are freed. Returns its partial output, or None."""
-        seq = self.scheduler.abort(request_id)
-        known = self._requests.pop(request_id, None)
-        if seq is None:  # async scheduling: one that hit its length limit left the scheduler, awaiting its token
-            seq = known
-        if seq is None:
-            return None
-        while seq.token_ids[-1] == PLACEHOLDER_TOKEN:  # a token the device is still producing: dropped
-            seq.token_ids.pop()
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
-        return self._output(seq)
+class _StepTimer:
+    """Wraps the runner's ``launch`` to count each step's prompt and decode tokens and time (progress bar)."""
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+    def __init__(self, runner: ModelRunner, stats: StepStats) -> None:
+        self.runner = runner
+        self.stats = stats
+        self._last_end = 0.0
 
-    # --- stepping -------------------------------------------------------------------------------------
-
-    def check_stop(self, seq: Sequence) -> str | None:
-        """The finish reason after ``seq`` got a new token, or None to go on (handed to the scheduler).
-
-        While the new token is a placeholder (async scheduling) only the length can end the sequence; the
-        token's own conditions are checked when it arrives.
-        """
-        if seq.token_ids[-1] != PLACEHOLDER_TOKEN:
-            reason = self._token_stop(seq)
-            if reason is not None:
-                return reason
-        num_tokens = len(seq.token_ids)
-        max_tokens = seq.sampling_params.max_tokens
-        if num_tokens - seq.num_prompt_tokens >= max_tokens or num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
-
-    def _token_stop(self, seq: Sequence) -> str | None:
-        """``"stop"`` when the last token is an EOS, a stop token or completes a stop string, else None."""
-        params = seq.sampling_params
-        token = seq.token_ids[-1]
-        if token in self.eos_token_ids and not params.ignore_eos:
-            return "stop"
-        if params.stop_token_ids and token in params.stop_token_ids:
-            seq.stop_reason = token
-            return "stop"
-        if params.stop_strings:
-            # Only the newest tokens can complete a stop string that was not there a step ago, so decode a
-            # tail long enough to hold the longest one (every token decodes to at least one character, except
-            # pieces of a multi-byte character: hence the margin) instead of the whole completion each step.
-            window = max(map(len, params.stop_strings)) + 8
-            tail = seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - window) :]
-            text = self.tokenizer.decode(tail, skip_special_tokens=params.skip_special_tokens)
-            for stop in params.stop_strings:
-                if stop in text:
-                    seq.stop_reason = stop
-                    return "stop"
-        return None
-
-    def _completion_text(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(
-            seq.completion_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens
-        )
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text = self._completion_text(seq)
-        if isinstance(seq.stop_reason, str):
-            text = text[: text.find(seq.stop_reason)]
-        completion = CompletionOutput(0, text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion],
-            finished=seq.is_finished,
-            num_cached_tokens=seq.num_cached_prompt_tokens,
-        )
-
-    def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; returns the requests that finished in it.
-
-        With async scheduling the step is launched and the previous step's tokens are read while the device
-        runs it, so a request finishes one ``step()`` call after the step that sampled its last token.
-        """
+    def launch(self, batch: SchedulerOutput, in_flight: Any | None = None) -> Any:
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch.seqs and self._in_flight is None:
-            return []
-        num_prefill, num_decode = self._token_counts(batch)
-        if not self.async_scheduling:
-            finished = self.scheduler.postprocess(batch, self.runner.execute(batch))
-        else:
-            launched = self.runner.launch(batch, self._in_flight) if batch.seqs else None
-            finished = self._receive(self._in_flight) if self._in_flight is not None else []
-            self._in_flight = launched
-            if launched is not None:
-                self._advance_optimistically(launched)
-        self._count(num_prefill, num_decode, time.perf_counter() - start)
-        outputs = []
-        for seq in finished:
-            self._requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq))
-        return outputs
-
-    def _advance_optimistically(self, launched: PendingStep) -> None:
-        """Postprocess a launched step before its tokens are known: each sampling sequence gets a placeholder.
-
-        Sequences that reached their length limit finish here (their blocks are freed: the device works in
-        stream order, so nothing reuses them before the step ends) and are returned once their token arrives.
-        """
-        batch = launched.batch
-        placeholders: list[int | None] = [None] * len(batch.seqs)
-        for row in launched.sample_rows:
-            placeholders[row] = PLACEHOLDER_TOKEN
-        if any(seq.is_finished for seq in batch.seqs):  # a stop token of the previous step ended them
-            live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
-            batch = SchedulerOutput([batch.seqs[i] for i in live], [batch.num_new_tokens[i] for i in live])
-            placeholders = [placeholders[i] for i in live]
-        self.scheduler.postprocess(batch, placeholders)
-
-    def _receive(self, pending: PendingStep) -> list[Sequence]:
-        """Read a launched step's tokens (waits for it), put them in place of the placeholders, check stops."""
-        finished = []
-        for seq, token in zip(pending.batch.seqs, pending.tokens()):
-            if token is None or self._requests.get(seq.request_id) is not seq:
-                continue  # mid-prompt chunk, or aborted by the caller since
-            seq.token_ids[-1] = token
-            reason = self._token_stop(seq)
-            if seq.is_finished:  # ended by its length when it was advanced: this is its last token
-                if reason is not None:
-                    seq.finish_reason = reason
-            elif reason is not None:
-                self.scheduler.abort(seq.request_id)  # drops it from the queues and frees its blocks
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = reason
-            else:
-                continue
-            finished.append(seq)
-        return finished
-
-    @staticmethod
-    def _token_counts(batch: SchedulerOutput) -> tuple[int, int]:
-        """(prompt tokens, decode tokens) of a scheduled step."""
+        launched = self.runner.launch(batch, in_flight)
+        end = time.perf_counter()
+        # a step's time is the whole cycle since the previous launch (the device and the reads included),
+        # unless the engine sat idle in between
+        elapsed = end - self._last_end if end - self._last_end < 1.0 else end - start
+        self._last_end = end
         num_decode = sum(
-            1
-            for n, s in zip(batch.num_new_tokens, batch.seqs)
-            if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
+            1 for n, s in zip(batch.num_new_tokens, batch.seqs) if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
         )
-        return batch.total_new_tokens - num_decode, num_decode
-
-    def _count(self, num_prefill: int, num_decode: int, elapsed: float) -> None:
-        self.stats.num_prefill_tokens, self.stats.num_decode_tokens, self.stats.seconds = (
-            num_prefill,
-            num_decode,
-            elapsed,
-        )
-        totals = self.stats.totals
-        if num_prefill:
-            totals["prefill_tokens"] += num_prefill
-            totals["prefill_s"] += elapsed * num_prefill / (num_prefill + num_decode)
-        if num_decode:
-            totals["decode_tokens"] += num_decode
-            totals["decode_s"] += elapsed * num_decode / (num_prefill + num_decode)
+        self.stats.count(batch.total_new_tokens - num_decode, num_decode, elapsed)
+        return launched

@@ -9,7 +9,7 @@ from nanovllm_attention_flash.torch_backend import TorchAttentionBackend
 from nanovllm_attention_flash.triton_backend import TritonAttentionBackend
 from nanovllm_core import hookimpl
 
-NANOVLLM_PLUGIN_API = ">=1,<2"  # nanovllm plugin API versions this plugin supports
+NANOVLLM_PLUGIN_API = ">=2,<3"  # nanovllm plugin API versions this plugin supports
 
 
 @hookimpl

@@ -4,7 +4,7 @@ from nanovllm_core import hookimpl
 from nanovllm_models_qwen3.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from nanovllm_models_qwen3.qwen3_moe import Qwen3MoeForCausalLM
 
-NANOVLLM_PLUGIN_API = ">=1,<2"  # nanovllm plugin API versions this plugin supports
+NANOVLLM_PLUGIN_API = ">=2,<3"  # nanovllm plugin API versions this plugin supports
 
 
 @hookimpl

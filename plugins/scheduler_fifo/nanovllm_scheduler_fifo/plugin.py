@@ -4,7 +4,7 @@ from nanovllm_core import hookimpl
 from nanovllm_scheduler_fifo.block_manager import PrefixCachingBlockManager
 from nanovllm_scheduler_fifo.scheduler import FifoScheduler
 
-NANOVLLM_PLUGIN_API = ">=1,<2"  # nanovllm plugin API versions this plugin supports
+NANOVLLM_PLUGIN_API = ">=2,<3"  # nanovllm plugin API versions this plugin supports
 
 
 @hookimpl

@@ -3,7 +3,7 @@
 from nanovllm_core import hookimpl
 from nanovllm_scheduler_spf.scheduler import ShortestPromptFirstScheduler
 
-NANOVLLM_PLUGIN_API = ">=1,<2"
+NANOVLLM_PLUGIN_API = ">=2,<3"
 
 
 @hookimpl

@@ -1,7 +1,7 @@
 from nanovllm_core import hookimpl
 from nanovllm_decode_first.scheduler import DecodeFirstScheduler
 
-NANOVLLM_PLUGIN_API = ">=1,<2"
+NANOVLLM_PLUGIN_API = ">=2,<3"
 
 
 @hookimpl

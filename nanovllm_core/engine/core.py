@@ -1,0 +1,515 @@
+"""EngineCore: the request table and the one-step loop, independent of how the model runs.
+
+One step: the scheduler picks the work -> the engine checks it -> the runner launches it -> the previous
+step's tokens are read (async scheduling) -> the scheduler's ``postprocess`` advances the launched sequences
+with placeholder tokens -> without async scheduling, this step's tokens are read now. Reading tokens writes
+them over the placeholders, decides stops (EOS, stop tokens, stop strings) and builds the outputs. The
+length limit is known in advance, so a sequence that reaches it finishes when its step is launched and its
+output is returned once its last token has been read. Synchronous stepping is the same path with nothing left
+in flight between steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.detokenizer import IncrementalDetokenizer
+from nanovllm_core.errors import InvalidRequestError, SchedulerError
+from nanovllm_core.interfaces import Scheduler, SchedulerOutput
+from nanovllm_core.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+
+Prompt = str | list[int]
+
+
+class LaunchedStep(Protocol):
+    """What a runner's ``launch`` returns: the step's batch and, once read, its sampled tokens."""
+
+    batch: SchedulerOutput
+
+    def tokens(self) -> list[int | None]: ...
+
+
+class StepRunner(Protocol):
+    def launch(self, batch: SchedulerOutput, in_flight: Any | None = None) -> LaunchedStep: ...
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine (``LLMEngine.stats()``); counters are totals since start-up."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at first admission
+    prefix_cache_hits: int  # of those, tokens found
+    num_prompt_tokens: int  # prompt tokens computed (recomputation after preemption included)
+    num_generation_tokens: int
+    num_finished_requests: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks if self.num_kv_blocks else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class Request:
+    """One request: its ``n`` samples (sequences), what was already returned of each, and its metrics."""
+
+    def __init__(
+        self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, hold_siblings: bool
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = token_ids
+        self.params = params
+        self.seqs = [Sequence(token_ids, params, request_id, index=i) for i in range(params.n)]
+        # Samples 2..n start once the first has computed the prompt: they then find it in the prefix cache.
+        self.held_back = self.seqs[1:] if hold_siblings else []
+        self.metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(token_ids))
+        self.num_finished = 0
+        self.streams: list[IncrementalDetokenizer] | None = None
+        self.sent_tokens = [0] * params.n  # delta outputs: how much of each sample was returned
+        self.sent_text = [0] * params.n
+        self.logprobs: list[list[PositionLogprobs]] | None = [[] for _ in self.seqs] if params.logprobs is not None else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.seqs)
+
+
+class EngineCore:
+    """Owns the requests and runs steps; ``LLMEngine`` builds one around a loaded model.
+
+    Thread model: one thread at a time drives ``add_request`` / ``step`` / ``abort_request``; each takes the
+    engine's lock, so calls from several threads are serialized, never interleaved inside a step.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        runner: StepRunner,
+        *,
+        scheduler_name: str,
+        tokenizer: Any = None,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        vocab_size: int | None = None,
+        async_scheduling: bool = False,
+    ) -> None:
+        assert config.max_model_len is not None, "max_model_len is resolved before the engine core is built"
+        self.config = config
+        self.scheduler = scheduler
+        self.block_manager = scheduler.block_manager
+        self.step_runner = runner
+        self.scheduler_name = scheduler_name
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.async_scheduling = async_scheduling
+        self.max_model_len: int = config.max_model_len
+        self._requests: dict[str, Request] = {}
+        self._request_counter = itertools.count()
+        self._in_flight: LaunchedStep | None = None
+        self._num_sync_requests = 0  # live requests whose sampling needs every previous token on the host
+        self._lock = threading.RLock()
+        self._totals = dict.fromkeys(
+            ("prefix_queries", "prefix_hits", "prompt_tokens", "generation_tokens", "finished"), 0
+        )
+
+    # --- requests -------------------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: give the prompt as a list of token ids")
+            try:
+                return prompt, self.tokenizer.encode(prompt)
+            except Exception as exc:  # noqa: BLE001 - tokenizers raise TypeError/ValueError on bad text
+                raise InvalidRequestError(f"the prompt cannot be tokenized ({type(exc).__name__}: {exc})") from None
+        if isinstance(prompt, (list, tuple)):
+            bad = next((t for t in prompt if not _is_int(t)), None)
+            if bad is None:
+                return None, [int(t) for t in prompt]
+            raise InvalidRequestError(
+                f"a token-id prompt holds integers only; it holds {bad!r} ({type(bad).__name__})"
+            )
+        raise InvalidRequestError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
+
+    def _make_request(self, prompt: Any, params: SamplingParams | None, request_id: str | None) -> Request:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
+        if request_id is None:
+            request_id = str(next(self._request_counter))
+            while request_id in self._requests:
+                request_id = str(next(self._request_counter))
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"a request id is a non-empty string, not {request_id!r}")
+        elif request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        if self.vocab_size is not None:
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        max_len = self.max_model_len
+        if len(token_ids) >= max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len={max_len} allows at most {max_len - 1} "
+                "(one position is needed for the first output token)"
+            )
+        bm = self.block_manager
+        # the last sampled token never needs KV, hence the -1
+        needed = bm.num_blocks_for(min(len(token_ids) + params.max_tokens, max_len) - 1)
+        if needed > bm.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs up to {needed} KV-cache blocks ({len(token_ids)} prompt + {params.max_tokens} "
+                f"max_tokens tokens) but the cache holds {bm.num_blocks}; lower max_tokens or give the cache more "
+                "blocks (num_kvcache_blocks, gpu_memory_utilization)"
+            )
+        request = Request(request_id, text, token_ids, params, hold_siblings=self.config.enable_prefix_caching)
+        if params.output_kind != "final":
+            request.streams = [
+                IncrementalDetokenizer(self.tokenizer, len(token_ids), params.skip_special_tokens) for _ in request.seqs
+            ]
+        return request
+
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue one request and return its id. An invalid request raises InvalidRequestError and queues nothing."""
+        with self._lock:
+            request = self._make_request(prompt, sampling_params, request_id)
+            self._requests[request.request_id] = request
+            if request.params.needs_output_token_ids:
+                self._num_sync_requests += 1
+            for seq in request.seqs:
+                if seq not in request.held_back:
+                    self.scheduler.add(seq)
+            return request.request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks. Returns its output so far, or None if unknown."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None:
+                return None
+            for seq in request.seqs:
+                if seq.is_finished and seq.token_ids[-1] != PLACEHOLDER_TOKEN:
+                    continue  # its output is complete
+                if not seq.is_finished and seq not in request.held_back:
+                    self.scheduler.finish(seq)
+                while seq.token_ids[-1] == PLACEHOLDER_TOKEN:  # still on the device: dropped
+                    seq.token_ids.pop()
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                request.num_finished += 1
+            request.held_back = []
+            self._forget(request)
+            return self._output(request, range(len(request.seqs)), final=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or self._in_flight is not None
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, KV-cache use, prefix-cache hits, preemptions and token counters (cheap to call)."""
+        t, bm = self._totals, self.block_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks=bm.num_blocks,
+            num_free_kv_blocks=bm.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=t["prefix_queries"],
+            prefix_cache_hits=t["prefix_hits"],
+            num_prompt_tokens=t["prompt_tokens"],
+            num_generation_tokens=t["generation_tokens"],
+            num_finished_requests=t["finished"],
+        )
+
+    # --- one step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step. Returns the requests that finished in it and, for requests with
+        ``output_kind`` ``"delta"`` or ``"cumulative"``, every request that got new tokens."""
+        with self._lock:
+            outputs: list[RequestOutput] = []
+            if self._in_flight is not None and self._num_sync_requests:
+                # penalties need the in-flight tokens on the host before the next step is scheduled
+                outputs += self._receive(self._in_flight)
+                self._in_flight = None
+            batch = self.scheduler.schedule()
+            if batch.seqs:
+                self._check_step(batch)
+            elif self._in_flight is None:
+                if self.scheduler.has_unfinished():
+                    raise SchedulerError(
+                        f"scheduler {self.scheduler_name!r} returned an empty step while {self.scheduler.num_waiting} "
+                        f"sequences wait and {self.scheduler.num_running} run and nothing is in flight: schedule() "
+                        "may return nothing only when nothing can run (every request fits an empty KV cache)"
+                    )
+                return outputs
+            launched = self.step_runner.launch(batch, self._in_flight) if batch.seqs else None
+            if self._in_flight is not None:
+                outputs += self._receive(self._in_flight)
+            self._in_flight = None
+            if launched is not None:
+                self._advance(launched)
+                if self.async_scheduling:
+                    self._in_flight = launched
+                else:
+                    outputs += self._receive(launched)
+            return outputs
+
+    def _check_step(self, batch: SchedulerOutput) -> None:
+        """The scheduler's output keeps the invariants the runner relies on (cheap: one pass)."""
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        problem = None
+        if len(seqs) != len(counts):
+            problem = f"{len(seqs)} sequences but {len(counts)} new-token counts"
+        elif len(seqs) > self.config.max_num_seqs:
+            problem = f"{len(seqs)} sequences; max_num_seqs is {self.config.max_num_seqs}"
+        elif sum(counts) > self.config.max_num_batched_tokens:
+            problem = f"{sum(counts)} new tokens; max_num_batched_tokens is {self.config.max_num_batched_tokens}"
+        elif len({seq.seq_id for seq in seqs}) != len(seqs):
+            problem = "a sequence twice"
+        else:
+            capacity = self.block_manager.block_size
+            for seq, n in zip(seqs, counts):
+                end = seq.num_computed_tokens + n
+                if n < 1 or end > len(seq.token_ids) or seq.status is SequenceStatus.FINISHED:
+                    problem = (
+                        f"{n} new tokens for {seq!r} (allowed: 1 to its {seq.num_uncomputed_tokens} uncomputed "
+                        "tokens, for an unfinished sequence)"
+                    )
+                    break
+                if len(seq.block_table) * capacity < end:
+                    problem = (
+                        f"{seq!r} computes up to token {end} but its block table holds "
+                        f"{len(seq.block_table) * capacity} tokens (allocate before scheduling)"
+                    )
+                    break
+                if seq.num_cached_prompt_tokens is None:
+                    self._first_scheduled(seq)
+        if problem is not None:
+            raise SchedulerError(f"scheduler {self.scheduler_name!r} scheduled {problem}")
+
+    def _first_scheduled(self, seq: Sequence) -> None:
+        seq.num_cached_prompt_tokens = seq.num_computed_tokens  # the prefix claimed from the cache
+        self._totals["prefix_queries"] += seq.num_prompt_tokens
+        self._totals["prefix_hits"] += seq.num_computed_tokens
+        metrics = self._requests[seq.request_id].metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = time.monotonic()
+            metrics.num_cached_tokens = seq.num_computed_tokens
+
+    def _advance(self, launched: LaunchedStep) -> None:
+        """Postprocess a launched step with a placeholder for each sampled token; finish length-limited ones."""
+        batch = launched.batch
+        placeholders: list[int | None] = [
+            PLACEHOLDER_TOKEN if batch.samples(i) else None for i in range(len(batch.seqs))
+        ]
+        if any(seq.is_finished for seq in batch.seqs):  # stopped by a token read since it was scheduled
+            live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
+            batch = SchedulerOutput([batch.seqs[i] for i in live], [batch.num_new_tokens[i] for i in live])
+            placeholders = [placeholders[i] for i in live]
+        self._totals["prompt_tokens"] += sum(
+            n for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens < seq.num_prompt_tokens
+        )
+        self.scheduler.postprocess(batch, placeholders)
+        max_len = self.max_model_len
+        for seq, token in zip(batch.seqs, placeholders):
+            if token is None:
+                continue
+            if seq.num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= max_len:
+                self._finish(seq, "length")
+            if seq.index == 0:
+                request = self._requests[seq.request_id]
+                if request.held_back:
+                    for sibling in request.held_back:
+                        self.scheduler.add(sibling)
+                    request.held_back = []
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _receive(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens (waits for the device), put them in place, decide stops, build outputs."""
+        tokens = launched.tokens()
+        wants_logprobs = getattr(launched, "wants_logprobs", False)
+        sample_logprobs = launched.logprobs() if wants_logprobs else None
+        prompt_logprobs = launched.prompt_logprobs() if getattr(launched, "wants_prompt_logprobs", False) else None
+        now = time.monotonic()
+        changed: dict[str, tuple[Request, list[int]]] = {}
+        for row, (seq, token) in enumerate(zip(launched.batch.seqs, tokens)):
+            if prompt_logprobs and row in prompt_logprobs:
+                request = self._requests.get(seq.request_id)
+                if request is not None and request.prompt_logprobs is not None and seq.index == 0:
+                    request.prompt_logprobs.extend(self._position_logprobs(e) for e in prompt_logprobs[row])
+            if token is None or seq.token_ids[-1] != PLACEHOLDER_TOKEN:
+                continue  # a prompt chunk short of its end, or stopped/aborted since it was launched
+            seq.token_ids[-1] = token
+            request = self._requests[seq.request_id]
+            reason = self._token_stop(seq)
+            if seq.is_finished:  # it reached its length limit when it was launched: this is its last token
+                if reason is not None:
+                    seq.finish_reason = reason
+            elif reason is not None:
+                self._finish(seq, reason)
+            if request.logprobs is not None and sample_logprobs is not None and sample_logprobs[row] is not None:
+                request.logprobs[seq.index].append(self._position_logprobs(sample_logprobs[row]))
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            metrics.num_generation_tokens += 1
+            self._totals["generation_tokens"] += 1
+            if seq.is_finished:
+                request.num_finished += 1
+            entry = changed.get(request.request_id)
+            if entry is None:
+                changed[request.request_id] = (request, [seq.index])
+            else:
+                entry[1].append(seq.index)
+        outputs = []
+        for request, indices in changed.values():
+            if request.finished:
+                request.metrics.finished_time = now
+                self._forget(request)
+                outputs.append(self._output(request, range(len(request.seqs)), final=True))
+            elif request.params.output_kind == "delta":
+                outputs.append(self._output(request, indices, final=False))
+            elif request.params.output_kind == "cumulative":
+                outputs.append(self._output(request, range(len(request.seqs)), final=False))
+        return outputs
+
+    def _forget(self, request: Request) -> None:
+        del self._requests[request.request_id]
+        self._totals["finished"] += 1
+        if request.params.needs_output_token_ids:
+            self._num_sync_requests -= 1
+
+    def _token_stop(self, seq: Sequence) -> str | None:
+        """``"stop"`` when the last token is an EOS, a stop token or completes a stop string, else None."""
+        params = seq.sampling_params
+        token = seq.token_ids[-1]
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop"
+        if params.stop_token_ids and token in params.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        if params.stop_strings and self.tokenizer is not None:
+            # Only the newest tokens can complete a stop string that was not there a step ago, so decode a tail
+            # long enough to hold the longest one (every token decodes to at least one character, except pieces
+            # of a multi-byte character: hence the margin) instead of the whole completion each step.
+            window = max(map(len, params.stop_strings)) + 8
+            tail = seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - window) :]
+            text = self.tokenizer.decode(tail, skip_special_tokens=params.skip_special_tokens)
+            for stop in params.stop_strings:
+                if stop in text:
+                    seq.stop_reason = stop
+                    return "stop"
+        return None
+
+    # --- outputs --------------------------------------------------------------------------------------
+
+    def _position_logprobs(self, entry: Any) -> PositionLogprobs | None:
+        """A runner's logprobs of one position (token id, logprob, rank, top ids and logprobs) as vLLM's dict."""
+        if entry is None:
+            return None
+        decode = self._decode_token
+        result = {entry.token_id: Logprob(entry.logprob, entry.rank, decode(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1):
+            if token_id not in result:
+                result[token_id] = Logprob(logprob, rank, decode(token_id))
+        return result
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _final_text(self, seq: Sequence) -> str:
+        if self.tokenizer is None:
+            return ""
+        params = seq.sampling_params
+        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
+        if isinstance(seq.stop_reason, str):
+            cut = text.find(seq.stop_reason)
+            if cut >= 0:
+                text = text[: cut + len(seq.stop_reason)] if params.include_stop_str_in_output else text[:cut]
+        return text
+
+    def _output(self, request: Request, indices: Any, final: bool) -> RequestOutput:
+        params = request.params
+        delta = params.output_kind == "delta"
+        completions = []
+        for i in indices:
+            seq = request.seqs[i]
+            if seq.is_finished:
+                text = self._final_text(seq)
+            else:
+                stream = request.streams[i]  # type: ignore[index]
+                stream.update(seq.token_ids)
+                text = stream.text
+                if params.stop_strings and not params.include_stop_str_in_output:
+                    # hold back what could still turn out to be the start of a stop string
+                    text = text[: max(request.sent_text[i], len(text) - max(map(len, params.stop_strings)) + 1)]
+            token_ids = seq.completion_token_ids
+            logprobs = request.logprobs[i] if request.logprobs is not None else None
+            if delta and not final:
+                text, token_ids = text[request.sent_text[i] :], token_ids[request.sent_tokens[i] :]
+                if logprobs is not None:
+                    logprobs = logprobs[request.sent_tokens[i] :]
+                request.sent_text[i] += len(text)
+                request.sent_tokens[i] += len(token_ids)
+            elif delta:  # the final output of a streamed request: what was not sent yet
+                text, token_ids = text[request.sent_text[i] :], token_ids[request.sent_tokens[i] :]
+                if logprobs is not None:
+                    logprobs = logprobs[request.sent_tokens[i] :]
+            cumulative = None
+            if logprobs is not None and request.logprobs is not None:
+                cumulative = sum(
+                    p[t].logprob for p, t in zip(request.logprobs[i], seq.completion_token_ids) if p and t in p
+                )
+            completions.append(
+                CompletionOutput(i, text, list(token_ids), seq.finish_reason, seq.stop_reason, cumulative, logprobs)
+            )
+        first = request.seqs[0]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=request.finished,
+            num_cached_tokens=first.num_cached_prompt_tokens or 0,
+            metrics=request.metrics,
+            prompt_logprobs=request.prompt_logprobs,
+        )
+
+
+def _is_int(value: Any) -> bool:
+    """An integer token id: int or an integer-like scalar (numpy, torch), never a bool or a float."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    return hasattr(value, "__index__") and not isinstance(value, float) and type(value).__name__ != "bool_"

@@ -1,0 +1,268 @@
+"""SimulatedEngine: the real engine core driving a scheduler and a block manager, with a fake model.
+
+The fake model's next token depends on every token before it, and the simulated KV cache records, for each
+slot, a fingerprint of the whole prefix whose key/value it holds. So a block freed too early, handed to two
+sequences, or found by a wrong prefix-cache hit gives a wrong context, which every step checks, naming the
+request, the step and the rule. The engine core checks the scheduler's output every step (limits, block
+tables covering the new tokens), exactly as it does with a real model; async scheduling works as on a GPU
+(placeholder tokens, the previous step's tokens fed in).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.core import EngineCore
+from nanovllm_core.engine.options import instantiate
+from nanovllm_core.interfaces import BlockManager, Scheduler, SchedulerOutput
+from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence
+
+__all__ = ["SIM_VOCAB", "SimulatedEngine", "fake_next_token", "random_tokens"]
+
+SIM_VOCAB = 997
+
+
+def random_tokens(n: int, rng: random.Random, vocab: int = SIM_VOCAB) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _extend(fingerprint: int, token: int) -> int:
+    return (fingerprint * 1_000_003 + token + 1) % (1 << 61)
+
+
+def fake_next_token(token_ids: list[int]) -> int:
+    """The fake model: the next token is a function of every token before it."""
+    fingerprint = 0
+    for token in token_ids:
+        fingerprint = _extend(fingerprint, token)
+    return fingerprint % SIM_VOCAB
+
+
+class _FakeStep:
+    def __init__(self, batch: SchedulerOutput, sampled: list[int | None]) -> None:
+        self.batch = batch
+        self.sampled = sampled
+        self.token_of = {seq.seq_id: t for seq, t in zip(batch.seqs, sampled) if t is not None}
+
+    def tokens(self) -> list[int | None]:
+        return list(self.sampled)
+
+
+class _FakeRunner:
+    """Runs a step on the simulated KV cache; fails the test when a context is not really in the cache."""
+
+    def __init__(self, sim: SimulatedEngine) -> None:
+        self.sim = sim
+        self.kv: dict[int, int] = {}
+        self._fingerprints: dict[int, list[int]] = {}
+
+    def _tokens(self, seq: Sequence, in_flight: _FakeStep | None) -> list[int]:
+        tokens = seq.token_ids
+        if tokens[-1] == PLACEHOLDER_TOKEN:  # async scheduling: the in-flight step samples it
+            assert in_flight is not None and seq.seq_id in in_flight.token_of, (
+                f"{seq!r} ends in a placeholder token but the step in flight samples nothing for it"
+            )
+            tokens = tokens[:-1] + [in_flight.token_of[seq.seq_id]]
+        return tokens
+
+    def _prefix_fingerprints(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        fps = self._fingerprints.setdefault(seq.seq_id, [])
+        while len(fps) < len(tokens):
+            fps.append(_extend(fps[-1] if fps else 0, tokens[len(fps)]))
+        return fps
+
+    def launch(self, batch: SchedulerOutput, in_flight: _FakeStep | None = None) -> _FakeStep:
+        sim, step = self.sim, self.sim.steps
+        bs = sim.block_size
+        for seq in batch.preempted:
+            if all(seq is not s for s in batch.seqs):
+                assert not seq.block_table, f"step {step}: {sim.name} preempted {seq!r} but it still holds blocks"
+        sim.batch_sizes.append((len(batch.seqs), batch.total_new_tokens))
+        written: dict[int, tuple[int, str]] = {}
+        contexts = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            table = seq.block_table
+            assert all(0 <= b < sim.num_blocks for b in table), f"step {step}: block table {table} out of range"
+            assert len(set(table)) == len(table), f"step {step}: {seq.request_id!r}'s block table {table} repeats a block"
+            tokens = self._tokens(seq, in_flight)
+            fps = self._prefix_fingerprints(seq, tokens)
+            contexts.append((tokens, fps))
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                slot = table[p // bs] * bs + p % bs
+                other = written.get(slot)
+                if other is not None and other[0] != fps[p]:
+                    pytest.fail(
+                        f"step {step}: requests {other[1]!r} and {seq.request_id!r} write different keys/values "
+                        f"into block {slot // bs} in the same step: a block is shared that must not be"
+                    )
+                written[slot] = (fps[p], seq.request_id)
+        for slot, (fp, _) in written.items():
+            self.kv[slot] = fp
+        sampled: list[int | None] = []
+        for (seq, n), (tokens, fps) in zip(zip(batch.seqs, batch.num_new_tokens), contexts):
+            start = seq.num_computed_tokens
+            for p in range(start):
+                slot = seq.block_table[p // bs] * bs + p % bs
+                if self.kv.get(slot) != fps[p]:
+                    state = "was never written" if slot not in self.kv else "holds another sequence's keys/values"
+                    pytest.fail(
+                        f"step {step}: request {seq.request_id!r} computes tokens [{start}, {start + n}) but the "
+                        f"cache slot of its token {p} (block {seq.block_table[p // bs]}) {state}. Its context is not "
+                        "in the KV cache: a block was freed or reused while still needed, a prefix-cache hit handed "
+                        "out a wrong block, or num_computed_tokens was not reset after a preemption"
+                    )
+            sampled.append(fake_next_token(tokens) if start + n == seq.num_tokens else None)
+        return _FakeStep(batch, sampled)
+
+
+class SimulatedEngine:
+    """Drives a scheduler and a block manager through :class:`~nanovllm_core.engine.core.EngineCore`.
+
+    ``add`` / ``abort`` / ``step`` / ``run`` as on the engine, plus the checks: exact outputs (the fake
+    model's completion of each prompt alone), block accounting after every step (used blocks are exactly the
+    union of the live block tables) and every block free at the end.
+    """
+
+    def __init__(
+        self,
+        scheduler_cls: type[Scheduler],
+        block_manager_cls: type[BlockManager],
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 64,
+        max_model_len: int = 1024,
+        enable_prefix_caching: bool = True,
+        async_scheduling: bool = False,
+        scheduler_options: dict[str, Any] | None = None,
+        block_manager_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.config = EngineConfig(
+            model="(simulated)",
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            kvcache_block_size=block_size,
+            num_kvcache_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.block_manager: BlockManager = instantiate(
+            "block_manager", block_manager_cls, dict(block_manager_options or {}), num_blocks, block_size,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.scheduler: Scheduler = instantiate(
+            "scheduler", scheduler_cls, dict(scheduler_options or {}), self.config, self.block_manager
+        )
+        self.name = type(self.scheduler).__name__
+        self.runner = _FakeRunner(self)
+        self.core = EngineCore(
+            self.config, self.scheduler, self.runner, scheduler_name=self.name, async_scheduling=async_scheduling
+        )
+        self.live: dict[str, Sequence] = {}
+        self.finished: list[Sequence] = []  # in the order they finished
+        self.aborted: list[Sequence] = []
+        self.prompts: dict[str, list[int]] = {}
+        self.steps = 0
+        self.batch_sizes: list[tuple[int, int]] = []  # (sequences, new tokens) per step
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    # --- requests -------------------------------------------------------------------------------------
+
+    def add(self, prompt: list[int], max_tokens: int, **params: Any) -> Sequence:
+        """Add a greedy request (EOS ignored); ``params`` are further SamplingParams (e.g. ``priority``)."""
+        request_id = self.core.add_request(
+            prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params)
+        )
+        seq = self.core._requests[request_id].seqs[0]
+        self.live[request_id] = seq
+        self.prompts[request_id] = list(prompt)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.live.get(request_id)
+        out = self.core.abort_request(request_id)
+        assert (out is None) == (seq is None), f"abort({request_id!r}) of a {'live' if seq else 'unknown'} request"
+        if seq is not None:
+            assert not seq.block_table, f"{self.name}: abort({request_id!r}) left blocks {seq.block_table}"
+            del self.live[request_id]
+            self.aborted.append(seq)
+        self.check_block_accounting(f"after abort({request_id!r})")
+        return seq
+
+    # --- stepping -------------------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        self.steps += 1
+        done = []
+        for out in self.core.step():
+            if out.finished:
+                seq = self.live.pop(out.request_id)
+                assert seq.is_finished and seq.finish_reason and not seq.block_table, (
+                    f"step {self.steps}: request {out.request_id!r} came back finished as {seq!r}"
+                )
+                self.finished.append(seq)
+                done.append(seq)
+        self.check_block_accounting(f"after step {self.steps}")
+        return done
+
+    def run(self, max_steps: int = 10_000) -> None:
+        """Step until every request finished; fails if that takes more than ``max_steps`` steps."""
+        for _ in range(max_steps):
+            if not self.core.has_unfinished_requests():
+                break
+            self.step()
+        else:
+            pytest.fail(
+                f"{self.name}: {len(self.live)} requests still unfinished after {max_steps} steps "
+                f"(starvation or a livelock): {sorted(self.live.values(), key=lambda s: s.seq_id)[:5]}"
+            )
+        assert not self.live, f"the engine has no unfinished request but {sorted(self.live)} never came back"
+
+    def check_block_accounting(self, when: str) -> None:
+        """Used blocks are exactly the union of the block tables of the unfinished requests."""
+        used: set[int] = set()
+        for seq in self.live.values():
+            used.update(seq.block_table)
+        bm = self.block_manager
+        assert bm.num_free_blocks == self.num_blocks - len(used), (
+            f"{when}: {type(bm).__name__}.num_free_blocks is {bm.num_free_blocks}, but the unfinished requests "
+            f"hold {len(used)} of {self.num_blocks} blocks (a block leaked or was freed while in use)"
+        )
+
+    # --- results --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def expected_completion(prompt: list[int], max_tokens: int) -> list[int]:
+        tokens = list(prompt)
+        for _ in range(max_tokens):
+            tokens.append(fake_next_token(tokens))
+        return tokens[len(prompt) :]
+
+    def assert_outputs_exact(self) -> None:
+        """Every finished request's completion is what the fake model produces for its prompt alone."""
+        for seq in self.finished:
+            want = self.expected_completion(self.prompts[seq.request_id], seq.sampling_params.max_tokens)
+            got = seq.completion_token_ids
+            if got != want:
+                where = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                raise AssertionError(
+                    f"request {seq.request_id!r} (preempted {seq.num_preemptions} times): first difference at "
+                    f"output token {where} (got {got[where:where + 3]}, expected {want[where:where + 3]})"
+                )
+
+    def assert_all_blocks_free(self) -> None:
+        bm = self.block_manager
+        assert bm.num_free_blocks == bm.num_blocks == self.num_blocks, (
+            f"every request finished but {type(bm).__name__} has {bm.num_free_blocks} of {self.num_blocks} blocks free"
+        )
