@@ -194,7 +194,8 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     warm = [[(t + 1) % vocab for t in p] for p in prompts[:32]]
     llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
-    llm.stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
+    llm.step_stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
+    before = llm.stats()
     llm.runner.track_gpu_time = device.type == "cuda"
     llm.runner.num_steps, llm.runner.host_prepare_s = 0, 0.0
     if device.type == "cuda":
@@ -203,7 +204,9 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    totals = llm.stats.totals
+    totals = llm.step_stats.totals
+    after = llm.stats()
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
     result: dict[str, Any] = {
         "model": llm.config.model,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -221,7 +224,8 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         "enforce_eager": llm.config.enforce_eager,
         "cuda_graphs": llm.runner.graphs is not None,
         "async_scheduling": llm.async_scheduling,
-        "num_preemptions": getattr(llm.scheduler, "num_preemptions", None),
+        "num_preemptions": after.num_preemptions - before.num_preemptions,
+        "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
     }
     result.update(llm.runner.timing_summary())
     if rates:
@@ -232,7 +236,8 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         result["percent_of_bound"] = 100 * bound["bound_s"] / elapsed
     print(
         f"attention={result['attention']} device={result['device']} blocks={result['num_kvcache_blocks']} "
-        f"cuda_graphs={result['cuda_graphs']} async_scheduling={result['async_scheduling']}"
+        f"cuda_graphs={result['cuda_graphs']} async_scheduling={result['async_scheduling']} "
+        f"preemptions={result['num_preemptions']} prefix_cache_hit_rate={100 * result['prefix_cache_hit_rate']:.1f}%"
     )
     print(
         f"Total: {produced} tok, Time: {elapsed:.2f}s, Throughput: {produced / elapsed:,.0f} tok/s "
@@ -266,11 +271,10 @@ def profile_decode(llm: Any, prompts: list[list[int]], steps: int = 32) -> None:
     from nanovllm_core import SamplingParams
 
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10**6)
+    before_tokens = llm.stats().num_generation_tokens
     ids = [llm.add_request(p, params) for p in prompts]
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in llm.scheduler.running.values()) or getattr(
-        llm.scheduler, "waiting", None
-    ):
-        llm.step()  # finish the prefills first
+    while llm.stats().num_generation_tokens < before_tokens + len(prompts):
+        llm.step()  # finish the prefills first: every request has its first token
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):

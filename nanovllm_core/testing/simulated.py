@@ -208,8 +208,9 @@ class SimulatedEngine:
         for out in self.core.step():
             if out.finished:
                 seq = self.live.pop(out.request_id)
-                assert seq.is_finished and seq.finish_reason and not seq.block_table, (
-                    f"step {self.steps}: request {out.request_id!r} came back finished as {seq!r}"
+                assert seq.is_finished and seq.finish_reason, f"step {self.steps}: {out.request_id!r} is {seq!r}"
+                assert not seq.block_table, (
+                    f"step {self.steps}: finished request {out.request_id!r} still holds blocks {seq.block_table}"
                 )
                 self.finished.append(seq)
                 done.append(seq)

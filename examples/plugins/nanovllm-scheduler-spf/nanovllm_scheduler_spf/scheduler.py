@@ -24,9 +24,7 @@ from collections import deque
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nanovllm_core import BlockManager, EngineConfig, InvalidRequestError, Scheduler, SchedulerOutput, Sequence
-from nanovllm_core.interfaces import StopChecker
-from nanovllm_core.sequence import SequenceStatus
+from nanovllm_core import BlockManager, EngineConfig, Scheduler, SchedulerOutput, Sequence
 
 
 class ShortestPromptFirstScheduler(Scheduler):
@@ -36,138 +34,88 @@ class ShortestPromptFirstScheduler(Scheduler):
         model_config = ConfigDict(extra="forbid")
         aging: float = Field(1.0, ge=0, description="Tokens of priority a waiting request gains per step.")
 
-    def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, stop_checker: StopChecker, aging: float = 1.0
-    ) -> None:
-        super().__init__(config, block_manager, stop_checker)
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, aging: float = 1.0) -> None:
+        super().__init__(config, block_manager)
         self.aging = aging
-        self.max_model_len = config.max_model_len or 1 << 62
         self.steps = 0
-        self.waiting: list[tuple[float, int, Sequence]] = []  # heap of (key, seq_id, seq)
+        self.by_score: list[tuple[float, int, Sequence]] = []  # heap of (key, seq_id, seq)
         self.preempted: deque[Sequence] = deque()  # hold no blocks; recomputed before new requests
         self.chunked: Sequence | None = None  # the prompt cut into chunks, continued first
-        self.running: dict[int, Sequence] = {}  # every request that holds blocks, in admission order
-        self.requests: dict[str, Sequence] = {}
 
-    # --- requests -------------------------------------------------------------------------------------
+    # --- queue hooks: ``waiting`` is the preempted deque plus the score heap ------------------------------
 
-    def add(self, seq: Sequence) -> None:
-        if seq.request_id in self.requests:
-            raise InvalidRequestError(f"request id {seq.request_id!r} is already queued")
-        longest = min(seq.num_prompt_tokens + seq.sampling_params.max_tokens, self.max_model_len)
-        needed = self.block_manager.num_blocks_for(max(longest - 1, seq.num_tokens))
-        if needed > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                f"request {seq.request_id!r} may need {needed} KV-cache blocks but the cache has "
-                f"{self.block_manager.num_blocks}; lower max_tokens or give the cache more blocks"
-            )
-        key = seq.num_prompt_tokens + self.aging * self.steps
-        heapq.heappush(self.waiting, (key, seq.seq_id, seq))
-        self.requests[seq.request_id] = seq
+    def enqueue(self, seq: Sequence) -> None:
+        heapq.heappush(self.by_score, (seq.num_prompt_tokens + self.aging * self.steps, seq.seq_id, seq))
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
+    def requeue(self, seq: Sequence) -> None:
+        self.preempted.append(seq)
 
-    def num_unfinished(self) -> int:
-        return len(self.requests)
+    def remove_waiting(self, seq: Sequence) -> None:
+        if seq in self.preempted:
+            self.preempted.remove(seq)
+        else:
+            self.by_score = [entry for entry in self.by_score if entry[2] is not seq]
+            heapq.heapify(self.by_score)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.preempted) + len(self.by_score)
+
+    def _peek(self) -> Sequence | None:
+        if self.preempted:
+            return self.preempted[0]
+        return self.by_score[0][2] if self.by_score else None
+
+    def _pop(self) -> Sequence:
+        return self.preempted.popleft() if self.preempted else heapq.heappop(self.by_score)[2]
 
     # --- one step -------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         self.steps += 1
+        if self.chunked is not None and self.chunked.seq_id not in self.running:
+            self.chunked = None  # finished or aborted
         out = self._prefill()
         return out if out.seqs else self._decode()
 
     def _prefill(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         if self.chunked is not None:
             seq = self.chunked
             n = min(seq.num_uncomputed_tokens, budget)
-            self._add_to(out, seq, n)
+            out.add(seq, n)
             budget -= n
             if seq.num_computed_tokens + n == seq.num_tokens:
                 self.chunked = None
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._peek()
             if seq is None:
                 break
             remaining = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
             if remaining > budget and out.seqs:
                 break  # only the first prompt of a step is cut into a chunk
-            if not self.block_manager.allocate(seq, seq.num_uncomputed_tokens):
+            n = self.allocate_chunk(seq, budget, whole_prompt=True)
+            if not n:
                 break  # no room in the KV cache: wait until running requests free blocks
-            self._pop(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running[seq.seq_id] = seq
-            n = min(seq.num_uncomputed_tokens, budget)
+            self.admit(self._pop())
             if n < seq.num_uncomputed_tokens:
                 self.chunked = seq
-            self._add_to(out, seq, n)
+            out.add(seq, n)
             budget -= n
         return out
 
     def _decode(self) -> SchedulerOutput:
         out = SchedulerOutput()
         queue = deque(self.running.values())
-        while queue and len(out.seqs) < self.config.max_num_batched_tokens:
+        while queue:
             seq = queue.popleft()
             while not self.block_manager.allocate(seq, 1):
-                victim = queue.pop() if queue else seq
-                self._preempt(victim)
+                victim = queue.pop() if queue else seq  # the most recently admitted
+                self.preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self._add_to(out, seq, 1)
+                out.add(seq, 1)
         return out
-
-    @staticmethod
-    def _add_to(out: SchedulerOutput, seq: Sequence, num_new_tokens: int) -> None:
-        out.seqs.append(seq)
-        out.num_new_tokens.append(num_new_tokens)
-
-    def _peek(self) -> Sequence | None:
-        if self.preempted:
-            return self.preempted[0]
-        return self.waiting[0][2] if self.waiting else None
-
-    def _pop(self, seq: Sequence) -> None:
-        if self.preempted and self.preempted[0] is seq:
-            self.preempted.popleft()
-        else:
-            heapq.heappop(self.waiting)
-
-    def _preempt(self, seq: Sequence) -> None:
-        del self.running[seq.seq_id]
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        self.preempted.append(seq)
-
-    def postprocess(self, batch: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
-        finished = []
-        for seq, num_new, token_id in zip(batch.seqs, batch.num_new_tokens, sampled_token_ids):
-            if self.advance(seq, num_new, token_id):
-                del self.running[seq.seq_id]
-                del self.requests[seq.request_id]
-                finished.append(seq)
-        return finished
-
-    def abort(self, request_id: str) -> Sequence | None:
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
-            return None
-        if self.running.pop(seq.seq_id, None) is None:
-            if seq in self.preempted:
-                self.preempted.remove(seq)
-            else:
-                self.waiting = [entry for entry in self.waiting if entry[2] is not seq]
-                heapq.heapify(self.waiting)
-        if self.chunked is seq:
-            self.chunked = None
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
-        return seq

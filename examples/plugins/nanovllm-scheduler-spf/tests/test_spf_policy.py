@@ -42,7 +42,7 @@ def test_without_aging_a_long_prompt_starves() -> None:
         {"scheduler_cls": ShortestPromptFirstScheduler, "scheduler_options": {"aging": 0.0}},
     )()
     with pytest.raises(AssertionError, match="starved"):
-        kit.test_no_starvation_under_a_stream_of_requests()
+        kit.test_no_starvation_under_a_stream_of_requests(async_scheduling=False)
 
 
 @pytest.mark.parametrize("options, message", [({"aging": -1}, "greater than or equal to 0"), ({"agin": 1}, "agin")])
