@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm_core import LLM, SamplingParams, SchedulerOutput
+from nanovllm_core import LLM, SamplingParams, SchedulerOutput, Sequence
 from nanovllm_core.plugins import get_registry
 from nanovllm_core.testing import write_tiny_checkpoint
 
@@ -92,7 +92,7 @@ def test_greedy_and_logits_match_transformers(bf16_path, hf_model, hf_model_fp32
     # logits of the last prompt token against transformers in float32: no further off than twice transformers'
     # own bf16 run (bf16 rounding alone moves logits by 1-2%; a wrong kernel moves them by far more)
     for prompt in PROMPTS[1:4]:
-        seq = llm.make_sequence(prompt, SamplingParams(temperature=0), None)
+        seq = Sequence(prompt, SamplingParams(temperature=0))
         assert llm.block_manager.allocate(seq, seq.num_uncomputed_tokens)
         seq.num_computed_tokens = 0
         batch = SchedulerOutput([seq], [seq.num_tokens])
@@ -166,7 +166,7 @@ def test_tp2_over_nccl_matches_tp1(bf16_path):
     def last_logits(llm):
         rows = []
         for prompt in PROMPTS[1:4]:
-            seq = llm.make_sequence(prompt, SamplingParams(temperature=0), None)
+            seq = Sequence(prompt, SamplingParams(temperature=0))
             assert llm.block_manager.allocate(seq, seq.num_uncomputed_tokens)
             seq.num_computed_tokens = 0
             host = flatten_batch(SchedulerOutput([seq], [seq.num_tokens]), llm.runner.block_size)

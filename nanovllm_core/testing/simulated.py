@@ -83,6 +83,8 @@ class _FakeRunner:
             if all(seq is not s for s in batch.seqs):
                 assert not seq.block_table, f"step {step}: {sim.name} preempted {seq!r} but it still holds blocks"
         sim.batch_sizes.append((len(batch.seqs), batch.total_new_tokens))
+        sim.scheduled.append([(seq.request_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)])
+        sim.preempted.append([seq.request_id for seq in batch.preempted])
         written: dict[int, tuple[int, str]] = {}
         contexts = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -172,6 +174,8 @@ class SimulatedEngine:
         self.prompts: dict[str, list[int]] = {}
         self.steps = 0
         self.batch_sizes: list[tuple[int, int]] = []  # (sequences, new tokens) per step
+        self.scheduled: list[list[tuple[str, int]]] = []  # (request id, new tokens) of each launched step
+        self.preempted: list[list[str]] = []  # request ids each launched step preempted
 
     @property
     def num_preemptions(self) -> int:
@@ -179,10 +183,10 @@ class SimulatedEngine:
 
     # --- requests -------------------------------------------------------------------------------------
 
-    def add(self, prompt: list[int], max_tokens: int, **params: Any) -> Sequence:
+    def add(self, prompt: list[int], max_tokens: int, request_id: str | None = None, **params: Any) -> Sequence:
         """Add a greedy request (EOS ignored); ``params`` are further SamplingParams (e.g. ``priority``)."""
         request_id = self.core.add_request(
-            prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params)
+            prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params), request_id
         )
         seq = self.core._requests[request_id].seqs[0]
         self.live[request_id] = seq
