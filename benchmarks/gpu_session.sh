@@ -22,13 +22,13 @@ bench() {  # bench NAME ARGS...: the nano-vllm workload through `nanovllm bench`
 case "${1:?phase}" in
   overlap-a)  # async scheduling + fused qk-norm/rope + sampling kernel: bench, GPU tests, bench without overlap
     TAIL=25 bench triton --attention triton --profile
-    step gpu_tests_core 150 python -m pytest tests/test_gpu_engine.py tests/test_qk_norm_rope.py \
+    step gpu_tests_core 150 python -m pytest tests/test_gpu_engine.py plugins/models_qwen3/tests/test_qk_norm_rope.py \
       tests/test_sampling_kernel.py -m gpu -q -x -k "not flash_attn"
     step kernel_tests_triton 120 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "triton"
     TAIL=5 bench triton_sync --attention triton --async-scheduling off
     ;;
   final2-a)  # this session's final figures (with flash-attn's first half alongside)
-    step gpu_tests_core 150 python -m pytest tests/test_gpu_engine.py tests/test_qk_norm_rope.py \
+    step gpu_tests_core 150 python -m pytest tests/test_gpu_engine.py plugins/models_qwen3/tests/test_qk_norm_rope.py \
       tests/test_sampling_kernel.py -m gpu -q -s -k "not flash_attn"
     step kernel_tests_triton 120 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "triton"
     TAIL=25 bench triton --attention triton --profile

@@ -1,8 +1,14 @@
-"""Building blocks for model plugins: tensor-parallel-ready linears and embeddings, norms, rotary, attention."""
+"""Building blocks for model plugins: tensor-parallel-ready linears and embeddings, norms, rotary, attention.
+
+Also for kernel authors: :func:`wrap_kernel` runs a ``@triton.jit`` kernel compiled on CUDA or in Triton's
+interpreter on CPU (how CI tests kernels), and :func:`fused_enabled` says whether the engine asked for
+fused/compiled small ops on this device (``compile_small_ops``).
+"""
 
 from nanovllm_core.layers.activation import SiluAndMul
 from nanovllm_core.layers.attention import Attention
 from nanovllm_core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanovllm_core.layers.fused import fused_enabled
 from nanovllm_core.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -12,6 +18,7 @@ from nanovllm_core.layers.linear import (
 )
 from nanovllm_core.layers.norm import RMSNorm
 from nanovllm_core.layers.rotary import RotaryEmbedding, get_rope
+from nanovllm_core.layers.triton_jit import wrap_kernel
 
 __all__ = [
     "Attention",
@@ -25,5 +32,7 @@ __all__ = [
     "RowParallelLinear",
     "SiluAndMul",
     "VocabParallelEmbedding",
+    "fused_enabled",
     "get_rope",
+    "wrap_kernel",
 ]

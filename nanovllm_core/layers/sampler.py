@@ -1,17 +1,82 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds."""
+"""Token sampling: penalties, greedy, temperature, top-k, top-p, min-p, with per-request seeds; logprobs."""
 
 from __future__ import annotations
 
 import functools
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from types import ModuleType
 
 import torch
 
 from nanovllm_core.host_tensor import host_tensor
 from nanovllm_core.layers.fused import fused_enabled, temperature_race
-from nanovllm_core.sequence import Sequence
+from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence
+
+
+@dataclass
+class Penalties:
+    """vLLM's presence, frequency and repetition penalties for the rows of a batch that use them.
+
+    ``repetition`` divides the positive logits and multiplies the others of every token in the prompt or the
+    output; then ``frequency`` times a token's count in the output and ``presence`` (once) for a token in the
+    output are subtracted.
+    """
+
+    rows: torch.Tensor  # int64 [m]: which rows of the batch
+    presence: torch.Tensor  # float32 [m]
+    frequency: torch.Tensor  # float32 [m]
+    repetition: torch.Tensor  # float32 [m]
+    output_counts: torch.Tensor  # float32 [m, vocab]: occurrences of each token in the output
+    seen: torch.Tensor  # bool [m, vocab]: in the prompt or in the output
+
+    @classmethod
+    def from_seqs(cls, seqs: list[Sequence], rows: list[int], vocab_size: int, device: torch.device) -> Penalties:
+        """``rows``: the indices into ``seqs`` (and into the logits) of the sequences that use penalties."""
+        output_ids: list[int] = []
+        output_lens: list[int] = []
+        prompt_ids: list[int] = []
+        prompt_lens: list[int] = []
+        for row in rows:
+            seq = seqs[row]
+            tokens, num_prompt = seq.token_ids, seq.num_prompt_tokens
+            # a placeholder can only be the last token (one step in flight); the engine must not let it get here
+            assert tokens[-1] != PLACEHOLDER_TOKEN, f"request {seq.request_id} uses penalties but a token is in flight"
+            output_ids += tokens[num_prompt:]
+            output_lens.append(len(tokens) - num_prompt)
+            repeat = seq.sampling_params.repetition_penalty != 1
+            prompt_ids += tokens[:num_prompt] if repeat else []
+            prompt_lens.append(num_prompt if repeat else 0)
+        params = [seqs[row].sampling_params for row in rows]
+        m = len(rows)
+        index = torch.arange(m, device=device)
+        counts = torch.zeros((m, vocab_size), dtype=torch.float32, device=device)
+        out_rows = index.repeat_interleave(host_tensor(output_lens, torch.int64, device), output_size=len(output_ids))
+        out_ids = host_tensor(output_ids, torch.int64, device)
+        counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)
+        seen = counts > 0
+        p_rows = index.repeat_interleave(host_tensor(prompt_lens, torch.int64, device), output_size=len(prompt_ids))
+        seen[p_rows, host_tensor(prompt_ids, torch.int64, device)] = True
+        return cls(
+            host_tensor(rows, torch.int64, device),
+            host_tensor([p.presence_penalty for p in params], torch.float32, device),
+            host_tensor([p.frequency_penalty for p in params], torch.float32, device),
+            host_tensor([p.repetition_penalty for p in params], torch.float32, device),
+            counts,
+            seen,
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The penalised logits as a new float32 tensor (``logits`` is left as it is)."""
+        logits = logits.float()
+        penalised = logits[self.rows]
+        repetition = self.repetition.unsqueeze(1)
+        repeated = torch.where(penalised > 0, penalised / repetition, penalised * repetition)
+        penalised = torch.where(self.seen, repeated, penalised)
+        penalised -= self.frequency.unsqueeze(1) * self.output_counts
+        penalised -= self.presence.unsqueeze(1) * (self.output_counts > 0)
+        return logits.index_copy(0, self.rows, penalised)
 
 
 @dataclass
@@ -25,6 +90,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     all_greedy: bool
     any_greedy: bool = True
+    penalties: Penalties | None = None
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -41,6 +107,10 @@ class SamplingBatch:
                 top_p = host_tensor([p.top_p for p in params], torch.float32, device)
             if any(p.min_p > 0 for p in params):
                 min_p = host_tensor([p.min_p for p in params], torch.float32, device)
+        penalties = None
+        if any(p.needs_output_token_ids for p in params):
+            rows = [i for i, p in enumerate(params) if p.needs_output_token_ids]
+            penalties = Penalties.from_seqs(seqs, rows, vocab_size, device)
         return cls(
             host_tensor(temperatures, torch.float32, device),
             top_k,
@@ -49,6 +119,7 @@ class SamplingBatch:
             [s.generator for s in seqs],
             all_greedy,
             num_greedy > 0,
+            penalties,
         )
 
 
@@ -72,6 +143,9 @@ class Sampler:
         self._kernel_seeds = random.Random(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One token id per row (int64); ``logits`` itself is not modified."""
+        if batch.penalties is not None:
+            logits = batch.penalties.apply(logits)
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         if self._use_kernel(logits, batch):
@@ -137,3 +211,58 @@ def _sampling_kernel() -> ModuleType | None:
     except ImportError:
         return None
     return sampling_kernel
+
+
+@dataclass
+class SampleLogprobs:
+    """The logprob of one chosen token (a sampled one, or the next prompt token) and the most likely tokens'.
+
+    ``rank`` is 1 + the number of tokens more likely than the chosen one (vLLM: how many tokens have a logprob
+    at least as high); ``top_ids`` / ``top_logprobs`` hold the ``k`` most likely tokens, best first.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class LogprobsTensors:
+    """:class:`SampleLogprobs` of several rows as tensors (on the device until copied)."""
+
+    token_ids: torch.Tensor  # int64 [rows]
+    logprobs: torch.Tensor  # float32 [rows]
+    ranks: torch.Tensor  # int64 [rows]
+    top_ids: torch.Tensor  # int64 [rows, k]
+    top_logprobs: torch.Tensor  # float32 [rows, k]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> LogprobsTensors:
+        return LogprobsTensors(*(fn(getattr(self, f.name)) for f in fields(self)))
+
+    @staticmethod
+    def cat(parts: list[LogprobsTensors]) -> LogprobsTensors:
+        if len(parts) == 1:
+            return parts[0]
+        return LogprobsTensors(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(LogprobsTensors)))
+
+    def tolist(self, num_top: list[int]) -> list[SampleLogprobs]:
+        """One entry per row, row ``i`` keeping its ``num_top[i]`` best tokens (reads host tensors)."""
+        top_ids, top_logprobs = self.top_ids.tolist(), self.top_logprobs.tolist()
+        return [
+            SampleLogprobs(token, logprob, rank, ids[:k], lps[:k])
+            for token, logprob, rank, ids, lps, k in zip(
+                self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist(), top_ids, top_logprobs, num_top
+            )
+        ]
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    """Logprobs of ``token_ids[i]`` under row ``i`` of ``logits`` (``log_softmax`` in float32 of the raw
+    logits, vLLM's default), their ranks and each row's ``num_top`` most likely tokens; no host sync."""
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    return LogprobsTensors(token_ids, chosen.squeeze(1), ranks, top_ids, top_logprobs)

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm_core.layers.triton_jit import wrap_kernel
+from nanovllm_core.layers import wrap_kernel
 
 # ----------------------------------------------------------------------------------------------------
 # Kernel bodies
@@ -78,10 +78,74 @@ def _store_kv_kernel(
     tl.store(VALUE_CACHE + dst, v, mask=mask)
 
 
+def _store_kv_fp8_kernel(
+    K,
+    V,
+    KEY_CACHE,
+    VALUE_CACHE,
+    KEY_SCALES,
+    VALUE_SCALES,
+    SLOTS,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_c_block,
+    stride_c_tok,
+    stride_c_head,
+    stride_s_block,
+    stride_s_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One program per token: quantise its key and value rows to e4m3, one scale per KV head (``fp8_cache``):
+    ``scale = amax / 448``, ``value = rne(row / scale)``, both divisions IEEE-rounded (``div_rn``) as in PyTorch.
+
+    The row is rounded to the e4m3 grid in float32 before the cast (the exponent picks the grid step:
+    ``2**(e - 3)``, at least ``2**-9``, the subnormal step), so the cast itself is exact: Triton's interpreter
+    rounds float-to-fp8 casts wrongly (a carry into the exponent is lost), the GPU's cast would round the same.
+    """
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOTS + token)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    row = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, HEADS_P2)
+    offs_d = tl.arange(0, DIM_P2)
+    head_mask = offs_h < NUM_KV_HEADS
+    mask = head_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    dst = block * stride_c_block + row * stride_c_tok + offs_h[:, None] * stride_c_head + offs_d[None, :]
+    for which in tl.static_range(2):  # keys, then values
+        if which == 0:
+            src, cache, scales = K + token * stride_k_tok, KEY_CACHE, KEY_SCALES
+            src += offs_h[:, None] * stride_k_head
+        else:
+            src, cache, scales = V + token * stride_v_tok, VALUE_CACHE, VALUE_SCALES
+            src += offs_h[:, None] * stride_v_head
+        x = tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.div_rn(tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max), 448.0)
+        y = tl.div_rn(x, tl.where(scale > 0.0, scale, 1.0)[:, None])
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        bits = y.to(tl.int32, bitcast=True)
+        step_exp = tl.maximum((bits >> 23) & 0xFF, 121) - 3  # biased exponent of the grid step
+        inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
+        step = (step_exp << 23).to(tl.float32, bitcast=True)
+        rounded = ((y * inv_step + 12582912.0) - 12582912.0) * step  # 1.5 * 2**23: round to nearest even
+        y = tl.where(bits < 0, -tl.abs(rounded), rounded)  # keeps the sign of a negative value rounded to 0
+        tl.store(cache + dst, y.to(cache.dtype.element_ty), mask=mask)
+        tl.store(scales + block * stride_s_block + offs_h * stride_s_head + row, scale, mask=head_mask)
+
+
 def _decode_split_kernel(
     Q,
     KEY_CACHE,
     VALUE_CACHE,
+    KEY_SCALES,
+    VALUE_SCALES,
     BLOCK_TABLES,
     SEQ_LENS,
     QUERY_START_LOC,
@@ -95,6 +159,8 @@ def _decode_split_kernel(
     stride_c_block,
     stride_c_tok,
     stride_c_head,
+    stride_s_block,
+    stride_s_head,
     stride_bt,
     stride_o_tok,
     stride_o_head,
@@ -109,6 +175,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Program (kv head, split, sequence): attention of the ``GROUP`` query heads over one split of the context.
@@ -120,6 +187,11 @@ def _decode_split_kernel(
     ``cdiv(seq_len, BLOCK_N)`` tiles are dealt evenly over ``num_splits``; an empty split writes lse = -inf.
     ``ONE_SPLIT``: normalise and write ``OUT`` directly. Otherwise write the normalised partial output to
     ``PART_OUT[seq, head, split]`` and its base-2 log-sum-exp (of the scaled scores) to ``PART_LSE``.
+
+    ``KV_FP8``: the cache holds e4m3 values with one float32 scale per (token, KV head) in ``KEY_SCALES`` /
+    ``VALUE_SCALES`` (``[num_blocks, num_kv_heads, block_size]``, see ``fp8_cache``). Keys enter the dot as
+    they are (e4m3 values are exact in 16 bits) and their scales multiply the scores; value tiles are
+    dequantised before theirs.
     """
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -147,6 +219,8 @@ def _decode_split_kernel(
     acc = tl.full([BLOCK_H, HEAD_DIM], 0.0, dtype=tl.float32)
     k_base = KEY_CACHE + kv_head * stride_c_head
     v_base = VALUE_CACHE + kv_head * stride_c_head
+    ks_base = KEY_SCALES + kv_head * stride_s_head
+    vs_base = VALUE_SCALES + kv_head * stride_s_head
     table = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
     # each tile's block-table entry is loaded one tile ahead (as in the prefill kernel), so the K/V loads of a
     # tile never wait on a load issued in the same iteration; the index is clamped to the last key
@@ -160,13 +234,20 @@ def _decode_split_kernel(
         key_mask = (start + offs_n) < seq_len
         offsets = block * stride_c_block + rows[:, None] * stride_c_tok + offs_d[None, :]
         k = tl.load(k_base + offsets, mask=key_mask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if KV_FP8:
+            k_scale = tl.load(ks_base + block * stride_s_block + rows, mask=key_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(key_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
         v = tl.load(v_base + offsets, mask=key_mask[:, None], other=0.0)
+        if KV_FP8:
+            v_scale = tl.load(vs_base + block * stride_s_block + rows, mask=key_mask, other=0.0)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -244,6 +325,8 @@ def _prefill_kernel(
     Q,
     KEY_CACHE,
     VALUE_CACHE,
+    KEY_SCALES,
+    VALUE_SCALES,
     BLOCK_TABLES,
     SEQ_LENS,
     QUERY_START_LOC,
@@ -255,6 +338,8 @@ def _prefill_kernel(
     stride_c_block,
     stride_c_tok,
     stride_c_head,
+    stride_s_block,
+    stride_s_head,
     stride_bt,
     stride_o_tok,
     stride_o_head,
@@ -267,6 +352,7 @@ def _prefill_kernel(
     SEQ_CHUNK: tl.constexpr,
     SKIP_SINGLE: tl.constexpr,
     USE_TMA: tl.constexpr,
+    KV_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Program (query block, query head): ``BLOCK_M`` new tokens of one sequence against its paged context.
@@ -291,6 +377,9 @@ def _prefill_kernel(
     ``[num_blocks * block_size, num_kv_heads * head_dim]`` with ``[BLOCK_N, HEAD_DIM]`` boxes (Hopper TMA);
     a tile is the box at row ``block * BLOCK_SIZE + start % BLOCK_SIZE``, column ``kv_head * HEAD_DIM``.
     Otherwise they are pointers and tiles are gathered with 16-byte loads.
+
+    ``KV_FP8``: e4m3 values with per-(token, KV head) scales in ``KEY_SCALES``/``VALUE_SCALES``, applied as in
+    the decode kernel (key scales on the scores, value tiles dequantised before the dot).
     """
     # one flat grid axis: heads vary fastest (the group's programs read the same K/V tiles together),
     # query blocks last-first
@@ -334,6 +423,8 @@ def _prefill_kernel(
         tile_offs = offs_n[:, None] * stride_c_tok + offs_d[None, :]
         k_base = KEY_CACHE + kv_head * stride_c_head
         v_base = VALUE_CACHE + kv_head * stride_c_head
+    ks_base = KEY_SCALES + kv_head * stride_s_head
+    vs_base = VALUE_SCALES + kv_head * stride_s_head
     table = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
     block_next = tl.load(table)  # the first tile's block (every sequence here has a key)
 
@@ -349,7 +440,12 @@ def _prefill_kernel(
         else:
             tile = block.to(tl.int64) * stride_c_block + (start % BLOCK_SIZE) * stride_c_tok
             k = tl.load(k_base + tile + tile_offs)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if KV_FP8:
+            scale_offs = block.to(tl.int64) * stride_s_block + start % BLOCK_SIZE + offs_n
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            s = s * tl.load(ks_base + scale_offs)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
         p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
         alpha = tl.exp2(m_i - m_new)
@@ -358,6 +454,8 @@ def _prefill_kernel(
             v = VALUE_CACHE.load([row, col])
         else:
             v = tl.load(v_base + tile + tile_offs)
+        if KV_FP8:
+            v = (v.to(tl.float32) * tl.load(vs_base + scale_offs)[:, None]).to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -377,7 +475,12 @@ def _prefill_kernel(
         else:
             tile = block.to(tl.int64) * stride_c_block + (start % BLOCK_SIZE) * stride_c_tok
             k = tl.load(k_base + tile + tile_offs)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if KV_FP8:  # the scales of keys past seq_len may be anything too: masked below, after the product
+            scale_offs = block.to(tl.int64) * stride_s_block + start % BLOCK_SIZE + offs_n
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            s = s * tl.load(ks_base + scale_offs)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s = tl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
         p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
@@ -385,9 +488,13 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
         if USE_TMA:
             v = VALUE_CACHE.load([row, col])
-            v = tl.where((keys < seq_len)[:, None], v, 0.0)
         else:
             v = tl.load(v_base + tile + tile_offs, mask=(keys < seq_len)[:, None], other=0.0)
+        if KV_FP8:
+            v_scale = tl.load(vs_base + scale_offs, mask=keys < seq_len, other=0.0)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+        if USE_TMA:  # after the dequantisation: NaN * 0 is NaN
+            v = tl.where((keys < seq_len)[:, None], v, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -404,6 +511,7 @@ def _prefill_kernel(
 @dataclass(frozen=True)
 class _KernelSet:
     store_kv: object
+    store_kv_fp8: object
     decode_split: object
     decode_merge: object
     prefill: object
@@ -413,10 +521,11 @@ class _KernelSet:
 def _kernel_set(interpret: bool) -> _KernelSet:
     wrap = partial(wrap_kernel, interpret=interpret)
     # batch-dependent integers (counts, the block table's width) are not specialised: a value of 1 or a
-    # multiple of 16 would compile a variant
+    # multiple of 16 would compile a variant (and `TritonAttentionBackend.warmup` could not foresee it)
     return _KernelSet(
         store_kv=wrap(_store_kv_kernel),
-        decode_split=wrap(_decode_split_kernel, do_not_specialize=["num_splits"]),
+        store_kv_fp8=wrap(_store_kv_fp8_kernel),
+        decode_split=wrap(_decode_split_kernel, do_not_specialize=["num_splits", "stride_bt"]),
         decode_merge=wrap(_decode_merge_kernel, do_not_specialize=["num_splits"]),
         prefill=wrap(_prefill_kernel, do_not_specialize=["num_seqs", "stride_bt"]),
     )
@@ -517,9 +626,20 @@ def num_sms(device: torch.device) -> int:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+def _check_cache(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
+) -> None:
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache.stride(-1) == 1, "the cache's head_dim must be contiguous"
+    assert (key_scales is None) == (value_scales is None), "an FP8 cache needs key and value scales"
+    if key_scales is not None:
+        assert key_cache.dtype == torch.float8_e4m3fn, f"scales come with an e4m3 cache, not {key_cache.dtype}"
+        num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+        assert key_scales.shape == value_scales.shape == (num_blocks, num_kv_heads, block_size)
+        assert key_scales.stride() == value_scales.stride() and key_scales.stride(-1) == 1
 
 
 def store_kv(
@@ -556,6 +676,59 @@ def store_kv(
     )
 
 
+def store_kv_fp8(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_scales: torch.Tensor,
+    value_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``store_kv`` into an FP8 cache: ``key_cache``/``value_cache`` ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` e4m3 and ``key_scales``/``value_scales`` ``[num_blocks, num_kv_heads, block_size]`` float32
+    (``fp8_cache.fp8_views``); each new row is quantised with its own scale."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _check_cache(key_cache, value_cache, key_scales, value_scales)
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    _kernels_for(k.device).store_kv_fp8[(num_tokens,)](
+        k,
+        v,
+        key_cache,
+        value_cache,
+        key_scales,
+        value_scales,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        key_scales.stride(0),
+        key_scales.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        DIM_P2=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=key_cache.shape[1],
+        num_warps=4,
+    )
+
+
+def _scale_args(
+    key_cache: torch.Tensor, key_scales: torch.Tensor | None, value_scales: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The scale arguments of the attention kernels: the scale tensors and their block/head strides, or (for a
+    16-bit cache) placeholders that the kernel never reads."""
+    if key_scales is None or value_scales is None:
+        return key_cache, key_cache, 0, 0
+    return key_scales, value_scales, key_scales.stride(0), key_scales.stride(1)
+
+
 def decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -568,6 +741,8 @@ def decode_attention(
     num_seqs: int,
     num_splits: int,
     config: DecodeConfig,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> None:
     """Paged attention for the sequences of the batch that have exactly one query token.
 
@@ -575,14 +750,16 @@ def decode_attention(
     ``query_start_loc[i]`` and its context the first ``seq_lens[i]`` cache slots of ``block_tables[i]``.
     Sequences with another query length are left untouched. The launch grid depends only on ``num_seqs``,
     the head counts and ``num_splits``, never on device data, so a CUDA graph can capture it; the split
-    workspace has a static size too.
+    workspace has a static size too. ``key_scales``/``value_scales``: the scales of an FP8 cache
+    (``store_kv_fp8``).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
     if num_seqs == 0:
         return
-    _check_cache(key_cache, value_cache)
+    _check_cache(key_cache, value_cache, key_scales, value_scales)
+    k_scales, v_scales, stride_s_block, stride_s_head = _scale_args(key_cache, key_scales, value_scales)
     assert q.stride(-1) == 1 and out.stride(-1) == 1
     assert block_size % config.block_n == 0, "decode tiles must not cross a cache block"
     group = num_heads // num_kv_heads
@@ -603,6 +780,8 @@ def decode_attention(
         q,
         key_cache,
         value_cache,
+        k_scales,
+        v_scales,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -616,6 +795,8 @@ def decode_attention(
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
+        stride_s_block,
+        stride_s_head,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -627,6 +808,7 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         ONE_SPLIT=one_split,
+        KV_FP8=key_scales is not None,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -708,19 +890,23 @@ def prefill_attention(
     config: PrefillConfig,
     skip_single: bool = False,
     warmup: bool = False,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> None:
     """Causal paged attention of every sequence's new tokens (``query_start_loc``) against its context.
 
     The new tokens' keys/values must already be in the cache (``store_kv``). ``skip_single`` leaves the
     sequences with one query token untouched (the decode kernel handles them). ``warmup``: only compile the
     kernel for these arguments (Triton's ``warmup``; compiled kernels only), launching nothing.
+    ``key_scales``/``value_scales``: the scales of an FP8 cache (``store_kv_fp8``).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
     if num_seqs == 0 or num_tokens == 0:
         return
-    _check_cache(key_cache, value_cache)
+    _check_cache(key_cache, value_cache, key_scales, value_scales)
+    k_scales, v_scales, stride_s_block, stride_s_head = _scale_args(key_cache, key_scales, value_scales)
     assert q.stride(-1) == 1 and out.stride(-1) == 1
     assert block_size % config.block_n == 0, "prefill key tiles must not cross a cache block"
     kernels = _kernels_for(q.device)
@@ -732,6 +918,8 @@ def prefill_attention(
         q,
         k_arg,
         v_arg,
+        k_scales,
+        v_scales,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -743,6 +931,8 @@ def prefill_attention(
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
+        stride_s_block,
+        stride_s_head,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -755,6 +945,7 @@ def prefill_attention(
         SEQ_CHUNK=PREFILL_SEQ_CHUNK,
         SKIP_SINGLE=skip_single,
         USE_TMA=descriptors is not None,
+        KV_FP8=key_scales is not None,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -18,11 +18,11 @@ from nanovllm_core.layers import (
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
+    fused_enabled,
     get_rope,
 )
-from nanovllm_core.layers.fused import fused_enabled
-from nanovllm_core.layers.qk_norm_rope import qk_norm_rope
 from nanovllm_core.loader import load_weights
+from nanovllm_models_qwen3.qk_norm_rope import qk_norm_rope
 
 
 class QwenAttention(nn.Module):

@@ -130,7 +130,7 @@ def _kernel(interpret: bool) -> Any:
     import triton.language
 
     tl = triton.language
-    from nanovllm_core.layers.triton_jit import wrap_kernel
+    from nanovllm_core.layers import wrap_kernel
 
     return wrap_kernel(_qk_norm_rope_kernel, interpret)
 

@@ -12,8 +12,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from nanovllm_models_qwen3.qk_norm_rope import qk_norm_rope  # noqa: E402
+
 from nanovllm_core.layers.fused import apply_rotary, rms_norm  # noqa: E402
-from nanovllm_core.layers.qk_norm_rope import qk_norm_rope  # noqa: E402
 from nanovllm_core.layers.rotary import RotaryEmbedding  # noqa: E402
 
 EPS = 1e-6
@@ -90,6 +91,7 @@ def test_rejects_mismatched_weight_dtype():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("with_weights", [True, False])
 def test_compiled_kernel_on_cuda(with_weights):
     _check(4096, (16, 8), 128, torch.bfloat16, with_weights, device="cuda")
