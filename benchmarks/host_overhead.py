@@ -2,9 +2,10 @@
 
     python benchmarks/host_overhead.py [--num-seqs 256] [--steps 200] [--block-size 256]
 
-Uses the real `fifo` scheduler, `prefix_cache` block manager, the engine's stop check, the sampler's
-per-step parameter gathering and the model runner's input preparation (tensors on the CPU; on a GPU they
-would be copied from pinned memory without a sync). No model runs: this is the time the host adds per step.
+Runs the real engine core (step validation, postprocess, stop checks, outputs) with the `fifo` scheduler, the
+`prefix_cache` block manager, the sampler's per-step parameter gathering and the model runner's input preparation
+(tensors on the CPU; on a GPU they would be copied from pinned memory without a sync). No model runs: this is
+the time the host adds per step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from types import SimpleNamespace
 import torch
 from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
 
-from nanovllm_core import EngineConfig, LLMEngine, SamplingParams, Sequence
+from nanovllm_core import EngineConfig, SamplingParams
+from nanovllm_core.engine.core import EngineCore
 from nanovllm_core.engine.model_runner import prepare_inputs
 from nanovllm_core.layers.sampler import SamplingBatch
 
@@ -35,6 +37,23 @@ def reference_ms() -> float:
     return best * 1e3
 
 
+class StubRunner:
+    """The model runner's host work (input tensors, sampling parameters); tokens come from a fixed list."""
+
+    def __init__(self, block_size: int, num_seqs: int) -> None:
+        self.block_size = block_size
+        self.tokens = [random.Random(1).randint(1, 10000) for _ in range(num_seqs)]
+        self.seconds = 0.0
+
+    def launch(self, batch, in_flight=None):
+        t0 = time.perf_counter()
+        inputs = prepare_inputs(batch, self.block_size, torch.device("cpu"))
+        SamplingBatch.from_seqs([batch.seqs[r] for r in inputs.sample_rows], 151936, torch.device("cpu"))
+        sampled = [self.tokens[i % len(self.tokens)] if batch.samples(i) else None for i in range(len(batch))]
+        self.seconds += time.perf_counter() - t0
+        return SimpleNamespace(batch=batch, tokens=lambda: sampled)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-seqs", type=int, default=256)
@@ -49,34 +68,23 @@ def main() -> None:
         max_model_len=4096,
         kvcache_block_size=args.block_size,
     )
-    engine_like = SimpleNamespace(eos_token_ids={0}, config=config, tokenizer=None)
-    engine_like._token_stop = lambda seq: LLMEngine._token_stop(engine_like, seq)
-    stop = lambda seq: LLMEngine.check_stop(engine_like, seq)  # noqa: E731 - the engine's own stop check
     bm = PrefixCachingBlockManager(args.num_seqs * 16, args.block_size)
-    sched = FifoScheduler(config, bm, stop)
+    runner = StubRunner(args.block_size, args.num_seqs)
+    core = EngineCore(config, FifoScheduler(config, bm), runner, scheduler_name="fifo", eos_token_ids={0})
     rng = random.Random(0)
     for _ in range(args.num_seqs):
         prompt = [rng.randint(1, 10000) for _ in range(rng.randint(100, 1024))]
-        sched.add(Sequence(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10**6)))
-    device = torch.device("cpu")
-    while sched.waiting:  # prefill everything
-        batch = sched.schedule()
-        sched.postprocess(batch, [rng.randint(1, 10000) if batch.samples(i) else None for i in range(len(batch))])
-    sampled_tokens = [rng.randint(1, 10000) for _ in range(args.num_seqs)]
-    timings = {"schedule": [], "prepare": [], "sampling_params": [], "postprocess": [], "total": []}
+        core.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2048))
+    while core.scheduler.num_waiting:  # prefill everything
+        core.step()
+    timings = {"engine + scheduler": [], "runner host work": [], "total": []}
     for _ in range(args.steps):
+        runner.seconds = 0.0
         t0 = time.perf_counter()
-        batch = sched.schedule()
-        t1 = time.perf_counter()
-        inputs = prepare_inputs(batch, args.block_size, device)
-        t2 = time.perf_counter()
-        SamplingBatch.from_seqs([batch.seqs[r] for r in inputs.sample_rows], 151936, device)
-        sampled = sampled_tokens[: len(batch.seqs)]  # what `logits.argmax(-1).tolist()` would return
-        t3 = time.perf_counter()
-        sched.postprocess(batch, sampled)
-        t4 = time.perf_counter()
-        assert len(batch.seqs) == args.num_seqs and batch.total_new_tokens == args.num_seqs
-        for key, value in zip(timings, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+        core.step()
+        total = time.perf_counter() - t0
+        assert core.scheduler.num_running == args.num_seqs
+        for key, value in zip(timings, (total - runner.seconds, runner.seconds, total)):
             timings[key].append(value * 1e3)
     print(
         f"host work per decode step, {args.num_seqs} running sequences, block size {args.block_size}, "
@@ -84,7 +92,7 @@ def main() -> None:
     )
     print(f"  (machine speed now: a fixed pure-Python reference loop takes {reference_ms():.1f} ms)")
     for key, values in timings.items():
-        print(f"  {key:16s} {statistics.median(values):.3f}  (p90 {sorted(values)[int(0.9 * len(values))]:.3f})")
+        print(f"  {key:20s} {statistics.median(values):.3f}  (p90 {sorted(values)[int(0.9 * len(values))]:.3f})")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,7 @@ class EngineCore:
         self._request_counter = itertools.count()
         self._in_flight: LaunchedStep | None = None
         self._num_sync_requests = 0  # live requests whose sampling needs every previous token on the host
+        self._num_stopped_in_flight = 0  # sequences stopped by a token read after their next step was launched
         self._lock = threading.RLock()
         self._totals = dict.fromkeys(
             ("prefix_queries", "prefix_hits", "prompt_tokens", "generation_tokens", "finished"), 0
@@ -322,31 +323,37 @@ class EngineCore:
             metrics.num_cached_tokens = seq.num_computed_tokens
 
     def _advance(self, launched: LaunchedStep) -> None:
-        """Postprocess a launched step with a placeholder for each sampled token; finish length-limited ones."""
+        """Postprocess a launched step with a placeholder for each sampled token; finish length-limited ones.
+
+        This and :meth:`_receive` run for every sequence of every step: plain loops, few calls.
+        """
         batch = launched.batch
-        placeholders: list[int | None] = [
-            PLACEHOLDER_TOKEN if batch.samples(i) else None for i in range(len(batch.seqs))
-        ]
-        if any(seq.is_finished for seq in batch.seqs):  # stopped by a token read since it was scheduled
-            live = [i for i, seq in enumerate(batch.seqs) if not seq.is_finished]
-            batch = SchedulerOutput([batch.seqs[i] for i in live], [batch.num_new_tokens[i] for i in live])
-            placeholders = [placeholders[i] for i in live]
-        self._totals["prompt_tokens"] += sum(
-            n for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens < seq.num_prompt_tokens
-        )
-        self.scheduler.postprocess(batch, placeholders)
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        if self._num_stopped_in_flight:  # stopped by a token read after it was scheduled: not advanced
+            self._num_stopped_in_flight = 0
+            live = [i for i, seq in enumerate(seqs) if seq.status is not SequenceStatus.FINISHED]
+            seqs, counts = [seqs[i] for i in live], [counts[i] for i in live]
+        placeholders: list[int | None] = []
+        num_prompt_tokens = 0
+        for seq, n in zip(seqs, counts):
+            computed = seq.num_computed_tokens
+            if computed < seq.num_prompt_tokens:
+                num_prompt_tokens += n
+            placeholders.append(PLACEHOLDER_TOKEN if computed + n == len(seq.token_ids) else None)
+        self._totals["prompt_tokens"] += num_prompt_tokens
+        self.scheduler.postprocess(SchedulerOutput(seqs, counts), placeholders)
         max_len = self.max_model_len
-        for seq, token in zip(batch.seqs, placeholders):
+        for seq, token in zip(seqs, placeholders):
             if token is None:
                 continue
-            if seq.num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens or seq.num_tokens >= max_len:
+            num_tokens = len(seq.token_ids)
+            if num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens or num_tokens >= max_len:
                 self._finish(seq, "length")
-            if seq.index == 0:
+            if seq.index == 0 and seq.num_tokens == seq.num_prompt_tokens + 1:
                 request = self._requests[seq.request_id]
-                if request.held_back:
-                    for sibling in request.held_back:
-                        self.scheduler.add(sibling)
-                    request.held_back = []
+                for sibling in request.held_back:
+                    self.scheduler.add(sibling)
+                request.held_back = []
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)
@@ -356,52 +363,68 @@ class EngineCore:
     def _receive(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's tokens (waits for the device), put them in place, decide stops, build outputs."""
         tokens = launched.tokens()
-        wants_logprobs = getattr(launched, "wants_logprobs", False)
-        sample_logprobs = launched.logprobs() if wants_logprobs else None
+        sample_logprobs = launched.logprobs() if getattr(launched, "wants_logprobs", False) else None
         prompt_logprobs = launched.prompt_logprobs() if getattr(launched, "wants_prompt_logprobs", False) else None
         now = time.monotonic()
-        changed: dict[str, tuple[Request, list[int]]] = {}
+        requests, eos = self._requests, self.eos_token_ids
+        finished: dict[str, Request] = {}
+        streamed: dict[str, tuple[Request, list[int]]] = {}
+        num_received = 0
         for row, (seq, token) in enumerate(zip(launched.batch.seqs, tokens)):
             if prompt_logprobs and row in prompt_logprobs:
-                request = self._requests.get(seq.request_id)
-                if request is not None and request.prompt_logprobs is not None and seq.index == 0:
-                    request.prompt_logprobs.extend(self._position_logprobs(e) for e in prompt_logprobs[row])
-            if token is None or seq.token_ids[-1] != PLACEHOLDER_TOKEN:
-                continue  # a prompt chunk short of its end, or stopped/aborted since it was launched
-            seq.token_ids[-1] = token
-            request = self._requests[seq.request_id]
-            reason = self._token_stop(seq)
-            if seq.is_finished:  # it reached its length limit when it was launched: this is its last token
+                self._add_prompt_logprobs(seq, prompt_logprobs[row])
+            if token is None:
+                continue  # a prompt chunk short of its end
+            token_ids = seq.token_ids
+            if token_ids[-1] != PLACEHOLDER_TOKEN:
+                continue  # stopped or aborted since it was launched
+            token_ids[-1] = token
+            num_received += 1
+            request = requests[seq.request_id]
+            params = request.params
+            reason = None
+            if (token in eos and not params.ignore_eos) or params.stop_token_ids or params.stop_strings:
+                reason = self._token_stop(seq)
+            if seq.status is SequenceStatus.FINISHED:  # reached its length limit when launched: its last token
                 if reason is not None:
                     seq.finish_reason = reason
             elif reason is not None:
                 self._finish(seq, reason)
-            if request.logprobs is not None and sample_logprobs is not None and sample_logprobs[row] is not None:
+                self._num_stopped_in_flight += 1
+            if sample_logprobs is not None and request.logprobs is not None and sample_logprobs[row] is not None:
                 request.logprobs[seq.index].append(self._position_logprobs(sample_logprobs[row]))
             metrics = request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.num_generation_tokens += 1
-            self._totals["generation_tokens"] += 1
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 request.num_finished += 1
-            entry = changed.get(request.request_id)
-            if entry is None:
-                changed[request.request_id] = (request, [seq.index])
-            else:
-                entry[1].append(seq.index)
+                if request.num_finished == len(request.seqs):
+                    finished[request.request_id] = request
+                    continue
+            if params.output_kind != "final":
+                entry = streamed.get(request.request_id)
+                if entry is None:
+                    streamed[request.request_id] = (request, [seq.index])
+                else:
+                    entry[1].append(seq.index)
+        self._totals["generation_tokens"] += num_received
         outputs = []
-        for request, indices in changed.values():
-            if request.finished:
-                request.metrics.finished_time = now
-                self._forget(request)
-                outputs.append(self._output(request, range(len(request.seqs)), final=True))
-            elif request.params.output_kind == "delta":
-                outputs.append(self._output(request, indices, final=False))
-            elif request.params.output_kind == "cumulative":
-                outputs.append(self._output(request, range(len(request.seqs)), final=False))
+        for request, indices in streamed.values():
+            if request.request_id not in finished:
+                every = request.params.output_kind == "cumulative"
+                outputs.append(self._output(request, range(len(request.seqs)) if every else indices, final=False))
+        for request in finished.values():
+            request.metrics.finished_time = now
+            self._forget(request)
+            outputs.append(self._output(request, range(len(request.seqs)), final=True))
         return outputs
+
+    def _add_prompt_logprobs(self, seq: Sequence, entries: list[Any]) -> None:
+        request = self._requests.get(seq.request_id)
+        if request is not None and request.prompt_logprobs is not None and seq.index == 0:
+            request.prompt_logprobs.extend(self._position_logprobs(e) for e in entries)
 
     def _forget(self, request: Request) -> None:
         del self._requests[request.request_id]
