@@ -82,8 +82,12 @@ class Request:
         self.streams: list[IncrementalDetokenizer] | None = None
         self.sent_tokens = [0] * params.n  # delta outputs: how much of each sample was returned
         self.sent_text = [0] * params.n
-        self.logprobs: list[list[PositionLogprobs]] | None = [[] for _ in self.seqs] if params.logprobs is not None else None
-        self.prompt_logprobs: list[PositionLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.logprobs: list[list[PositionLogprobs]] | None = None
+        if params.logprobs is not None:
+            self.logprobs = [[] for _ in self.seqs]
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
 
     @property
     def finished(self) -> bool:
@@ -167,7 +171,9 @@ class EngineCore:
         if self.vocab_size is not None:
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidRequestError(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+                )
         max_len = self.max_model_len
         if len(token_ids) >= max_len:
             raise InvalidRequestError(

@@ -51,7 +51,9 @@ class LLM(LLMEngine):
                 )
             return self._generate(prompts, params_list, use_tqdm)
 
-    def _generate(self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(
+        self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)

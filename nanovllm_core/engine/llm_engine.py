@@ -16,13 +16,13 @@ import torch
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import EngineCore, Prompt
 from nanovllm_core.engine.model_runner import ModelRunner, model_shape
-from nanovllm_core.engine.options import instantiate
+from nanovllm_core.engine.options import instantiate, validate_plugin_options
 from nanovllm_core.engine.parallel import (
     RunnerSpec,
     TensorParallelGroup,
     launched_by_torchrun,
     local_device,
-    worker_main,
+    serve_torchrun,
 )
 from nanovllm_core.errors import ConfigError, ModelLoadError
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler, SchedulerOutput
@@ -158,6 +158,7 @@ class LLMEngine(EngineCore):
             registry, cfg.plugins.attention, self.device, self.dtype, head_dim, cfg.kvcache_block_size
         )
         self.attention_backend_name = backend_cls.name
+        validate_plugin_options(cfg.plugins, scheduler_cls, block_manager_cls, backend_cls)  # before weights load
         self.tokenizer = self._load_tokenizer(cfg.tokenizer or cfg.model)
         self.eos_token_ids = self._eos_token_ids()
         self.step_stats = StepStats()
@@ -171,7 +172,7 @@ class LLMEngine(EngineCore):
             self.shutdown()
             raise
         if self.tp_group is not None:
-            self.runner.on_step = lambda host: self.tp_group.send("step", host)
+            self.runner.on_step = self.tp_group.send_step  # the group's method: no cycle through the engine
         self.block_manager: BlockManager = instantiate(
             "block_manager",
             block_manager_cls,
@@ -218,7 +219,7 @@ class LLMEngine(EngineCore):
             raise ConfigError(f"tensor_parallel_size={tp} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']}")
         spec = RunnerSpec(cfg.model_dump(), arch, attention, self.device.type, str(self.dtype).split(".")[-1])
         if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
-            worker_main(int(os.environ["RANK"]), tp, "env://", spec)
+            serve_torchrun(int(os.environ["RANK"]), tp, spec)
             raise SystemExit(0)  # a torchrun worker served until rank 0 shut down
         if self.device.type == "cuda":
             self.device = local_device("cuda", 0)
@@ -285,7 +286,9 @@ class _StepTimer:
         elapsed = end - self._last_end if end - self._last_end < 1.0 else end - start
         self._last_end = end
         num_decode = sum(
-            1 for n, s in zip(batch.num_new_tokens, batch.seqs) if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
+            1
+            for n, s in zip(batch.num_new_tokens, batch.seqs)
+            if n == 1 and s.num_computed_tokens >= s.num_prompt_tokens
         )
         self.stats.count(batch.total_new_tokens - num_decode, num_decode, elapsed)
         return launched

@@ -226,7 +226,9 @@ class SchedulerConformance:
         """Prompts sharing cached prefixes longer than the budget, admitted in chunks, with the cache nearly full
         (the case where a misread ``allocate`` schedules 0-token or uncovered chunks)."""
         bs = self.block_size
-        sim = self.simulate(num_blocks=12, async_scheduling=async_scheduling, max_num_seqs=3, max_num_batched_tokens=bs + 5)
+        sim = self.simulate(
+            num_blocks=12, async_scheduling=async_scheduling, max_num_seqs=3, max_num_batched_tokens=bs + 5
+        )
         rng = random.Random(11)
         shared = random_tokens(4 * bs, rng)
         sim.add(shared + random_tokens(3, rng), 4)
@@ -326,7 +328,9 @@ class SchedulerConformance:
         sim.assert_outputs_exact()
         sim.assert_all_blocks_free()
 
-    def test_engine_greedy_outputs_under_kv_pressure(self, conformance_checkpoint: Path, async_scheduling: bool) -> None:
+    def test_engine_greedy_outputs_under_kv_pressure(
+        self, conformance_checkpoint: Path, async_scheduling: bool
+    ) -> None:
         """The real engine with preemption (6 blocks for 4 requests) gives ``transformers``' greedy output."""
         registry = get_registry()
         missing = [] if "Qwen3ForCausalLM" in registry.registrations["model"] else ["model Qwen3ForCausalLM"]

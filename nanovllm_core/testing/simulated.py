@@ -90,7 +90,7 @@ class _FakeRunner:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             table = seq.block_table
             assert all(0 <= b < sim.num_blocks for b in table), f"step {step}: block table {table} out of range"
-            assert len(set(table)) == len(table), f"step {step}: {seq.request_id!r}'s block table {table} repeats a block"
+            assert len(set(table)) == len(table), f"step {step}: block table {table} repeats a block"
             tokens = self._tokens(seq, in_flight)
             fps = self._prefix_fingerprints(seq, tokens)
             contexts.append((tokens, fps))

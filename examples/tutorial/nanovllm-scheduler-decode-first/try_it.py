@@ -12,6 +12,7 @@ while engine.has_unfinished_requests():
         engine.add_request("All that glitters is not gold. " * 4, params)
     finished = engine.step()
     step += 1
-    print(f"step {step}: {engine.step_stats.num_prefill_tokens} prompt + {engine.step_stats.num_decode_tokens} decode tokens")
+    counts = engine.step_stats
+    print(f"step {step}: {counts.num_prefill_tokens} prompt + {counts.num_decode_tokens} decode tokens")
     for out in finished:
         print(f"  request {out.request_id} finished: {out.outputs[0].token_ids}")
