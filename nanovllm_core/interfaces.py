@@ -226,6 +226,20 @@ class Scheduler(ABC):
             return 0
         return n
 
+    def allocate_or_preempt(
+        self, seq: Sequence, budget: int, victims: deque[Sequence], out: SchedulerOutput
+    ) -> int:
+        """:meth:`allocate_chunk` for a running ``seq``, preempting ``victims.pop()`` (the end of the deque: put the
+        sequences to sacrifice first there) until it fits. Returns the chunk size, or 0 when ``seq`` itself had
+        to be preempted; every preempted sequence is listed in ``out.preempted``."""
+        while not (n := self.allocate_chunk(seq, budget)):
+            victim = victims.pop() if victims else seq
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return 0
+        return n
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the running ``seq``'s blocks and put it back with :meth:`requeue`."""
         del self.running[seq.seq_id]

@@ -34,15 +34,9 @@ class FifoScheduler(Scheduler):
         if out.seqs:
             return out
 
-        candidates = deque(self.running.values())
+        candidates = deque(self.running.values())  # the most recently admitted last: preempted first
         while candidates and len(out) < self.max_num_seqs:
             seq = candidates.popleft()
-            while not bm.allocate(seq, 1):
-                victim = candidates.pop() if candidates else seq  # the most recently admitted
-                self.preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
+            if self.allocate_or_preempt(seq, 1, candidates, out):
                 out.add(seq, 1)
         return out

@@ -107,15 +107,9 @@ class ShortestPromptFirstScheduler(Scheduler):
 
     def _decode(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        queue = deque(self.running.values())
+        queue = deque(self.running.values())  # the most recently admitted last: preempted first
         while queue:
             seq = queue.popleft()
-            while not self.block_manager.allocate(seq, 1):
-                victim = queue.pop() if queue else seq  # the most recently admitted
-                self.preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
+            if self.allocate_or_preempt(seq, 1, queue, out):
                 out.add(seq, 1)
         return out

@@ -11,16 +11,10 @@ class DecodeFirstScheduler(Scheduler):
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         # 1. Running requests, oldest first: one decode token each, or the next chunk of their prompt.
-        queue = deque(self.running.values())
+        queue = deque(self.running.values())  # the newest last: preempted first when the cache is full
         while queue and budget > 0:
             seq = queue.popleft()
-            while not (n := self.allocate_chunk(seq, budget)):
-                victim = queue.pop() if queue else seq  # the cache is full: preempt the newest request
-                self.preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
+            if n := self.allocate_or_preempt(seq, budget, queue, out):
                 out.add(seq, n)
                 budget -= n
         # 2. Waiting requests, in arrival order, while seats, tokens and blocks last.
