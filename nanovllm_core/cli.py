@@ -113,8 +113,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"    error: {out.error}")
         else:
             print(f"    output: {completion.text!r}  ({len(completion.token_ids)} tokens, {completion.finish_reason})")
+    if outputs and all(out.error for out in outputs):
+        print(f"error: every prompt failed ({len(outputs)} of {len(outputs)})", file=sys.stderr)
+        return 1
     print(
-        f"{num_out} output tokens in {elapsed:.2f} s: {num_out / elapsed:,.1f} tok/s ({llm.stats.rates_text()}; "
+        f"{num_out} output tokens in {elapsed:.2f} s: {num_out / elapsed:,.1f} tok/s ({llm.step_stats.rates_text()}; "
         f"attention backend {llm.attention_backend_name!r}, device {llm.device}, "
         f"KV cache {llm.runner.num_kvcache_blocks} blocks of {llm.config.kvcache_block_size} tokens)"
     )
@@ -129,7 +132,7 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 def cmd_plugins(args: argparse.Namespace) -> int:
     """The installed plugins, what each registers, the config's selection (``*``) and the broken ones."""
     from nanovllm_core.config import read_config_file
-    from nanovllm_core.plugins import get_registry
+    from nanovllm_core.plugins import conflict_message, get_registry
 
     registry = get_registry()
     table = read_config_file(args.config).get("plugins", {}) if args.config else {}
@@ -144,7 +147,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     }
     rows = [("", "kind", "name", "distribution", "version", "module")]
     rows += [
-        ("*" if selected.get(r.kind) == r.name else "", r.kind, r.name, r.distribution, r.version, r.module)
+        (
+            ("*" if selected.get(r.kind) == r.name else "") + ("!" if r.name in registry.conflicts[r.kind] else ""),
+            r.kind, r.name, r.distribution, r.version, r.module,
+        )
         for r in registry.all()
     ]
     for line in _table(rows):
@@ -152,8 +158,17 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     source = f"file {args.config}" if args.config else "the defaults"
     print("\n* selected by " + source + ": " + ", ".join(f"{k} = {v!r}" for k, v in selected.items()))
     status = 0
+    conflicts = [clashing for kind in registry.conflicts.values() for clashing in kind.values()]
+    if conflicts:
+        print("\n! conflicts (these names cannot be selected; every other name still works):")
+        for clashing in conflicts:
+            print(f"  {conflict_message(clashing)}")
+        status = 1
     for kind, name in selected.items():
-        if name not in registry.registrations[kind] and not (kind == "attention" and name == "auto"):
+        if name in registry.conflicts[kind]:
+            print(f"error: the selected {kind} {name!r} is registered by more than one plugin (see above)")
+            status = 1
+        elif name not in registry.registrations[kind] and not (kind == "attention" and name == "auto"):
             installed = ", ".join(registry.names(kind)) or "none"
             print(f"error: {kind} {name!r} is not installed (installed: {installed})")
             status = 1
@@ -276,6 +291,17 @@ def config_reference() -> str:
         "4. command-line flags of `nanovllm generate`, `nanovllm bench` and `nanovllm config`.",
         "",
         "An invalid value fails before any weights load, naming the field and what is allowed.",
+        "",
+        "Values are checked strictly: each must already have its field's type, so `max_num_seqs = \"64\"` or",
+        "`enforce_eager = \"yes\"` (in a file or as a keyword argument) is an error, not converted. An integer is",
+        "accepted where a number is expected, and a path object for `model` and `tokenizer`. Command-line flags are",
+        "parsed into their types first (`--max-num-seqs 64`, `--no-enforce-eager`). Plugin options are checked",
+        "before any weights load too: strictly by the plugin's `Options` model when it has one, else by name",
+        "against its constructor.",
+        "",
+        "Rules between fields: `max_num_seqs` must not exceed `max_num_batched_tokens` (every running sequence",
+        "needs one token of the step's budget when it decodes); `max_model_len` must not exceed the model's",
+        "`max_position_embeddings`.",
         "`nanovllm config --config FILE [flags]` prints the resolved configuration and where each value came from.",
         "",
         "## Engine",
@@ -327,9 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description="A small vLLM-style inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate completions for prompts")
-    gen.add_argument("--model", help="checkpoint folder (or set `model` in --config)")
-    gen.add_argument("--demo", action="store_true", help="use the embedded tiny random-weight Qwen3 demo")
+    gen = sub.add_parser(
+        "generate",
+        help="generate completions for prompts",
+        description="Generate completions for prompts. Exits 1 when every prompt failed.",
+    )
+    which = gen.add_mutually_exclusive_group()
+    which.add_argument("--model", help="checkpoint folder (or set `model` in --config)")
+    which.add_argument("--demo", action="store_true", help="use the embedded tiny random-weight Qwen3 demo")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: three demo prompts")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -341,7 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
-    plugins = sub.add_parser("plugins", help="list installed plugins, what each registers, and broken ones")
+    plugins = sub.add_parser(
+        "plugins",
+        help="list installed plugins, what each registers, and broken ones",
+        description="List every registered name with its distribution, version and module; * marks the "
+        "config's selection, ! a name that two plugins register. Exits 1 when a plugin is broken, a name "
+        "conflicts or a selected name is not installed (everything is listed all the same), else 0.",
+    )
     plugins.add_argument("--config", help="TOML config file whose [plugins] selection is marked with *")
     plugins.set_defaults(func=cmd_plugins)
 

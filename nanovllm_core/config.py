@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -18,6 +19,12 @@ from pydantic import (
 
 from nanovllm_core.errors import ConfigError
 
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
+
+MAX_SEED = 2**64 - 1
+"""Seeds are unsigned 64-bit integers (what ``torch.Generator.manual_seed`` takes)."""
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -27,7 +34,7 @@ else:  # pragma: no cover
 class PluginsConfig(BaseModel):
     """Which plugin serves each role, by its registered name, and the options handed to it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     scheduler: str = Field("fifo", description="Scheduler policy, by registered name.")
     block_manager: str = Field("prefix_cache", description="KV block manager, by registered name.")
@@ -43,9 +50,12 @@ class EngineConfig(BaseModel):
     """Everything the engine needs to know before it loads a model.
 
     Invalid values raise :class:`ConfigError` naming the field and what is allowed, before any weights load.
+    Validation is strict: a value must already have its field's type (``max_num_seqs="64"`` and
+    ``enforce_eager="yes"`` are errors, not converted); an integer is accepted where a number is expected,
+    and a path object where a path is. Command-line flags are parsed into their types first.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
     model: str = Field(..., description="Path to a Hugging Face checkpoint folder (config.json + safetensors).")
     tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to `model`.")
@@ -53,7 +63,9 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="`auto`: float32 on CPU; the checkpoint's dtype on CUDA (bfloat16 if it is float32)."
     )
-    seed: int = Field(0, description="Seed for sampling of requests that set no seed of their own.")
+    seed: int = Field(
+        0, description="Seed for sampling of requests that set no seed of their own: 0 to 2**64 - 1 (64 bits)."
+    )
     max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
     max_num_batched_tokens: int = Field(16384, ge=1, description="Most new tokens in one step.")
     max_model_len: int | None = Field(
@@ -82,6 +94,18 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @field_validator("model", "tokenizer", mode="before")
+    @classmethod
+    def _path_to_str(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_fits_64_bits(cls, value: int) -> int:
+        if not 0 <= value <= MAX_SEED:
+            raise ValueError(f"must be an unsigned 64-bit integer, 0 to 2**64 - 1 ({MAX_SEED})")
+        return value
 
     @field_validator("kvcache_block_size")
     @classmethod
@@ -145,6 +169,8 @@ class EngineConfig(BaseModel):
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory; give the path of a TOML file")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     if path.suffix not in (".toml", ""):
@@ -156,17 +182,29 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
 
 
+def describe_error(err: ErrorDetails) -> str:
+    """One pydantic error as ``message (got value)``; a strict-mode type error says that nothing is converted."""
+    msg = str(err["ctx"]["error"]) if err["type"] == "value_error" and "ctx" in err else err["msg"]
+    if err["type"] in _STRICT_TYPE_ERRORS and isinstance(err.get("input"), str):
+        msg += "; strings are not converted (write the value without quotes)"
+    if "input" in err and err["type"] != "missing":
+        msg = f"{msg} (got {err['input']!r})"
+    return msg
+
+
+_STRICT_TYPE_ERRORS = frozenset({"int_type", "float_type", "bool_type"})
+
+
 def format_validation_error(exc: ValidationError) -> str:
     lines = ["invalid engine configuration:"]
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "config"
-        msg = err["msg"]
         if err["type"] == "extra_forbidden":
             allowed = (
                 ", ".join(EngineConfig.model_fields) if "." not in field else ", ".join(PluginsConfig.model_fields)
             )
             msg = f"unknown field; allowed fields: {allowed}"
-        elif "input" in err and err["type"] != "missing":
-            msg = f"{msg} (got {err['input']!r})"
+        else:
+            msg = describe_error(err)
         lines.append(f"  {field}: {msg}")
     return "\n".join(lines)

@@ -21,6 +21,10 @@ class PluginConflictError(PluginError):
     """Two plugins registered the same name for the same kind."""
 
 
+class SchedulerError(PluginError):
+    """A scheduler plugin returned a step that breaks the Scheduler invariants (the message names the plugin)."""
+
+
 class InvalidRequestError(NanoVLLMError, ValueError):
     """A request (prompt or sampling parameters) can never be served; nothing was queued."""
 

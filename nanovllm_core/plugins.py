@@ -9,7 +9,9 @@ on how to fix it, while every other plugin still loads. Before a plugin is regis
 - its hook implementations: known hook names, the ``register`` argument, no undecorated hook functions;
 - every object it registers against the interface of its kind (:func:`check_registration`).
 
-Two plugins that register the same name for the same kind raise :class:`PluginConflictError`.
+Two plugins that register the same name for the same kind are a conflict: the registry keeps both (so that
+``nanovllm plugins`` lists them) and asking for that name raises :class:`PluginConflictError` naming both
+distributions; every other name still works.
 """
 
 from __future__ import annotations
@@ -84,12 +86,17 @@ class PluginRegistry:
     registrations: dict[str, dict[str, Registration]] = field(default_factory=lambda: {k: {} for k in KINDS})
     broken: list[BrokenPlugin] = field(default_factory=list)
     distributions: dict[str, tuple[str, str]] = field(default_factory=dict)  # plugin name -> (dist, version)
+    conflicts: dict[str, dict[str, list[Registration]]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    """Names registered more than once, kind by kind, with every registration; they are not in ``registrations``."""
 
     def names(self, kind: str) -> list[str]:
+        """The names of ``kind`` that can be selected (conflicting names are not among them)."""
         return sorted(self.registrations[kind])
 
     def get(self, kind: str, name: str) -> Registration:
         entries = self.registrations[kind]
+        if name in self.conflicts[kind]:
+            raise PluginConflictError(conflict_message(self.conflicts[kind][name]))
         if name not in entries:
             installed = ", ".join(sorted(entries)) or "none"
             hint = _kind_hint(kind)
@@ -102,11 +109,28 @@ class PluginRegistry:
         return entries[name]
 
     def all(self) -> list[Registration]:
-        return [r for kind in KINDS for r in sorted(self.registrations[kind].values(), key=lambda r: r.name)]
+        """Every registration, conflicting ones included, by kind then name."""
+        out = []
+        for kind in KINDS:
+            regs = list(self.registrations[kind].values())
+            regs += [r for clashing in self.conflicts[kind].values() for r in clashing]
+            out += sorted(regs, key=lambda r: r.name)
+        return out
 
     def add_broken(self, plugin: str, error: str) -> None:
         dist, version = self.distributions.get(plugin, ("?", "?"))
         self.broken.append(BrokenPlugin(plugin, dist, version, error))
+
+
+def conflict_message(clashing: list[Registration]) -> str:
+    """Why a name registered by several plugins cannot be used, naming each plugin and distribution."""
+    first = clashing[0]
+    count = "two" if len(clashing) == 2 else str(len(clashing))
+    who = [f"{r.plugin} from {r.distribution} {r.version}".rstrip() for r in clashing]
+    return (
+        f"{count} plugins register a {first.kind.replace('_', ' ')} named {first.name!r}: "
+        f"{', '.join(who[:-1])} and {who[-1]}. Uninstall one of the distributions or rename the registration."
+    )
 
 
 def _kind_hint(kind: str) -> str:
@@ -290,6 +314,11 @@ def _import_error(ep: importlib.metadata.EntryPoint, dist: str, exc: BaseExcepti
         )
     frames = traceback.extract_tb(exc.__traceback__)
     at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    if isinstance(exc, SystemExit):
+        return (
+            f"importing {ep.value!r} called sys.exit({'' if exc.code is None else repr(exc.code)}){at}; a plugin "
+            "module must not end the process when it is imported: raise an exception instead"
+        )
     return f"importing {ep.value!r} raised {type(exc).__name__}: {exc}{at}"
 
 
@@ -304,8 +333,9 @@ def _has_path(obj: Any, dotted: str) -> bool:
 def build_registry(extra_plugins: list[tuple[str, ModuleType | object]] | None = None) -> PluginRegistry:
     """Load every installed plugin (plus ``extra_plugins`` given as ``(name, module)``) into a fresh registry.
 
-    Never raises for a plugin that is broken (it lands in :attr:`PluginRegistry.broken`); raises
-    :class:`PluginConflictError` when two plugins register the same name for the same kind.
+    Never raises for a plugin that is broken (it lands in :attr:`PluginRegistry.broken`, even when it calls
+    ``sys.exit()``), nor for two plugins registering the same name for the same kind (that lands in
+    :attr:`PluginRegistry.conflicts`).
     """
     pm = new_plugin_manager()
     registry = PluginRegistry(plugin_manager=pm)
@@ -319,7 +349,9 @@ def build_registry(extra_plugins: list[tuple[str, ModuleType | object]] | None =
         seen.add(key)
         try:
             plugin = ep.load()
-        except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - any import failure, sys.exit() included, is reported
             registry.broken.append(BrokenPlugin(ep.name, dist, version, _import_error(ep, dist, exc)))
             continue
         _register_plugin(registry, ep.name, plugin, dist, version)
@@ -330,9 +362,9 @@ def build_registry(extra_plugins: list[tuple[str, ModuleType | object]] | None =
             register = _make_register(registry, kind, impl.plugin_name)
             try:
                 impl.function(register=register)
-            except PluginConflictError:
+            except KeyboardInterrupt:
                 raise
-            except Exception as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001 - sys.exit() in a hook is reported too
                 frames = traceback.extract_tb(exc.__traceback__)
                 at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
                 registry.add_broken(impl.plugin_name, f"{hook_name} raised {type(exc).__name__}: {exc}{at}")
@@ -376,15 +408,14 @@ def _make_register(registry: PluginRegistry, kind: str, plugin: str) -> Callable
         if problem is not None:
             registry.add_broken(plugin, f"registered {label} {name!r} that does not satisfy its interface: {problem}")
             return
-        entries = registry.registrations[kind]
-        if name in entries:
-            other = entries[name]
-            raise PluginConflictError(
-                f"two plugins register a {label} named {name!r}: "
-                f"{other.plugin} from {other.distribution} {other.version} and {plugin} from {dist} {version}. "
-                "Uninstall one of the distributions or rename the registration."
-            )
-        entries[name] = Registration(kind, name, obj, plugin, dist, version)
+        entries, conflicts = registry.registrations[kind], registry.conflicts[kind]
+        registration = Registration(kind, name, obj, plugin, dist, version)
+        if name in conflicts:
+            conflicts[name].append(registration)
+        elif name in entries:
+            conflicts[name] = [entries.pop(name), registration]
+        else:
+            entries[name] = registration
 
     return register
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from nanovllm_core import hookimpl, register_plugin, unregister_plugin
+from nanovllm_core import PLUGIN_API_VERSION, hookimpl, register_plugin, unregister_plugin
 from nanovllm_core.cli import build_parser, config_reference, main
 from nanovllm_core.config import EngineConfig
 
@@ -116,6 +117,7 @@ def test_plugins_reports_a_selection_that_is_not_installed(capsys: pytest.Captur
 
 def test_plugins_shows_broken_plugins_with_their_error(capsys: pytest.CaptureFixture) -> None:
     plugin = types.ModuleType("broken_cli_plugin")
+    plugin.NANOVLLM_PLUGIN_API = PLUGIN_API_VERSION
 
     def nanovllm_register_schedulers(reg):  # wrong argument name
         reg("x", object)
@@ -163,3 +165,100 @@ def test_generate_reads_the_config_file(capsys: pytest.CaptureFixture, tmp_path:
     code, out, _ = run(capsys, "generate", "--config", str(config), "--prompt", "Hello", "--max-tokens", "3",
                        "--ignore-eos", "--no-progress")
     assert code == 0 and "--- prompt: 'Hello'" in out and "(3 tokens, length)" in out and "'torch'" in out
+
+
+# --- hardening: conflicts, paths, flags that contradict each other, exit codes ----------------------
+
+
+def conflicting_plugin() -> types.ModuleType:
+    """An in-process plugin that registers ``fifo`` again (a conflict) and ``fifo_copy`` (no conflict)."""
+    from nanovllm_scheduler_fifo import FifoScheduler
+
+    plugin = types.ModuleType("conflicting_cli_plugin")
+    plugin.NANOVLLM_PLUGIN_API = PLUGIN_API_VERSION
+
+    def nanovllm_register_schedulers(register):
+        register("fifo", type("FifoAgain", (FifoScheduler,), {}))
+        register("fifo_copy", type("FifoCopy", (FifoScheduler,), {}))
+
+    plugin.nanovllm_register_schedulers = hookimpl(nanovllm_register_schedulers)
+    return plugin
+
+
+@pytest.fixture
+def conflict() -> Iterator[None]:
+    register_plugin(conflicting_plugin())
+    yield
+    unregister_plugin("conflicting_cli_plugin")
+
+
+def test_plugins_lists_everything_and_marks_a_conflict(capsys: pytest.CaptureFixture, conflict: None) -> None:
+    code, out, _ = run(capsys, "plugins")
+    assert code == 1  # documented: a conflict, like a broken plugin, makes `nanovllm plugins` exit 1
+    rows = [line.split() for line in out.split("\n\n")[0].splitlines()[1:]]
+    fifo_rows = [row for row in rows if row[2] == "fifo"]
+    assert [row[0] for row in fifo_rows] == ["*!", "*!"]  # selected by default, and conflicting
+    assert {row[3] for row in fifo_rows} == {"nanovllm-scheduler-fifo", "(registered"}
+    assert ["scheduler", "fifo_copy"] == [row for row in rows if "fifo_copy" in row][0][:2]
+    assert any(row[:2] == ["attention", "torch"] for row in rows) and any("Qwen3ForCausalLM" in row for row in rows)
+    assert "two plugins register a scheduler named 'fifo':" in out and "nanovllm-scheduler-fifo 0.1.0" in out
+    assert "error: the selected scheduler 'fifo' is registered by more than one plugin" in out
+
+
+def test_generate_with_another_name_of_a_conflicting_kind(
+    capsys: pytest.CaptureFixture, conflict: None, tiny_config: Path
+) -> None:
+    code, out, err = run(capsys, "generate", "--config", str(tiny_config), "--scheduler", "fifo_copy",
+                         "--prompt", "Hello", "--max-tokens", "2", "--ignore-eos", "--no-progress")
+    assert code == 0, err
+    assert "(2 tokens, length)" in out
+    code, _, err = run(capsys, "generate", "--config", str(tiny_config), "--prompt", "Hello", "--no-progress")
+    assert code == 2
+    assert "two plugins register a scheduler named 'fifo'" in err
+    assert "nanovllm-scheduler-fifo 0.1.0" in err and "(registered in-process)" in err
+
+
+@pytest.fixture
+def tiny_config(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from nanovllm_core.testing.conformance import shared_tiny_checkpoint
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(
+        f'model = "{shared_tiny_checkpoint(tmp_path_factory)}"\ndevice = "cpu"\nkvcache_block_size = 16\n'
+        'num_kvcache_blocks = 32\nmax_model_len = 128\n\n[plugins]\nattention = "torch"\n'
+    )
+    return config
+
+
+def test_generate_exits_1_when_every_prompt_failed(capsys: pytest.CaptureFixture, tiny_config: Path) -> None:
+    base = ["generate", "--config", str(tiny_config), "--max-tokens", "2", "--no-progress"]
+    code, out, err = run(capsys, *base, "--prompt", "", "--prompt", "")
+    assert code == 1 and out.count("error: ") == 2 and "every prompt failed (2 of 2)" in err
+    code, out, _ = run(capsys, *base, "--prompt", "", "--prompt", "Hello")
+    assert code == 0 and out.count("error: ") == 1
+
+
+def test_demo_and_model_conflict(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--demo", "--model", "/nonexistent"])
+    assert info.value.code == 2
+    assert "argument --model: not allowed with argument --demo" in capsys.readouterr().err
+
+
+def test_a_directory_as_config_file(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    code, _, err = run(capsys, "config", "--model", "/m", "--config", str(tmp_path))
+    assert code == 2 and f"config file '{tmp_path}' is a directory; give the path of a TOML file" in err
+
+
+def test_a_seed_outside_64_bits_fails_at_validation(capsys: pytest.CaptureFixture) -> None:
+    code, _, err = run(capsys, "config", "--model", "/m", "--seed", "99999999999999999999999")
+    assert code == 2 and "seed: must be an unsigned 64-bit integer, 0 to 2**64 - 1" in err
+    code, out, _ = run(capsys, "config", "--model", "/m", "--seed", str(2**64 - 1))
+    assert code == 0 and f"seed = {2**64 - 1}" in out
+
+
+def test_flags_are_parsed_into_their_types_under_strict_validation(capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run(capsys, "config", "--model", "/m", "--max-num-seqs", "64", "--enforce-eager",
+                         "--gpu-memory-utilization", "1")
+    assert code == 0, err
+    assert "max_num_seqs = 64" in out and "enforce_eager = true" in out and "gpu_memory_utilization = 1.0" in out

@@ -33,6 +33,13 @@ def test_precedence_cli_over_kwargs_over_file_over_defaults(tmp_path):
         ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "max_num_seqs .* must not exceed"),
         ({"maxnumseqs": 1}, "maxnumseqs: unknown field; allowed fields: model, "),
         ({"plugins": {"schedulr": "fifo"}}, "plugins.schedulr: unknown field; allowed fields: scheduler"),
+        ({"seed": 2**64}, "seed: must be an unsigned 64-bit integer, 0 to 2\\*\\*64 - 1"),
+        ({"seed": -1}, "seed: must be an unsigned 64-bit integer"),
+        ({"enforce_eager": "yes"}, "enforce_eager: Input should be a valid boolean; strings are not converted"),
+        ({"max_num_seqs": "64"}, "max_num_seqs: Input should be a valid integer; strings are not converted"),
+        ({"max_num_seqs": 64.0}, "max_num_seqs: Input should be a valid integer"),
+        ({"enable_prefix_caching": 1}, "enable_prefix_caching: Input should be a valid boolean"),
+        ({"plugins": {"scheduler": 3}}, "plugins.scheduler: Input should be a valid string"),
     ],
 )
 def test_invalid_values_name_field_and_allowed(overrides, expected):
@@ -50,6 +57,20 @@ def test_bad_toml_and_missing_file(tmp_path):
         EngineConfig.load(write(tmp_path, "model = "))
     with pytest.raises(ConfigError, match="does not exist"):
         EngineConfig.load(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="is a directory; give the path of a TOML file"):
+        EngineConfig.load(tmp_path)
+
+
+def test_strict_in_files_too(tmp_path):
+    with pytest.raises(ConfigError, match="max_num_seqs: Input should be a valid integer.*got '64'"):
+        EngineConfig.load(write(tmp_path, 'model = "/m"\nmax_num_seqs = "64"\n'))
+    with pytest.raises(ConfigError, match="enforce_eager: Input should be a valid boolean.*got 'yes'"):
+        EngineConfig.load(write(tmp_path, 'model = "/m"\nenforce_eager = "yes"\n'))
+
+
+def test_what_strict_still_accepts(tmp_path):
+    config = EngineConfig.load(None, {"model": tmp_path, "gpu_memory_utilization": 1, "seed": 2**64 - 1})
+    assert config.model == str(tmp_path) and config.gpu_memory_utilization == 1.0 and config.seed == 2**64 - 1
 
 
 def test_unknown_plugin_lists_installed(qwen3_path):

@@ -1,9 +1,10 @@
 """Third-party plugins as a new user meets them.
 
-1. The example distribution ``examples/plugins/nanovllm-scheduler-spf`` is pip-installed (editable, offline)
-   into this environment if it is missing, shows up in the registry and in ``nanovllm plugins``, passes its
-   own tests (the conformance kit among them), and changing one line of a config file changes the order in
-   which requests finish.
+1. The example distribution ``examples/plugins/nanovllm-scheduler-spf``, pip-installed (offline) into a
+   temporary folder put on ``sys.path`` (never into this environment, so ``nanovllm plugins`` lists only what
+   the user installed), shows up in the registry and in ``nanovllm plugins``, passes its own tests (the
+   conformance kit among them), and changing one line of a config file changes the order in which requests
+   finish.
 2. The tutorial (docs/tutorial-scheduler-plugin.md): its code blocks, written into an empty folder and
    installed with pip, give a plugin that ``nanovllm plugins`` lists, that passes the conformance kit, and
    that changes the engine's behaviour as the tutorial shows.
@@ -11,8 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import os
 import re
 import runpy
@@ -42,25 +41,30 @@ def pip(*args: str) -> None:
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}"
 
 
-def installed_from(dist: str) -> str | None:
-    """The folder an editable distribution was installed from, or None if it is not installed."""
-    try:
-        direct_url = importlib.metadata.distribution(dist).read_text("direct_url.json")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return json.loads(direct_url or "{}").get("url", "")
+def installed_in_this_environment(dist: str) -> bool:
+    """Whether a fresh interpreter of this environment (not this process, whose sys.path tests change) has
+    ``dist`` installed."""
+    code = f"import importlib.metadata; importlib.metadata.distribution({dist!r})"  # raises if it is missing
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=60).returncode == 0
 
 
 @pytest.fixture(scope="module")
-def spf_installed() -> Iterator[None]:
-    """Install the example plugin editable unless it already is (this works offline)."""
-    if installed_from("nanovllm-scheduler-spf") != EXAMPLE.as_uri():
-        pip("-e", str(EXAMPLE))
+def spf_installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[bool]:
+    """The example plugin, copied and pip-installed (offline) into a temporary target folder on sys.path;
+    yields whether this environment had it installed before (it must be unchanged afterwards)."""
+    before = installed_in_this_environment("nanovllm-scheduler-spf")
+    base = tmp_path_factory.mktemp("spf")
+    project, site = base / "nanovllm-scheduler-spf", base / "site"
+    shutil.copytree(EXAMPLE, project, ignore=shutil.ignore_patterns("*.egg-info", "build", "__pycache__"))
+    pip("--target", str(site), str(project))
     with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(EXAMPLE))  # an install made by this process is not on its sys.path yet
+        mp.syspath_prepend(str(site))
         reset_registry()
-        yield
+        yield before
     reset_registry()
+    for name in [m for m in sys.modules if m.startswith("nanovllm_scheduler_spf")]:
+        del sys.modules[name]  # its files are in a temporary folder
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +75,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # --- the example distribution -----------------------------------------------------------------------
 
 
-def test_the_example_is_in_the_registry_and_listed(spf_installed: None, capsys: pytest.CaptureFixture) -> None:
+def test_the_example_is_not_installed_into_this_environment(spf_installed: bool) -> None:
+    assert installed_in_this_environment("nanovllm-scheduler-spf") is spf_installed
+
+
+def test_the_example_is_in_the_registry_and_listed(spf_installed: bool, capsys: pytest.CaptureFixture) -> None:
     reg = get_registry().get("scheduler", "shortest_prompt_first")
     assert (reg.distribution, reg.version, reg.module) == (
         "nanovllm-scheduler-spf", "0.1.0", "nanovllm_scheduler_spf.scheduler"
@@ -98,7 +106,7 @@ def finish_order(config_file: Path, prompts: list[list[int]]) -> tuple[list[str]
     return order, tokens
 
 
-def test_one_config_line_switches_to_the_example_policy(spf_installed: None, checkpoint: Path, tmp_path: Path) -> None:
+def test_one_config_line_switches_to_the_example_policy(spf_installed: bool, checkpoint: Path, tmp_path: Path) -> None:
     config = tmp_path / "nanovllm.toml"
     config.write_text(
         f'model = "{checkpoint}"\ndevice = "cpu"\nkvcache_block_size = 16\nnum_kvcache_blocks = 64\n'
@@ -115,7 +123,7 @@ def test_one_config_line_switches_to_the_example_policy(spf_installed: None, che
 
 
 def test_the_example_passes_its_own_tests(
-    spf_installed: None, tmp_path: Path, capsys: pytest.CaptureFixture
+    spf_installed: bool, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """Its tests: the conformance kit (``SchedulerConformance``) and the policy (order, aging, options)."""
     code = pytest.main(["-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'basetemp'}", str(EXAMPLE / "tests")])

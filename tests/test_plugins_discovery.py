@@ -23,7 +23,7 @@ VALID_SCHEDULER = """
     from nanovllm_core import hookimpl
     from nanovllm_scheduler_fifo import FifoScheduler
 
-    NANOVLLM_PLUGIN_API = ">=1,<2"
+    NANOVLLM_PLUGIN_API = ">=2,<3"
 
     class Renamed(FifoScheduler):
         pass
@@ -41,9 +41,14 @@ class FakeSite:
         self.root = root
         self.prefix = f"fake_plugin_{next(_ids)}_"
 
-    def module(self, name: str, source: str) -> str:
+    def module(self, name: str, source: str, declare_api: bool = True) -> str:
+        """A module with ``source``; unless it declares its plugin API (or ``declare_api`` is false), the
+        current API is declared at its end (so line numbers in ``source`` stay as written)."""
         full = self.prefix + name
-        (self.root / f"{full}.py").write_text(textwrap.dedent(source))
+        source = textwrap.dedent(source)
+        if declare_api and "NANOVLLM_PLUGIN_API" not in source:
+            source += f"\nNANOVLLM_PLUGIN_API = {nanovllm_core.PLUGIN_API_VERSION}\n"
+        (self.root / f"{full}.py").write_text(source)
         return full
 
     def dist(self, name: str, entry_points: dict[str, str], version: str = "1.0") -> None:
@@ -53,9 +58,9 @@ class FakeSite:
         lines = "".join(f"{k} = {v}\n" for k, v in entry_points.items())
         (info / "entry_points.txt").write_text(f"[nanovllm]\n{lines}")
 
-    def plugin(self, dist: str, source: str, version: str = "1.0") -> str:
+    def plugin(self, dist: str, source: str, version: str = "1.0", declare_api: bool = True) -> str:
         """One distribution whose single entry point ``<dist>`` loads a module with ``source``."""
-        module = self.module(dist.replace("-", "_"), source)
+        module = self.module(dist.replace("-", "_"), source, declare_api)
         self.dist(dist, {dist: module}, version)
         return module
 
@@ -100,16 +105,33 @@ def test_two_distributions_may_use_the_same_entry_point_name(site: FakeSite) -> 
 def test_a_duplicate_name_names_both_distributions(site: FakeSite) -> None:
     site.plugin("fake-one", VALID_SCHEDULER.format(name="same"))
     site.plugin("fake-two", VALID_SCHEDULER.format(name="same"))
-    with pytest.raises(PluginConflictError, match="'same'") as info:
-        build_registry()
+    registry = build_registry()  # loading does not fail: only selecting the name does
+    with pytest.raises(PluginConflictError, match="two plugins register a scheduler named 'same'") as info:
+        registry.get("scheduler", "same")
     assert "fake-one 1.0" in str(info.value) and "fake-two 1.0" in str(info.value)
     assert "Uninstall one of the distributions or rename" in str(info.value)
+    assert "same" not in registry.names("scheduler")
+    assert sorted(r.distribution for r in registry.all() if r.name == "same") == ["fake-one", "fake-two"]
+    assert_others_still_load(registry)
 
 
 def test_a_name_taken_by_an_installed_plugin_is_a_conflict(site: FakeSite) -> None:
     site.plugin("fake-fifo", VALID_SCHEDULER.format(name="fifo"))
+    site.plugin("fake-other", VALID_SCHEDULER.format(name="other"))
+    registry = build_registry()
     with pytest.raises(PluginConflictError, match="nanovllm-scheduler-fifo .* fake-fifo|fake-fifo .* nanovllm-sch"):
-        build_registry()
+        registry.get("scheduler", "fifo")
+    assert registry.get("scheduler", "other").distribution == "fake-other"  # another name of the kind works
+    assert registry.get("block_manager", "prefix_cache").distribution == "nanovllm-scheduler-fifo"
+
+
+def test_three_registrations_of_one_name_are_all_named(site: FakeSite) -> None:
+    for dist in ("fake-a", "fake-b", "fake-c"):
+        site.plugin(dist, VALID_SCHEDULER.format(name="trio"))
+    registry = build_registry()
+    with pytest.raises(PluginConflictError, match="3 plugins register a scheduler named 'trio'") as info:
+        registry.get("scheduler", "trio")
+    assert all(f"{dist} 1.0" in str(info.value) for dist in ("fake-a", "fake-b", "fake-c"))
 
 
 # --- plugin API versions ----------------------------------------------------------------------------
@@ -131,12 +153,12 @@ def test_invalid_api_specifiers(spec: object) -> None:
 
 
 def test_an_incompatible_plugin_is_broken_and_the_others_load(site: FakeSite) -> None:
-    source = VALID_SCHEDULER.format(name="future").replace('">=1,<2"', '">=2,<3"')
+    source = VALID_SCHEDULER.format(name="future").replace('">=2,<3"', '">=3,<4"')
     site.plugin("fake-future", source, version="5.0")
     registry = build_registry()
     [broken] = broken_of(registry, "fake-future")
     assert (broken.distribution, broken.version) == ("fake-future", "5.0")
-    assert ">=2,<3" in broken.error
+    assert ">=3,<4" in broken.error
     assert f"provides plugin API {nanovllm_core.PLUGIN_API_VERSION}" in broken.error
     assert f"nanovllm-core {nanovllm_core.__version__}" in broken.error
     assert "future" not in registry.names("scheduler")
@@ -146,13 +168,14 @@ def test_an_incompatible_plugin_is_broken_and_the_others_load(site: FakeSite) ->
 
 
 def test_an_invalid_api_declaration_is_broken(site: FakeSite) -> None:
-    site.plugin("fake-badapi", VALID_SCHEDULER.format(name="x").replace('">=1,<2"', '"version one"'))
+    site.plugin("fake-badapi", VALID_SCHEDULER.format(name="x").replace('">=2,<3"', '"version one"'))
     [broken] = broken_of(build_registry(), "fake-badapi")
     assert "NANOVLLM_PLUGIN_API = 'version one' is not a version specifier" in broken.error
 
 
 def test_an_undeclared_api_means_api_1(site: FakeSite) -> None:
-    site.plugin("fake-old", VALID_SCHEDULER.format(name="old").replace('NANOVLLM_PLUGIN_API = ">=1,<2"', ""))
+    source = VALID_SCHEDULER.format(name="old").replace('NANOVLLM_PLUGIN_API = ">=2,<3"', "")
+    site.plugin("fake-old", source, declare_api=False)
     registry = build_registry()
     assert ("old" in registry.names("scheduler")) is (nanovllm_core.PLUGIN_API_VERSION == 1)
 
@@ -191,18 +214,30 @@ def test_a_class_that_is_not_a_scheduler(site: FakeSite) -> None:
 
 def test_a_scheduler_with_unimplemented_methods(site: FakeSite) -> None:
     site.plugin("fake-half", """
-        from nanovllm_core import Scheduler, hookimpl
+        from nanovllm_core import BlockManager, Scheduler, hookimpl
 
-        class Half(Scheduler):
-            def add(self, seq):
+        class NoPolicy(Scheduler):
+            def enqueue(self, seq):
+                super().enqueue(seq)
+
+        class Half(BlockManager):
+            def free(self, seq):
                 pass
 
         @hookimpl
         def nanovllm_register_schedulers(register):
+            register("nopolicy", NoPolicy)
+
+        @hookimpl
+        def nanovllm_register_block_managers(register):
             register("half", Half)
     """)
-    [broken] = broken_of(build_registry(), "fake-half")
-    assert "does not implement abort, has_unfinished, postprocess, schedule" in broken.error
+    errors = [b.error for b in broken_of(build_registry(), "fake-half")]
+    assert any("NoPolicy does not implement schedule (abstract in nanovllm_core.Scheduler)" in e for e in errors)
+    assert any(
+        "Half does not implement allocate, num_cached_tokens, num_free_blocks (abstract in nanovllm_core.BlockManager)"
+        in e for e in errors
+    )
 
 
 @pytest.mark.parametrize(
@@ -348,3 +383,31 @@ def test_a_plugin_that_fails_at_import(site: FakeSite) -> None:
     module = site.plugin("fake-crash", "raise RuntimeError('cannot start')\n")
     [broken] = broken_of(build_registry(), "fake-crash")
     assert "raised RuntimeError: cannot start at " in broken.error and f"{module}.py:1" in broken.error
+
+
+@pytest.mark.parametrize("call", ["sys.exit(3)", "sys.exit()", "raise SystemExit('bye')"])
+def test_a_plugin_that_calls_sys_exit_at_import_is_broken_and_the_others_load(site: FakeSite, call: str) -> None:
+    module = site.plugin("fake-exit", f"import sys\n{call}\n")
+    registry = build_registry()
+    [broken] = broken_of(registry, "fake-exit")
+    assert broken.distribution == "fake-exit"
+    assert "called sys.exit(" in broken.error and f"{module}.py:2" in broken.error
+    assert "must not end the process" in broken.error
+    assert_others_still_load(registry)
+
+
+def test_a_hook_that_calls_sys_exit_is_broken(site: FakeSite) -> None:
+    site.plugin("fake-hookexit", """
+        import sys
+        from nanovllm_core import hookimpl
+
+        NANOVLLM_PLUGIN_API = ">=2,<3"
+
+        @hookimpl
+        def nanovllm_register_schedulers(register):
+            sys.exit(1)
+    """)
+    registry = build_registry()
+    [broken] = broken_of(registry, "fake-hookexit")
+    assert "nanovllm_register_schedulers raised SystemExit: 1" in broken.error
+    assert_others_still_load(registry)

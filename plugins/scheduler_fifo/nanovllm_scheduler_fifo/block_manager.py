@@ -32,28 +32,21 @@ class PrefixCachingBlockManager(BlockManager):
 
     Free blocks keep their hash and contents until they are handed out again, so a prefix that was
     used before stays findable; the least recently freed block is reused first, and a sequence's tail
-    blocks are freed before its head, so common prefixes live longest.
+    blocks are freed before its head, so common prefixes live longest. Several blocks may hold the same
+    prefix (sequences admitted in the same step each compute their own copy): every copy stays findable
+    until it is handed out, and a lookup prefers a copy in use, which costs no free block.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         super().__init__(num_blocks, block_size, enable_prefix_caching)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered: LRU first
-        self.hash_to_block_id: dict[int, int] = {}
-        self.num_lookup_tokens = 0
-        self.num_hit_tokens = 0
+        self.hash_to_block_ids: dict[int, list[int]] = {}  # every block holding that hash, in use or free
         self._num_hashed_blocks: dict[int, int] = {}  # seq_id -> leading blocks already made findable
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
-
-    def stats(self) -> dict[str, int]:
-        return {
-            **super().stats(),
-            "prefix_lookup_tokens": self.num_lookup_tokens,
-            "prefix_hit_tokens": self.num_hit_tokens,
-        }
 
     # --- hashing --------------------------------------------------------------------------------------
 
@@ -72,10 +65,22 @@ class PrefixCachingBlockManager(BlockManager):
         limit = (seq.num_tokens - 1) // bs  # the last token is always computed
         found = []
         for i, h in enumerate(self._hashes(seq, limit)):
-            block_id = self.hash_to_block_id.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            block_id = self._find(h, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            if block_id is None:
                 break
             found.append(block_id)
+        return found
+
+    def _find(self, h: int, token_ids: tuple[int, ...]) -> int | None:
+        """A block holding ``token_ids`` under hash ``h``: one in use if there is one, else a free one."""
+        found = None
+        for block_id in self.hash_to_block_ids.get(h, ()):
+            block = self.blocks[block_id]
+            if block.token_ids == token_ids:  # a hash collision must not hand out other tokens' KV
+                if block.ref_count:
+                    return block_id
+                if found is None:
+                    found = block_id
         return found
 
     def num_cached_tokens(self, seq: Sequence) -> int:
@@ -88,8 +93,11 @@ class PrefixCachingBlockManager(BlockManager):
         del self.free_block_ids[block_id]
         block = self.blocks[block_id]
         if block.hash != -1:
-            if self.hash_to_block_id.get(block.hash) == block_id:
-                del self.hash_to_block_id[block.hash]
+            copies = self.hash_to_block_ids[block.hash]
+            if len(copies) == 1:
+                del self.hash_to_block_ids[block.hash]
+            else:
+                copies.remove(block_id)
             block.hash, block.token_ids = -1, ()
         block.ref_count = 1
         return block_id
@@ -119,12 +127,7 @@ class PrefixCachingBlockManager(BlockManager):
             table.append(block_id)
         for _ in range(total - len(cached)):
             table.append(self._take_free_block())
-        num_cached_tokens = len(cached) * self.block_size
-        if seq.num_preemptions == 0:
-            self.num_lookup_tokens += seq.num_prompt_tokens
-            self.num_hit_tokens += num_cached_tokens
-            seq.num_cached_prompt_tokens = num_cached_tokens
-        seq.num_computed_tokens = max(seq.num_computed_tokens, num_cached_tokens)
+        seq.num_computed_tokens = max(seq.num_computed_tokens, len(cached) * self.block_size)
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -152,4 +155,8 @@ class PrefixCachingBlockManager(BlockManager):
                 continue
             block.hash = hashes[i]
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            self.hash_to_block_id.setdefault(block.hash, block.block_id)
+            copies = self.hash_to_block_ids.get(block.hash)
+            if copies is None:
+                self.hash_to_block_ids[block.hash] = [block.block_id]
+            else:
+                copies.append(block.block_id)

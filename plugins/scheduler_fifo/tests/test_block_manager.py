@@ -45,7 +45,7 @@ def test_shared_prefix_is_ref_counted():
     b = seq([1, 2, 3, 4, 5, 6, 7, 8, 50, 51])
     assert bm.num_cached_tokens(b) == 8
     assert bm.allocate(b, b.num_uncomputed_tokens)
-    assert b.num_computed_tokens == 8 and b.num_cached_prompt_tokens == 8
+    assert b.num_computed_tokens == 8
     assert b.block_table[:2] == a.block_table[:2]
     assert [bm.blocks[i].ref_count for i in b.block_table] == [2, 2, 1]
     bm.free(a)
@@ -83,7 +83,7 @@ def test_hash_is_chained_and_collisions_are_checked():
     admit(bm, seq([1, 2, 3]))
     # forge a hash-table entry pointing at a block with other contents: lookup must not trust it
     other = seq([7, 7, 7])
-    bm.hash_to_block_id[bm._hashes(other, 1)[0]] = 0
+    bm.hash_to_block_ids[bm._hashes(other, 1)[0]] = [0]
     assert bm.num_cached_tokens(other) == 0
 
 
@@ -102,3 +102,57 @@ def test_prefix_caching_disabled():
     bm = PrefixCachingBlockManager(8, 4, enable_prefix_caching=False)
     admit(bm, seq(range(9)))
     assert bm.num_cached_tokens(seq(range(9))) == 0
+
+
+def check_index(bm):
+    """Every hashed block is listed under its hash exactly once, and nothing else is."""
+    listed = [(h, b) for h, ids in bm.hash_to_block_ids.items() for b in ids]
+    assert len(listed) == len(set(listed))
+    assert sorted(listed) == sorted((blk.hash, blk.block_id) for blk in bm.blocks if blk.hash != -1)
+
+
+def test_every_copy_of_a_prefix_computed_in_one_step_stays_findable():
+    """vLLM's scenario: two requests with one prefix admitted in the same step each compute their own copy;
+    when the first copy is handed out to other tokens, the second (free, still holding the prefix) is found."""
+    bm = PrefixCachingBlockManager(6, 16)
+    prefix = list(range(100, 132))  # two full blocks
+    a, b = seq(prefix + [1]), seq(prefix + [2])
+    for s in (a, b):  # the same step: neither sees the other's blocks, which are not computed yet
+        assert bm.allocate(s, s.num_uncomputed_tokens)
+    assert set(a.block_table).isdisjoint(b.block_table)
+    for s in (a, b):
+        s.num_computed_tokens = s.num_tokens
+        bm.cache_full_blocks(s)
+    check_index(bm)
+    a_blocks, b_blocks = list(a.block_table), list(b.block_table)
+    bm.free(a)
+    bm.free(b)
+    other = seq(range(500, 533))  # three blocks: takes the least recently freed, which are a's
+    admit(bm, other)
+    assert set(other.block_table) == set(a_blocks)
+    check_index(bm)
+    again = seq(prefix + [3])
+    assert bm.num_cached_tokens(again) == 32
+    assert bm.allocate(again, again.num_uncomputed_tokens)
+    assert again.block_table[:2] == b_blocks[:2] and again.num_computed_tokens == 32
+
+
+def test_a_lookup_prefers_the_copy_in_use():
+    bm = PrefixCachingBlockManager(8, 4)
+    prefix = [1, 2, 3, 4]
+    a, b = seq(prefix + [5]), seq(prefix + [6])
+    for s in (a, b):
+        assert bm.allocate(s, s.num_uncomputed_tokens)
+    for s in (a, b):
+        s.num_computed_tokens = s.num_tokens
+        bm.cache_full_blocks(s)
+    bm.free(a)  # a's copy is free, b's is in use
+    c = seq(prefix + [7])
+    free_before = bm.num_free_blocks
+    assert bm.allocate(c, c.num_uncomputed_tokens)
+    assert c.block_table[0] == b.block_table[0]
+    assert bm.num_free_blocks == free_before - 1  # only c's own last block: sharing b's copy is free
+    for s in (b, c):
+        bm.free(s)
+    check_index(bm)
+    assert bm.num_free_blocks == 8

@@ -1,0 +1,126 @@
+"""Plugin options: validated before any weights load, errors that name the option and list the accepted ones."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nanovllm_attention_flash import TorchAttentionBackend
+from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
+
+from nanovllm_core import LLM, ConfigError
+from nanovllm_core.engine.model_runner import ModelRunner
+from nanovllm_core.engine.options import instantiate, validate_options
+
+SPF = Path(__file__).resolve().parents[1] / "examples" / "plugins" / "nanovllm-scheduler-spf"
+
+
+@pytest.fixture
+def spf_class(monkeypatch: pytest.MonkeyPatch) -> type:
+    """The example's scheduler class (it declares a pydantic ``Options`` model), imported from its folder."""
+    monkeypatch.syspath_prepend(str(SPF))
+    from nanovllm_scheduler_spf.scheduler import ShortestPromptFirstScheduler
+
+    yield ShortestPromptFirstScheduler
+    for name in [m for m in sys.modules if m.startswith("nanovllm_scheduler_spf")]:
+        del sys.modules[name]
+
+
+class Windowed(FifoScheduler):
+    """A plugin without an ``Options`` model whose constructor takes one option and passes the rest on."""
+
+    def __init__(self, config: Any, block_manager: Any, *, window: int = 4, **options: Any) -> None:
+        super().__init__(config, block_manager, **options)
+        self.window = window
+
+
+# --- classes without an Options model: names checked against the constructor -----------------------
+
+
+@pytest.mark.parametrize(
+    "kind, cls", [("scheduler", FifoScheduler), ("block_manager", PrefixCachingBlockManager),
+                  ("attention", TorchAttentionBackend)],
+)
+def test_a_class_without_options_lists_none(kind: str, cls: type) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_options(kind, cls, {"colour": "red"})
+    assert str(info.value) == (
+        f"plugins.{kind}_options ['colour'] not accepted by {cls.__name__}; "
+        "accepted options: none (it takes no options)"
+    )
+    assert validate_options(kind, cls, {}) == {}
+
+
+def test_constructor_options_are_listed_and_passed_on() -> None:
+    expected = r"\['windw'\] not accepted by Windowed; accepted options: window \(default 4\)$"
+    with pytest.raises(ConfigError, match=expected):
+        validate_options("scheduler", Windowed, {"windw": 8})
+    assert validate_options("scheduler", Windowed, {"window": 8}) == {"window": 8}
+
+
+def test_what_the_engine_passes_is_not_an_option() -> None:
+    with pytest.raises(ConfigError, match=r"\['enable_prefix_caching'\] not accepted"):
+        validate_options("block_manager", PrefixCachingBlockManager, {"enable_prefix_caching": False})
+
+
+# --- classes with an Options model: pydantic errors formatted like the engine config's -------------
+
+
+def test_an_invalid_value_names_the_option_without_pydantic_urls(spf_class: type) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_options("scheduler", spf_class, {"aging": -1})
+    assert str(info.value) == (
+        "invalid plugins.scheduler_options for ShortestPromptFirstScheduler:\n"
+        "  plugins.scheduler_options.aging: Input should be greater than or equal to 0 (got -1)\n"
+        "accepted options: aging (default 1.0)"
+    )
+
+
+def test_an_unknown_option_suggests_the_close_one(spf_class: type) -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_options("scheduler", spf_class, {"agin": 2})
+    message = str(info.value)
+    assert "plugins.scheduler_options.agin: unknown option; did you mean 'aging'?" in message
+    assert message.endswith("accepted options: aging (default 1.0)")
+    assert "http" not in message and "For further information" not in message
+
+
+def test_options_are_strict_and_come_back_with_defaults(spf_class: type) -> None:
+    with pytest.raises(ConfigError, match="aging: Input should be a valid number; strings are not converted"):
+        validate_options("scheduler", spf_class, {"aging": "2"})
+    assert validate_options("scheduler", spf_class, {"aging": 2}) == {"aging": 2.0}
+    assert validate_options("scheduler", spf_class, {}) == {"aging": 1.0}
+
+
+def test_instantiate_passes_the_validated_options(spf_class: type) -> None:
+    from nanovllm_core import EngineConfig
+
+    config = EngineConfig(model="unused", max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler = instantiate("scheduler", spf_class, {"aging": 3}, config, PrefixCachingBlockManager(8, 16))
+    assert scheduler.aging == 3.0
+    with pytest.raises(ConfigError, match="accepted options: aging"):
+        instantiate("scheduler", spf_class, {"speed": 1}, config, PrefixCachingBlockManager(8, 16))
+
+
+# --- the engine checks every plugin's options before it loads weights ------------------------------
+
+
+@pytest.mark.parametrize(
+    "plugins, expected",
+    [
+        ({"scheduler_options": {"colour": "red"}}, r"scheduler_options \['colour'\] not accepted by FifoScheduler"),
+        ({"block_manager_options": {"size": 2}}, r"block_manager_options \['size'\] not accepted"),
+        ({"attention_options": {"tile": 4}}, r"attention_options \['tile'\] not accepted by TorchAttentionBackend"),
+    ],
+)
+def test_the_engine_rejects_options_before_any_weights_load(
+    qwen3_path: Path, monkeypatch: pytest.MonkeyPatch, plugins: dict[str, Any], expected: str
+) -> None:
+    def no_runner(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model runner (weights, KV cache) was built before the options were checked")
+
+    monkeypatch.setattr(ModelRunner, "__init__", no_runner)
+    with pytest.raises(ConfigError, match=expected):
+        LLM(str(qwen3_path), device="cpu", num_kvcache_blocks=8, plugins={"attention": "torch", **plugins})
