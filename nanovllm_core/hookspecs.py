@@ -1,20 +1,23 @@
 """The hooks a nanovllm plugin implements. Each receives ``register(name, cls)`` and registers classes by name.
 
 A plugin is a module whose hook implementations are marked with ``@nanovllm_core.hookimpl``; its distribution
-announces it with an entry point in the ``nanovllm`` group, found through the standard library's
-:mod:`importlib.metadata`::
+announces it with an entry point in the ``nanovllm`` group, listed with the standard library's
+:mod:`importlib.metadata` (what pluggy's ``load_setuptools_entrypoints`` uses; the old ``entrypoints`` package is
+not used)::
 
     [project.entry-points.nanovllm]
     my_plugin = "my_package.plugin"
 
-The module also declares which plugin API versions it supports (see ``nanovllm_core.PLUGIN_API_VERSION``)::
+The module also declares which plugin API versions it supports (see ``nanovllm_core.PLUGIN_API_VERSION``, now
+2; a plugin that declares nothing is read as API 1 and refused)::
 
     NANOVLLM_PLUGIN_API = ">=2,<3"
 
 Every hook is called once per process, when the registry is first built (the engine builds it; so do
 ``nanovllm plugins`` and :func:`nanovllm_core.get_registry`). A hook implementation takes exactly one argument,
 named ``register``; pluggy passes it by name. The registered object must be a class satisfying the interface of
-its kind, otherwise the plugin is reported as broken. The authoring guide is ``docs/plugins.md``.
+its kind, otherwise the plugin is reported as broken. The authoring guide is ``docs/plugins.md``; what changed
+from API 1 is in ``docs/migrating-to-plugin-api-2.md``.
 """
 
 from __future__ import annotations
@@ -41,10 +44,14 @@ def nanovllm_register_schedulers(register: Register) -> None:
     """Register scheduler classes: ``register("fifo", FifoScheduler)``.
 
     The class subclasses :class:`nanovllm_core.Scheduler` and is selected with ``[plugins] scheduler = "fifo"``;
-    the engine builds it as ``cls(config, block_manager, stop_checker, **scheduler_options)`` (validated by an
-    optional pydantic ``Options`` class attribute). It must keep the invariants in the ``Scheduler`` docstring
-    (token budget, ``max_num_seqs``, no starvation, blocks freed, preemption, abort);
-    :class:`nanovllm_core.testing.conformance.SchedulerConformance` checks them.
+    the engine builds it as ``cls(config, block_manager, **scheduler_options)`` (validated by an optional
+    pydantic ``Options`` class attribute). It is a policy: it writes ``schedule()`` (and at most the queue hooks
+    ``enqueue`` / ``requeue`` / ``remove_waiting``); the engine owns the requests, stops and aborts, and the base
+    class owns the queues, ``postprocess``, ``preempt`` and ``finish``. The engine checks every step it returns
+    (limits, new-token counts, blocks covering them, no empty step while work remains) and raises
+    :class:`~nanovllm_core.errors.SchedulerError` naming the plugin;
+    :class:`nanovllm_core.testing.conformance.SchedulerConformance` checks the rest (no starvation, exact outputs
+    under preemption and abort, every block freed).
     """
 
 

@@ -1,0 +1,113 @@
+"""The plugin API 2 documents, run from their own code blocks.
+
+- docs/migrating-to-plugin-api-2.md: its "after" scheduler is examples/hooks/serial_scheduler.py; its "before"
+  scheduler (API 1) is refused as broken, with a message that points to the guide.
+- docs/plugins.md: the ``SimulatedEngine`` example runs as shown.
+- docs/tutorial-scheduler-plugin.md: the two ways it says to break ``decode_first`` fail with the errors it shows.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from pathlib import Path
+
+import pytest
+
+from nanovllm_core import register_plugin, unregister_plugin
+from nanovllm_core.errors import SchedulerError
+from nanovllm_core.plugins import get_registry
+from nanovllm_core.testing.conformance import SchedulerConformance
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+HOOKS = ROOT / "examples" / "hooks"
+TUTORIAL_SCHEDULER = ROOT / "examples/tutorial/nanovllm-scheduler-decode-first/nanovllm_decode_first/scheduler.py"
+TITLED = re.compile(r'^```\w+ title="([^"]+)"\n(.*?)^```$', re.M | re.S)
+UNTITLED_PYTHON = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)
+TEXT = re.compile(r"^```text\n(.*?)^```$", re.M | re.S)
+
+
+def titled_blocks(doc: str) -> dict[str, str]:
+    return dict(TITLED.findall((DOCS / doc).read_text()))
+
+
+def module_from(source: str, name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    exec(compile(source, f"<{name}>", "exec"), module.__dict__)
+    return module
+
+
+def test_the_migration_guide_shows_the_api2_example_verbatim() -> None:
+    blocks = titled_blocks("migrating-to-plugin-api-2.md")
+    assert blocks["serial_scheduler.py (API 2)"] == (HOOKS / "serial_scheduler.py").read_text()
+
+
+def test_the_api1_scheduler_of_the_guide_is_refused_with_a_pointer_to_the_guide() -> None:
+    before = titled_blocks("migrating-to-plugin-api-2.md")["serial_scheduler.py (API 1)"]
+    plugin = module_from(before, "serial_scheduler_api1")
+    assert plugin.NANOVLLM_PLUGIN_API == ">=1,<2"
+    register_plugin(plugin)
+    try:
+        registry = get_registry()
+        errors = [b.error for b in registry.broken if b.plugin == plugin.__name__]
+        assert errors and "incompatible plugin API" in errors[0], registry.broken
+        guide = re.search(r"docs/[\w.-]+\.md", errors[0])
+        assert guide is not None and guide.group() == "docs/migrating-to-plugin-api-2.md", errors[0]
+        assert (ROOT / guide.group()).is_file()
+        assert "serial" not in registry.registrations["scheduler"]
+    finally:
+        unregister_plugin(plugin.__name__)
+
+
+def test_the_simulated_engine_example_of_plugins_md_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    examples = [b for b in UNTITLED_PYTHON.findall((DOCS / "plugins.md").read_text()) if "SimulatedEngine(" in b]
+    assert len(examples) == 1, "docs/plugins.md has one SimulatedEngine example"
+    monkeypatch.syspath_prepend(str(HOOKS))  # it imports the hook examples, as their tests do
+    exec(compile(examples[0], "<plugins.md SimulatedEngine example>", "exec"), {})
+
+
+def broken_decode_first(replacements: list[tuple[str, str]]) -> type:
+    source = TUTORIAL_SCHEDULER.read_text()
+    for old, new in replacements:
+        assert old in source, f"the tutorial's scheduler no longer contains {old!r}"
+        source = source.replace(old, new)
+    return module_from(source, "decode_first_broken").DecodeFirstScheduler
+
+
+def first_scheduler_error(scheduler_cls: type) -> str:
+    """Run the kit's simulated scenarios (synchronous) until the engine's step check raises."""
+    kit = type("Kit", (SchedulerConformance,), {"scheduler_cls": scheduler_cls})()
+    scenarios = [
+        kit.test_token_budget_and_max_num_seqs,
+        kit.test_long_prompts_in_many_chunks_mixed_with_decodes,
+        kit.test_prefix_hits_with_chunked_admission_and_few_blocks,
+    ]
+    for scenario in scenarios:
+        try:
+            scenario(async_scheduling=False)
+        except SchedulerError as exc:
+            return f"SchedulerError: {exc}"
+    pytest.fail(f"no scenario made {scheduler_cls.__name__} break a rule")
+
+
+@pytest.mark.parametrize(
+    "replacements",
+    [
+        pytest.param(  # "Drop the two `budget -= n` lines"
+            [("                budget -= n\n", ""), ("            budget -= n\n", "")], id="drop-budget-updates"
+        ),
+        pytest.param(  # "admit with the block manager directly ... instead of `allocate_chunk`"
+            [(
+                "            n = self.allocate_chunk(self.waiting[0], budget)\n",
+                "            n = min(self.waiting[0].num_uncomputed_tokens, budget)\n"
+                "            n = n if self.block_manager.allocate(self.waiting[0], n) else 0\n",
+            )],
+            id="allocate-instead-of-allocate-chunk",
+        ),
+    ],
+)
+def test_the_tutorials_broken_schedulers_fail_as_it_shows(replacements: list[tuple[str, str]]) -> None:
+    error = " ".join(first_scheduler_error(broken_decode_first(replacements)).split())
+    shown = [" ".join(block.split()) for block in TEXT.findall((DOCS / "tutorial-scheduler-plugin.md").read_text())]
+    assert error in shown, f"the tutorial does not show the error this change gives: {error}"
