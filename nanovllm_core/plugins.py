@@ -188,10 +188,18 @@ def _api_problem(plugin: Any) -> str | None:
         declared = f"{API_ATTRIBUTE} = {spec!r}"
     else:
         declared = f"no {API_ATTRIBUTE}, read as {spec!r}"
-    return (
+    problem = (
         f"incompatible plugin API: the plugin supports {spec} ({declared}) but {core}. Install a release of "
         "the plugin that supports this API, or a nanovllm-core that provides the API the plugin supports"
     )
+    if hookspecs.PLUGIN_API_VERSION == 2 and api_supported(spec, 1):
+        problem += (
+            ". What changed in API 2: the engine owns requests (ids, fit checks, stops, finish reasons, aborts) and "
+            "a scheduler is a policy: it subclasses Scheduler, takes (config, block_manager, **options) and writes "
+            "schedule() only; postprocess, abort and preempt live in the base class. Migration guide: "
+            "docs/migrating-to-plugin-api-2.md"
+        )
+    return problem
 
 
 # ----------------------------------------------------------------------------------------------------

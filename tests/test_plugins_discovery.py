@@ -167,6 +167,13 @@ def test_an_incompatible_plugin_is_broken_and_the_others_load(site: FakeSite) ->
     assert_others_still_load(registry)
 
 
+def test_an_api_1_plugin_is_told_what_changed_and_where_to_read(site: FakeSite) -> None:
+    site.plugin("fake-old-api", VALID_SCHEDULER.format(name="old").replace('">=2,<3"', '">=1,<2"'))
+    [broken] = broken_of(build_registry(), "fake-old-api")
+    assert "What changed in API 2" in broken.error and "writes schedule() only" in broken.error
+    assert "docs/migrating-to-plugin-api-2.md" in broken.error
+
+
 def test_an_invalid_api_declaration_is_broken(site: FakeSite) -> None:
     site.plugin("fake-badapi", VALID_SCHEDULER.format(name="x").replace('">=2,<3"', '"version one"'))
     [broken] = broken_of(build_registry(), "fake-badapi")

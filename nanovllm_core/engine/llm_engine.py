@@ -138,7 +138,7 @@ class LLMEngine(EngineCore):
         if not architectures:
             raise ModelLoadError(f"{cfg.model}/config.json names no architecture ('architectures' is empty)")
         arch = architectures[0]
-        if arch not in registry.registrations["model"]:
+        if arch not in registry.registrations["model"] and arch not in registry.conflicts["model"]:
             installed = ", ".join(registry.names("model")) or "none"
             raise ModelLoadError(
                 f"architecture {arch!r} is not provided by any installed model plugin; installed: {installed}"
