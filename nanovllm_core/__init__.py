@@ -18,6 +18,7 @@ from nanovllm_core.errors import (
     NanoVLLMError,
     PluginConflictError,
     PluginError,
+    SchedulerError,
     UnknownPluginError,
 )
 from nanovllm_core.hookspecs import CORE_VERSION, PLUGIN_API_VERSION, hookimpl
@@ -57,6 +58,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "Scheduler",
+    "SchedulerError",
     "SchedulerOutput",
     "Sequence",
     "SequenceStatus",

@@ -196,7 +196,7 @@ def _api_problem(plugin: Any) -> str | None:
         problem += (
             ". What changed in API 2: the engine owns requests (ids, fit checks, stops, finish reasons, aborts) and "
             "a scheduler is a policy: it subclasses Scheduler, takes (config, block_manager, **options) and writes "
-            "schedule() only; postprocess, abort and preempt live in the base class. Migration guide: "
+            "schedule() only; postprocess, finish and preempt live in the base class. Migration guide: "
             "docs/migrating-to-plugin-api-2.md"
         )
     return problem

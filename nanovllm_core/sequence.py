@@ -48,7 +48,6 @@ class Sequence:
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # owned by the block manager: hashes of the leading full blocks
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens: int | None = None  # found in the prefix cache when first scheduled
         self.num_preemptions = 0

@@ -43,6 +43,7 @@ class PrefixCachingBlockManager(BlockManager):
         self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered: LRU first
         self.hash_to_block_ids: dict[int, list[int]] = {}  # every block holding that hash, in use or free
         self._num_hashed_blocks: dict[int, int] = {}  # seq_id -> leading blocks already made findable
+        self._block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its leading full blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -51,7 +52,7 @@ class PrefixCachingBlockManager(BlockManager):
     # --- hashing --------------------------------------------------------------------------------------
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
-        hashes = seq.block_hashes
+        hashes = self._block_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
@@ -138,6 +139,7 @@ class PrefixCachingBlockManager(BlockManager):
                 self.free_block_ids[block_id] = None
         seq.block_table = []
         self._num_hashed_blocks.pop(seq.seq_id, None)
+        self._block_hashes.pop(seq.seq_id, None)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         if not self.enable_prefix_caching:
