@@ -269,3 +269,15 @@ def test_model_kit_catches_an_architecture_name_mismatch(tmp_path_factory) -> No
     kit = type("Kit", (ModelConformance,), {"model_cls": RollsLogits})()
     with pytest.raises(AssertionError, match="architectures"):
         kit.test_checkpoint_names_the_architecture(shared_tiny_checkpoint(tmp_path_factory))
+
+
+def test_scheduler_kit_needs_no_model_or_attention_plugin_and_says_what_a_skipped_check_needs(tmp_path) -> None:
+    kit = type("Kit", (SchedulerConformance,), {"scheduler_cls": FifoScheduler, "block_manager_name": "nope"})()
+    with pytest.raises(pytest.skip.Exception, match="block_manager 'nope', which is not installed"):
+        kit.simulate(num_blocks=8)
+    kit = type(
+        "Kit", (SchedulerConformance,), {"scheduler_cls": FifoScheduler, "attention": "no-such-backend"}
+    )()
+    with pytest.raises(pytest.skip.Exception, match="attention backend 'no-such-backend'"):
+        kit.test_engine_greedy_outputs_under_kv_pressure(tmp_path, False)
+    kit.test_token_budget_and_max_num_seqs(False)  # the simulated checks run all the same

@@ -102,6 +102,14 @@ def registered_for_test(kind: str, cls: type, name: str | None = None) -> Iterat
         unregister_plugin(plugin.__name__)
 
 
+def _installed(kind: str, name: str, setting: str) -> Any:
+    """The installed registration of ``name``; skips the check (saying how to run it) when it is not installed."""
+    registry = get_registry()
+    if name not in registry.registrations[kind]:
+        pytest.skip(f"this check uses the {kind} {name!r}, which is not installed: install it or set `{setting}`")
+    return registry.get(kind, name)
+
+
 def shared_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, arch: str = "qwen3", **options: Any) -> Path:
     """A tiny random-weight checkpoint, written once per pytest session and shared by every kit."""
     key = hashlib.sha1(repr(sorted(options.items())).encode()).hexdigest()[:10]
@@ -170,10 +178,7 @@ class SchedulerConformance:
     def get_block_manager_cls(self) -> type[BlockManager]:
         if self.block_manager_cls is not None:
             return self.block_manager_cls
-        registry = get_registry()
-        if self.block_manager_name not in registry.registrations["block_manager"]:
-            pytest.skip(f"block manager {self.block_manager_name!r} is not installed: set block_manager_cls")
-        return registry.get("block_manager", self.block_manager_name).obj
+        return _installed("block_manager", self.block_manager_name, "block_manager_cls").obj
 
     def simulate(self, num_blocks: int, async_scheduling: bool = False, **kwargs: Any) -> SimulatedEngine:
         """A :class:`SimulatedEngine` of this scheduler; ``kwargs`` override its limits and options."""
@@ -302,6 +307,57 @@ class SchedulerConformance:
         assert len(sim.finished) == 6, f"{len(sim.finished)} of 6 requests finished"
         sim.assert_outputs_exact()
         sim.assert_all_blocks_free()
+
+    def test_forced_preemption_frees_the_victims_blocks(self, async_scheduling: bool) -> None:
+        """Two prompts of two blocks each fill a four-block cache and each needs a third block for its first
+        decode token, so a policy that runs both at once must preempt one. The victim is left with no blocks and
+        nothing computed, the request that stays gets a block the victim gave back, both outputs are exact."""
+        bs = self.block_size
+        sim = self.simulate(
+            num_blocks=4, async_scheduling=async_scheduling, max_num_seqs=2, max_num_batched_tokens=4 * bs
+        )
+        rng = random.Random(13)
+        seqs = [sim.add(random_tokens(2 * bs, rng), bs, request_id=f"r{i}") for i in range(2)]
+        while sim.core.has_unfinished_requests():
+            held = {seq.seq_id: set(seq.block_table) for seq in seqs}
+            cache_full = sim.block_manager.num_free_blocks == 0
+            counts = [seq.num_preemptions for seq in seqs]
+            sim.step()
+            for victim, count, other in zip(seqs, counts, reversed(seqs)):
+                if victim.num_preemptions == count or victim.seq_id in sim.scheduler.running or victim.is_finished:
+                    continue  # not preempted in this step, or admitted again in it
+                assert not victim.block_table and victim.num_computed_tokens == 0, (
+                    f"step {sim.steps}: {victim!r} was preempted but holds blocks {victim.block_table}: "
+                    "Scheduler.preempt frees them and resets num_computed_tokens"
+                )
+                if cache_full and other.block_table:
+                    assert set(other.block_table) & held[victim.seq_id], (
+                        f"step {sim.steps}: with the cache full, {victim.request_id!r} was preempted (it held blocks "
+                        f"{sorted(held[victim.seq_id])}) but {other!r} got none of them: its blocks were not freed"
+                    )
+        assert len(sim.finished) == 2, f"{len(sim.finished)} of 2 requests finished"
+        sim.assert_outputs_exact()
+        sim.assert_all_blocks_free()
+
+    def test_limits_hold_when_decodes_and_prompt_chunks_share_steps(self, async_scheduling: bool) -> None:
+        """Requests arrive every other step while others decode, with token budgets down to one token per seat:
+        wherever a policy puts decode tokens and prompt chunks in the same step, the step keeps
+        ``max_num_batched_tokens`` and ``max_num_seqs`` (the engine checks every step) and every request finishes."""
+        for max_num_seqs, budget in ((4, 4), (4, 5), (3, 2 * self.block_size)):
+            sim = self.simulate(
+                num_blocks=48, async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=budget,
+            )
+            rng = random.Random(12)
+            for i in range(24):
+                if i % 2 == 0:
+                    sim.add(random_tokens(rng.randint(1, 3 * budget), rng), rng.randint(1, 10))
+                if sim.core.has_unfinished_requests():
+                    sim.step()
+            sim.run()
+            assert len(sim.finished) == 12, f"max_num_seqs={max_num_seqs}, budget={budget}: {len(sim.finished)} of 12"
+            sim.assert_outputs_exact()
+            sim.assert_all_blocks_free()
 
     def test_prefix_cache_hits_are_reported(self) -> None:
         """A prompt sharing full blocks with a finished one reports exactly those tokens as cached."""
@@ -493,7 +549,7 @@ class BlockManagerConformance:
 
     def test_under_a_scheduler_with_shared_prefixes_and_kv_pressure(self) -> None:
         """The installed scheduler drives the manager; cached blocks must hold exactly their tokens."""
-        scheduler_cls = self.scheduler_cls or get_registry().get("scheduler", self.scheduler_name).obj
+        scheduler_cls = self.scheduler_cls or _installed("scheduler", self.scheduler_name, "scheduler_cls").obj
         sim = SimulatedEngine(
             scheduler_cls, self.block_manager_cls, num_blocks=10, block_size=self.block_size,
             block_manager_options=self.block_manager_options, max_num_seqs=4, max_num_batched_tokens=48,
@@ -680,6 +736,7 @@ class ModelConformance:
 
     def test_greedy_matches_transformers(self, model_checkpoint: Path) -> None:
         """Ragged prompts, chunked prefill (32-token budget) and a prefix-cache hit, against ``transformers``."""
+        _installed("attention", self.attention, "attention")
         vocab = load_hf_config(model_checkpoint).vocab_size
         rng = random.Random(8)
         first = [rng.randrange(3, vocab) for _ in range(37)]
