@@ -1,8 +1,22 @@
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from nanovllm_core.errors import InvalidRequestError
+
+OutputKind = Literal["final", "delta", "cumulative"]
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -11,8 +25,18 @@ class SamplingParams:
 
     ``temperature=0`` is greedy decoding; ``top_k=-1`` (or 0), ``top_p=1`` and ``min_p=0`` turn the
     corresponding filter off. ``stop`` strings are matched on the detokenized output and are not part
-    of the returned text; ``stop_token_ids`` end generation on those tokens (kept in ``token_ids``).
-    ``seed`` makes sampling of this request reproducible whatever else is in the batch.
+    of the returned text unless ``include_stop_str_in_output``; ``stop_token_ids`` end generation on those
+    tokens (kept in ``token_ids``). ``seed`` makes sampling of this request reproducible whatever else is in
+    the batch.
+
+    ``n`` parallel samples share the prompt. ``logprobs=k`` returns, for each generated token, its own logprob
+    and the ``k`` most likely tokens' (``prompt_logprobs=k``: the same for each prompt token after the first);
+    they are ``log_softmax`` of the model's raw logits, before penalties, temperature and filters (vLLM's
+    default). ``presence_penalty`` / ``frequency_penalty`` subtract from the logits of tokens already generated
+    (once / per occurrence); ``repetition_penalty`` divides positive and multiplies negative logits of tokens
+    seen in the prompt or the output (1 is off). ``priority``: lower runs first under a priority policy.
+    ``output_kind``: what ``LLMEngine.step`` returns for the request: only the final output, every step's new
+    tokens (``delta``) or everything so far (``cumulative``).
     """
 
     temperature: float = 1.0
@@ -25,25 +49,55 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    output_kind: OutputKind = "final"
     stop_strings: list[str] = field(init=False, repr=False)
+    # Whether sampling reads the tokens so far (a penalty is on): the engine must then have the sequence's real
+    # tokens on the host before each of its steps is sampled. Derived once, like stop_strings: the sampler reads
+    # it for every row of every step, and a property would cost several times a plain attribute there.
+    needs_output_token_ids: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> InvalidRequestError:
             return InvalidRequestError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: allowed {allowed}")
 
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer from 1 to {MAX_N}")
+        if not _is_number(self.temperature) or not self.temperature >= 0:
             raise bad("temperature", "a number >= 0 (0 means greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "a number in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "an integer >= 1, or -1 / 0 to disable")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "a number in [0, 1]")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "a number in [-2, 2] (0 is off)")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "a finite number > 0 (1 is off)")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "an integer >= 1")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", "an integer or None")
-        if isinstance(self.stop, str):
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise bad("seed", "an integer with 0 <= seed < 2**64, or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"None or an integer from 0 to {MAX_LOGPROBS} (top tokens besides the chosen one)")
+        if not _is_int(self.priority):
+            raise bad("priority", "an integer (lower is scheduled first)")
+        if self.output_kind not in get_args(OutputKind):
+            raise bad("output_kind", " or ".join(repr(k) for k in get_args(OutputKind)))
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", "True or False")
+        if isinstance(self.stop, str) and self.stop:
             self.stop_strings = [self.stop]
         elif self.stop is None:
             self.stop_strings = []
@@ -53,11 +107,12 @@ class SamplingParams:
             raise bad("stop", "a non-empty string, a list of non-empty strings, or None")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        elif not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
             raise bad("stop_token_ids", "a list of non-negative token ids")
         if self.top_k == 0:
             self.top_k = -1
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+        self.needs_output_token_ids = (
+            self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        )

@@ -46,34 +46,26 @@ class CudaGraphDecoder:
         n = self.max_batch
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((n, self.max_blocks), dtype=torch.int32, device=device)
         self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)
-        self.max_model_len = max_model_len
-        self.block_size = block_size
+        # every row is padding until a step copies its own in; a bucket of bs rows uses the first bs
+        self.batch = AttentionBatch.build(
+            query_start_loc=list(range(n + 1)),
+            seq_lens=[0] * n,
+            block_tables=torch.zeros((n, self.max_blocks), dtype=torch.int32, device=device),
+            slot_mapping=[-1] * n,
+            block_size=block_size,
+            device=device,
+            max_query_len=1,
+            max_seq_len=max_model_len,
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._capture()
-
-    def _batch(self, bs: int) -> AttentionBatch:
-        return AttentionBatch(
-            query_start_loc=self.query_start_loc[: bs + 1],
-            seq_lens=self.seq_lens[:bs],
-            block_tables=self.block_tables[:bs],
-            slot_mapping=self.slot_mapping[:bs],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            num_seqs=bs,
-            num_tokens=bs,
-            block_size=self.block_size,
-        )
 
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
         for bs in reversed(self.sizes):
-            metadata = self.backend.build_metadata(self._batch(bs))
+            metadata = self.backend.build_metadata(self.batch.head(bs))
             with forward_context(self.backend, metadata):
                 self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up
                 graph = torch.cuda.CUDAGraph()
@@ -90,13 +82,14 @@ class CudaGraphDecoder:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         n = batch.num_seqs
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
+        static = self.batch
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
-        self.block_tables[:n, : batch.block_tables.size(1)].copy_(batch.block_tables, non_blocking=True)
+        static.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+        static.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        static.block_tables[:n, : batch.block_tables.size(1)].copy_(batch.block_tables, non_blocking=True)
         if bs > n:
-            self.slot_mapping[n:bs].fill_(-1)
-            self.seq_lens[n:bs].zero_()
+            static.slot_mapping[n:bs].fill_(-1)
+            static.seq_lens[n:bs].zero_()
         self.graphs[bs].replay()
         return self.hidden[:n]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,11 +21,20 @@ from nanovllm_core.host_tensor import host_tensor
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch, SchedulerOutput
 from nanovllm_core.layers.attention import Attention
 from nanovllm_core.layers.fused import set_compile
-from nanovllm_core.layers.sampler import Sampler, SamplingBatch
+from nanovllm_core.layers.sampler import (
+    LogprobsTensors,
+    SampleLogprobs,
+    Sampler,
+    SamplingBatch,
+    compute_logprobs,
+)
 from nanovllm_core.loader import iter_safetensors
+from nanovllm_core.sampling_params import MAX_LOGPROBS
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence
 
 logger = logging.getLogger(__name__)
+
+LOGPROBS_SLICE = 256  # logprobs are computed this many rows at a time: a [rows, vocab] float32 each
 
 
 @dataclass
@@ -35,6 +44,7 @@ class ModelInputs:
     attention: AttentionBatch
     logits_indices: torch.Tensor  # which flattened tokens produce logits
     sample_rows: list[int]  # batch index of each logits row
+    prompt_logits_indices: torch.Tensor | None = None  # flattened tokens whose logits score the next prompt token
 
 
 def model_shape(hf_config: Any) -> tuple[int, int, int, int]:
@@ -62,6 +72,8 @@ class HostBatch:
     # async scheduling: input_ids[placeholder_dst[i]] is row placeholder_src[i] of the previous step's tokens
     placeholder_dst: list[int] = field(default_factory=list)
     placeholder_src: list[int] = field(default_factory=list)
+    # prompt_logprobs: flattened tokens whose logits give the logprob of the prompt token after them
+    prompt_logits_indices: list[int] = field(default_factory=list)
 
 
 def _flatten_decode(seqs: list[Sequence], bs: int) -> tuple[HostBatch, list[tuple[int, int]]]:
@@ -142,22 +154,64 @@ def flatten_batch(batch: SchedulerOutput, block_size: int, previous_rows: dict[i
     return host
 
 
+@dataclass
+class PromptLogprobsPlan:
+    """The prompt positions one step scores, for the rows whose request asks ``prompt_logprobs``.
+
+    Row ``rows[i]`` scores prompt tokens ``first_positions[i] .. first_positions[i] + counts[i] - 1`` (each
+    given the tokens before it) and keeps ``num_top[i]`` top tokens; ``targets`` are those prompt tokens, all
+    rows concatenated, in the order of ``HostBatch.prompt_logits_indices``.
+    """
+
+    rows: list[int] = field(default_factory=list)
+    first_positions: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    num_top: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+
+
+def plan_prompt_logprobs(batch: SchedulerOutput, host: HostBatch) -> PromptLogprobsPlan | None:
+    """Which prompt tokens this step can score, and the flattened tokens whose logits score them (appended to
+    ``host.prompt_logits_indices``); ``None`` when no row asks (the common case, found without a pass in
+    decode steps).
+
+    A row computing positions ``[start, end)`` has the logits of position ``q`` for the token at ``q + 1``:
+    it scores prompt tokens ``start + 1 .. min(end, num_prompt_tokens - 1)``. Over the chunks of a prompt that
+    covers every prompt token but the first, provided the first chunk starts at 0 (no prefix-cache hit).
+    """
+    if host.max_query_len == 1 and len(host.sample_rows) == len(batch.seqs):
+        return None  # every row computes its last token: no prompt token is left to score
+    plan = None
+    for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        num_top = seq.sampling_params.prompt_logprobs
+        if num_top is None:
+            continue
+        start = seq.num_computed_tokens
+        last = min(start + n, seq.num_prompt_tokens - 1)
+        if last <= start:
+            continue
+        plan = plan or PromptLogprobsPlan()
+        plan.rows.append(row)
+        plan.first_positions.append(start + 1)
+        plan.counts.append(last - start)
+        plan.num_top.append(num_top)
+        plan.targets += seq.token_ids[start + 1 : last + 1]
+        flat = host.query_start_loc[row]
+        host.prompt_logits_indices += range(flat, flat + last - start)
+    return plan
+
+
 def to_model_inputs(
     host: HostBatch, block_size: int, device: torch.device, previous_tokens: torch.Tensor | None = None
 ) -> ModelInputs:
-    num_seqs = len(host.seq_lens)
-    attention = AttentionBatch(
-        query_start_loc=host_tensor(host.query_start_loc, torch.int32, device),
-        seq_lens=host_tensor(host.seq_lens, torch.int32, device),
-        block_tables=host_tensor(host.block_tables, torch.int32, device).view(num_seqs, host.max_blocks),
-        slot_mapping=host_tensor(host.slot_mapping, torch.int64, device),
+    attention = AttentionBatch.build(
+        host.query_start_loc,
+        host.seq_lens,
+        host_tensor(host.block_tables, torch.int32, device).view(len(host.seq_lens), host.max_blocks),
+        host.slot_mapping,
+        block_size,
+        device,
         max_query_len=host.max_query_len,
-        max_seq_len=max(host.seq_lens),
-        num_seqs=num_seqs,
-        num_tokens=len(host.input_ids),
-        block_size=block_size,
-        query_start_loc_cpu=host.query_start_loc,
-        seq_lens_cpu=host.seq_lens,
     )
     input_ids = host_tensor(host.input_ids, torch.int64, device)
     if host.placeholder_dst:
@@ -170,6 +224,9 @@ def to_model_inputs(
         attention=attention,
         logits_indices=host_tensor(host.logits_indices, torch.int64, device),
         sample_rows=host.sample_rows,
+        prompt_logits_indices=(
+            host_tensor(host.prompt_logits_indices, torch.int64, device) if host.prompt_logits_indices else None
+        ),
     )
 
 
@@ -178,22 +235,75 @@ def prepare_inputs(batch: SchedulerOutput, block_size: int, device: torch.device
     return to_model_inputs(flatten_batch(batch, block_size), block_size, device)
 
 
-class PendingStep:
-    """A launched step: its sampled tokens are on their way to the host (one copy, no sync until read)."""
+@dataclass
+class RowsLogprobs:
+    """Logprobs one step computed for some rows of its batch: ``counts[i]`` consecutive entries for row
+    ``rows[i]`` (1 for a sampled token, one per prompt token scored), each keeping ``num_top[i]`` top tokens."""
 
-    def __init__(self, batch: SchedulerOutput, sample_rows: list[int], token_tensor: torch.Tensor | None) -> None:
+    rows: list[int]
+    counts: list[int]
+    num_top: list[int]
+    tensors: LogprobsTensors
+
+    def per_row(self) -> dict[int, list[SampleLogprobs]]:
+        entries = self.tensors.tolist([k for k, c in zip(self.num_top, self.counts) for _ in range(c)])
+        out, i = {}, 0
+        for row, count in zip(self.rows, self.counts):
+            out[row] = entries[i : i + count]
+            i += count
+        return out
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+class PendingStep:
+    """A launched step: its sampled tokens (and logprobs, where asked) are on their way to the host (copies
+    queued at launch, one synchronisation when first read).
+
+    ``wants_logprobs`` / ``wants_prompt_logprobs``: whether :meth:`logprobs` / :meth:`prompt_logprobs` have
+    anything to return (some row's request asked). ``prompt_positions[row]`` is the prompt position of the first
+    entry of ``prompt_logprobs()[row]``: the same positions come again if the sequence is recomputed after a
+    preemption.
+    """
+
+    def __init__(
+        self,
+        batch: SchedulerOutput,
+        sample_rows: list[int],
+        token_tensor: torch.Tensor | None,
+        sample_logprobs: RowsLogprobs | None = None,
+        prompt_logprobs: RowsLogprobs | None = None,
+        prompt_positions: dict[int, int] | None = None,
+    ) -> None:
         self.batch = batch
         self.sample_rows = sample_rows
         self.token_tensor = token_tensor
         # where each sampled sequence's token sits in token_tensor, for the next step's placeholder inputs
         self.row_of_seq = {batch.seqs[row].seq_id: i for i, row in enumerate(sample_rows)}
+        self.prompt_positions = prompt_positions or {}
+        self.wants_logprobs = sample_logprobs is not None
+        self.wants_prompt_logprobs = prompt_logprobs is not None
         self._host = token_tensor
+        self._logprobs = (sample_logprobs, prompt_logprobs)
         self._copied: torch.cuda.Event | None = None
-        if token_tensor is not None and token_tensor.is_cuda:
-            self._host = torch.empty(token_tensor.shape, dtype=token_tensor.dtype, pin_memory=True)
-            self._host.copy_(token_tensor, non_blocking=True)
+        outputs = [lp.tensors.logprobs for lp in self._logprobs if lp is not None]
+        if token_tensor is not None:
+            outputs.append(token_tensor)
+        if outputs and outputs[0].is_cuda:
+            if token_tensor is not None:
+                self._host = _pinned_copy(token_tensor)
+            for lp in self._logprobs:
+                if lp is not None:
+                    lp.tensors = lp.tensors.map(_pinned_copy)
             self._copied = torch.cuda.Event()
             self._copied.record()
+
+    def _wait(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
 
     def tokens(self) -> list[int | None]:
         """The sampled token of each row of the batch, ``None`` for rows that sample nothing (waits for the
@@ -201,11 +311,28 @@ class PendingStep:
         sampled: list[int | None] = [None] * len(self.batch.seqs)
         if self._host is None:
             return sampled
-        if self._copied is not None:
-            self._copied.synchronize()
+        self._wait()
         for row, token in zip(self.sample_rows, self._host.tolist()):
             sampled[row] = token
         return sampled
+
+    def logprobs(self) -> list[SampleLogprobs | None]:
+        """The sampled token's logprobs for each row of the batch whose request asks ``logprobs``; ``None`` for
+        the other rows and for rows that sample nothing."""
+        out: list[SampleLogprobs | None] = [None] * len(self.batch.seqs)
+        if self._logprobs[0] is not None:
+            self._wait()
+            for row, entries in self._logprobs[0].per_row().items():
+                out[row] = entries[0]
+        return out
+
+    def prompt_logprobs(self) -> dict[int, list[SampleLogprobs]]:
+        """For each row whose request asks ``prompt_logprobs`` and whose chunk scored prompt tokens: one entry
+        per prompt token from position ``prompt_positions[row]`` on, each given the tokens before it."""
+        if self._logprobs[1] is None:
+            return {}
+        self._wait()
+        return self._logprobs[1].per_row()
 
 
 class ModelRunner:
@@ -323,7 +450,8 @@ class ModelRunner:
         return self.attention_layers[0].num_kv_heads
 
     def _profile_run(self) -> None:
-        """One forward over ``max_num_batched_tokens`` tokens into a scratch cache, to measure the peak."""
+        """One forward over ``max_num_batched_tokens`` tokens into a scratch cache, then logprobs over one slice
+        of them (the most a step's logprobs hold at once), to measure the peak."""
         n = min(self.config.max_num_batched_tokens, (self.max_model_len - 1) * self.config.max_num_seqs)
         num_seqs = max(1, min(self.config.max_num_seqs, -(-n // (self.max_model_len - 1))))
         lens = [n // num_seqs] * num_seqs
@@ -337,34 +465,20 @@ class ModelRunner:
         )
         for layer in self.attention_layers:
             layer.kv_cache = scratch
-        tables, slots, first = [], [], 0
-        for length, nb in zip(lens, blocks_per_seq):
-            tables.append(list(range(first, first + nb)) + [0] * (max(blocks_per_seq) - nb))
-            slots.extend(range(first * bs, first * bs + length))
+        tables, first = [], 0
+        for nb in blocks_per_seq:
+            tables.append(list(range(first, first + nb)))
             first += nb
-        qsl = [0]
-        for length in lens:
-            qsl.append(qsl[-1] + length)
         dev = self.device
-        batch = AttentionBatch(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(lens),
-            max_seq_len=max(lens),
-            num_seqs=num_seqs,
-            num_tokens=n,
-            block_size=bs,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=lens,
-        )
+        batch = AttentionBatch.from_spans(tables, [(0, length) for length in lens], bs, dev)
         torch.cuda.reset_peak_memory_stats(dev)
         input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         positions = torch.cat([torch.arange(length, device=dev) for length in lens])
         with torch.inference_mode(), forward_context(self.backend, self.backend.build_metadata(batch)):
             hidden = self.model(input_ids, positions)
-            self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=dev) - 1])
+            self.model.compute_logits(hidden[batch.query_start_loc[1:].long() - 1])
+            rows = hidden[:LOGPROBS_SLICE]
+            compute_logprobs(self.model.compute_logits(rows), input_ids[: rows.size(0)], MAX_LOGPROBS)
         torch.cuda.synchronize(dev)
         del scratch, hidden
 
@@ -373,20 +487,60 @@ class ModelRunner:
     def prepare(self, batch: SchedulerOutput) -> ModelInputs:
         return prepare_inputs(batch, self.block_size, self.device)
 
-    @torch.inference_mode()
-    def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:
+    def _forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model over the step's tokens: (logits of the tokens that sample, hidden states of every token)."""
         if self.graphs is not None and self.graphs.can_run(inputs.attention):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attention)
-            return self.model.compute_logits(hidden[inputs.logits_indices])
+            return self.model.compute_logits(hidden[inputs.logits_indices]), hidden
         metadata = self.backend.build_metadata(inputs.attention)
         with forward_context(self.backend, metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
-            return self.model.compute_logits(hidden[inputs.logits_indices])
+            return self.model.compute_logits(hidden[inputs.logits_indices]), hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, inputs: ModelInputs) -> torch.Tensor:
+        """Logits of the tokens that sample (``inputs.logits_indices``)."""
+        return self._forward(inputs)[0]
+
+    def _prompt_logits(self, hidden: torch.Tensor, inputs: ModelInputs) -> Iterator[torch.Tensor]:
+        """Logits of the tokens that score prompt tokens, ``LOGPROBS_SLICE`` rows at a time (bounded memory).
+
+        Taken right after the forward: with CUDA graphs ``hidden`` is a buffer that the next replay overwrites.
+        """
+        indices = inputs.prompt_logits_indices
+        for i in range(0, 0 if indices is None else len(indices), LOGPROBS_SLICE):
+            yield self.model.compute_logits(hidden[indices[i : i + LOGPROBS_SLICE]])
 
     @torch.inference_mode()
     def run_step(self, host: HostBatch) -> None:
-        """A tensor-parallel worker's step: the same forward as rank 0, nothing sampled."""
-        self.compute_logits(to_model_inputs(host, self.block_size, self.device))
+        """A tensor-parallel worker's step: the same forward and logits as rank 0 (collectives included),
+        nothing sampled."""
+        inputs = to_model_inputs(host, self.block_size, self.device)
+        _, hidden = self._forward(inputs)
+        for _ in self._prompt_logits(hidden, inputs):
+            pass
+
+    def _sample_logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None], sample_rows: list[int]
+    ) -> RowsLogprobs:
+        """Logprobs of the sampled tokens of the rows whose request asks ``logprobs`` (``logits``: raw)."""
+        asked = [i for i, k in enumerate(num_logprobs) if k is not None]
+        num_top = [k for k in num_logprobs if k is not None]
+        if len(asked) < len(num_logprobs):
+            index = host_tensor(asked, torch.int64, self.device)
+            logits, tokens = logits[index], tokens[index]
+        k, n = max(num_top), LOGPROBS_SLICE
+        parts = [compute_logprobs(logits[i : i + n], tokens[i : i + n], k) for i in range(0, len(asked), n)]
+        return RowsLogprobs([sample_rows[i] for i in asked], [1] * len(asked), num_top, LogprobsTensors.cat(parts))
+
+    def _score_prompts(self, hidden: torch.Tensor, inputs: ModelInputs, plan: PromptLogprobsPlan) -> RowsLogprobs:
+        targets = host_tensor(plan.targets, torch.int64, self.device)
+        k, n = max(plan.num_top), LOGPROBS_SLICE
+        parts = [
+            compute_logprobs(logits, targets[i * n : (i + 1) * n], k)
+            for i, logits in enumerate(self._prompt_logits(hidden, inputs))
+        ]
+        return RowsLogprobs(plan.rows, plan.counts, plan.num_top, LogprobsTensors.cat(parts))
 
     @torch.inference_mode()
     def launch(self, batch: SchedulerOutput, in_flight: PendingStep | None = None) -> PendingStep:
@@ -397,6 +551,7 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         host = flatten_batch(batch, self.block_size, in_flight.row_of_seq if in_flight is not None else None)
+        plan = plan_prompt_logprobs(batch, host)
         if self.on_step is not None:
             self.on_step(host)
         previous = in_flight.token_tensor if in_flight is not None else None
@@ -408,14 +563,20 @@ class ModelRunner:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
             self._step_events.append(events)
-        logits = self.compute_logits(inputs)
-        token_tensor = None
+        logits, hidden = self._forward(inputs)
+        token_tensor = sample_logprobs = prompt_logprobs = None
         if inputs.sample_rows:
             seqs: list[Sequence] = [batch.seqs[r] for r in inputs.sample_rows]
-            token_tensor = self.sampler(logits, SamplingBatch.from_seqs(seqs, self.vocab_size, self.device))
+            sampling = SamplingBatch.from_seqs(seqs, self.vocab_size, self.device)
+            token_tensor = self.sampler(logits, sampling)
+            if sampling.num_logprobs is not None:
+                sample_logprobs = self._sample_logprobs(logits, token_tensor, sampling.num_logprobs, inputs.sample_rows)
+        if plan is not None:
+            prompt_logprobs = self._score_prompts(hidden, inputs, plan)
         if events is not None:
             events[1].record()
-        return PendingStep(batch, inputs.sample_rows, token_tensor)
+        positions = dict(zip(plan.rows, plan.first_positions)) if plan is not None else None
+        return PendingStep(batch, inputs.sample_rows, token_tensor, sample_logprobs, prompt_logprobs, positions)
 
     def execute(self, batch: SchedulerOutput) -> list[int | None]:
         """Run one step; returns the sampled token for each sequence of ``batch`` (``None`` mid-prompt)."""

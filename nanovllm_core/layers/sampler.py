@@ -91,6 +91,7 @@ class SamplingBatch:
     all_greedy: bool
     any_greedy: bool = True
     penalties: Penalties | None = None
+    num_logprobs: list[int | None] | None = None  # each row's ``logprobs``; None when no row asks
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -111,6 +112,9 @@ class SamplingBatch:
         if any(p.needs_output_token_ids for p in params):
             rows = [i for i, p in enumerate(params) if p.needs_output_token_ids]
             penalties = Penalties.from_seqs(seqs, rows, vocab_size, device)
+        num_logprobs: list[int | None] | None = [p.logprobs for p in params]
+        if num_logprobs.count(None) == len(params):
+            num_logprobs = None
         return cls(
             host_tensor(temperatures, torch.float32, device),
             top_k,
@@ -120,6 +124,7 @@ class SamplingBatch:
             all_greedy,
             num_greedy > 0,
             penalties,
+            num_logprobs,
         )
 
 
