@@ -67,7 +67,9 @@ class BlockManager(ABC):
         """How many leading tokens of a sequence with no blocks yet are in the prefix cache (no side effects).
 
         Always a multiple of ``block_size`` and always less than ``seq.num_tokens``: the last token is
-        computed so that the model produces logits for it.
+        computed so that the model produces logits for it. Always 0 when ``seq.reads_prefix_cache`` is False
+        (a request that needs every prompt position computed, such as one asking prompt logprobs); ``allocate``
+        then claims nothing either.
         """
 
     @abstractmethod

@@ -50,6 +50,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens: int | None = None  # found in the prefix cache when first scheduled
+        # False when every prompt position must be computed (prompt logprobs): block managers find no prefix
+        self.reads_prefix_cache = sampling_params.prompt_logprobs is None
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

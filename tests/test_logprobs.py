@@ -186,7 +186,7 @@ def _prompt_logprobs_of(llm: LLM, prompts: list[list[int]], **params) -> list[li
     return [o.prompt_logprobs for o in llm.generate(prompts, p, use_tqdm=False)]
 
 
-@pytest.mark.xfail(strict=True, reason="engine: a request asking prompt_logprobs still takes the cached prefix")
+
 def test_prompt_logprobs_of_a_prompt_found_in_the_prefix_cache(qwen3_path):
     """vLLM scores every prompt token even when the prompt is cached: such a request must not take the cached
     prefix (the runner only has logits for the positions it computes)."""
@@ -198,7 +198,7 @@ def test_prompt_logprobs_of_a_prompt_found_in_the_prefix_cache(qwen3_path):
     assert [e and list(e) for e in again] == [e and list(e) for e in first]
 
 
-@pytest.mark.xfail(strict=True, reason="engine: _receive extends prompt_logprobs without prompt_positions")
+
 def test_prompt_logprobs_once_per_position_when_preempted(qwen3_path):
     """A preempted sequence recomputes its prompt: the runner scores those positions again
     (``PendingStep.prompt_positions`` says where they start); the output holds each position once."""

@@ -378,7 +378,7 @@ class EngineCore:
         num_received = 0
         for row, (seq, token) in enumerate(zip(launched.batch.seqs, tokens)):
             if prompt_logprobs and row in prompt_logprobs:
-                self._add_prompt_logprobs(seq, prompt_logprobs[row])
+                self._add_prompt_logprobs(seq, prompt_logprobs[row], launched.prompt_positions[row])
             if token is None:
                 continue  # a prompt chunk short of its end
             token_ids = seq.token_ids
@@ -427,10 +427,15 @@ class EngineCore:
             outputs.append(self._output(request, range(len(request.seqs)), final=True))
         return outputs
 
-    def _add_prompt_logprobs(self, seq: Sequence, entries: list[Any]) -> None:
+    def _add_prompt_logprobs(self, seq: Sequence, entries: list[Any], first_position: int) -> None:
+        """Prompt logprobs of positions ``first_position...``; a recomputed prompt (preemption) adds nothing twice."""
         request = self._requests.get(seq.request_id)
-        if request is not None and request.prompt_logprobs is not None and seq.index == 0:
-            request.prompt_logprobs.extend(self._position_logprobs(e) for e in entries)
+        if request is None or request.prompt_logprobs is None or seq.index != 0:
+            return
+        known = request.prompt_logprobs
+        for position, entry in enumerate(entries, start=first_position):
+            if position == len(known):
+                known.append(self._position_logprobs(entry))
 
     def _forget(self, request: Request) -> None:
         del self._requests[request.request_id]

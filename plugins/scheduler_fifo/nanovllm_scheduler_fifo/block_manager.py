@@ -60,7 +60,7 @@ class PrefixCachingBlockManager(BlockManager):
         return hashes
 
     def _cached_block_ids(self, seq: Sequence) -> list[int]:
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
         bs = self.block_size
         limit = (seq.num_tokens - 1) // bs  # the last token is always computed
