@@ -72,6 +72,12 @@ class EngineConfig(BaseModel):
         None, ge=2, description="Longest prompt + output; defaults to the model's max_position_embeddings."
     )
     kvcache_block_size: int = Field(256, description="Tokens per KV-cache block: a power of two, 16 to 256.")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="KV-cache element type. `auto`: the model's dtype; `fp8`: float8 e4m3 with a scale per token "
+        "and KV head (about half the bytes, so twice the tokens and faster decode; small accuracy cost; "
+        "attention backends `triton` and `torch`).",
+    )
     num_kvcache_blocks: int | None = Field(
         None, ge=1, description="Number of KV-cache blocks; when unset it is sized from free memory."
     )
@@ -89,6 +95,11 @@ class EngineConfig(BaseModel):
         "auto",
         description="Schedule and prepare step N+1 while the device runs step N. `auto`: on for CUDA with "
         "tensor_parallel_size 1; `on` also on CPU (no speed-up there, same tokens); `off`: one step at a time.",
+    )
+    warmup: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Run a few throw-away requests at start-up (prompt chunks of several sizes, decode, greedy "
+        "and temperature sampling) so that every kernel compiles before the first real request. `auto`: on CUDA.",
     )
     tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs (or CPU processes) to shard the model over.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")

@@ -165,3 +165,11 @@ def test_request_ids_are_unique_and_checked(llm):
         llm.add_request(PROMPTS[1], GREEDY, request_id="")
     llm.abort_request(rid)
     assert not llm.has_unfinished_requests() or not llm.step()
+
+
+def test_startup_warmup_leaves_no_trace(qwen3_path, expected):
+    warm = LLM(str(qwen3_path), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=40, warmup="on")
+    stats = warm.stats()
+    assert not warm.has_unfinished_requests() and stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert (stats.num_generation_tokens, stats.num_prompt_tokens, stats.num_finished_requests) == (0, 0, 0)
+    assert [o.outputs[0].token_ids for o in warm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected

@@ -28,6 +28,7 @@ from nanovllm_core.errors import ConfigError, ModelLoadError
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler, SchedulerOutput
 from nanovllm_core.loader import load_hf_config
 from nanovllm_core.plugins import PluginRegistry, get_registry
+from nanovllm_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class LLMEngine(EngineCore):
         cli_overrides: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        started = time.perf_counter()
         overrides = dict(kwargs)
         if model is not None:
             overrides["model"] = model
@@ -194,6 +196,37 @@ class LLMEngine(EngineCore):
             vocab_size=self.hf_config.vocab_size,
             async_scheduling=self._use_async_scheduling(),
         )
+        warmup_s = self._warm_up()
+        logger.info(
+            "start-up took %.1f s: weights, KV cache%s and a %.1f s warm-up that compiled the kernels for prompt "
+            "chunks, decode steps and sampling", time.perf_counter() - started, " and CUDA graphs"
+            if self.runner.graphs is not None else "", warmup_s,
+        )
+
+    def _warm_up(self) -> float:
+        """Throw-away requests through every path a real step takes (prompt chunks of several sizes next to decode
+        tokens, greedy and temperature sampling, async placeholders), so that Triton kernels and torch.compile
+        shapes are compiled before the first real request; the engine's counters are reset afterwards."""
+        mode = self.config.warmup
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return 0.0
+        start = time.perf_counter()
+        cfg, bm = self.config, self.block_manager
+        budget = cfg.max_num_batched_tokens
+        longest = min(cfg.max_model_len - 4, bm.num_blocks * bm.block_size // 4, budget)
+        lengths = sorted({max(1, min(n, longest)) for n in (longest, longest // 3, 300, 33, 5)}, reverse=True)
+        num_decode = max(1, min(cfg.max_num_seqs, bm.num_blocks // 4) - len(lengths))
+        vocab = self.hf_config.vocab_size
+        ids = []
+        for i, n in enumerate(lengths + [3] * num_decode):
+            params = SamplingParams(temperature=0.6 if i % 2 else 0.0, max_tokens=4, ignore_eos=True, seed=i)
+            ids.append(self.add_request([(7 * i + j) % vocab for j in range(n)], params, request_id=f"warmup-{i}"))
+        while self.has_unfinished_requests():
+            self.step()
+        self._totals = dict.fromkeys(self._totals, 0)
+        self.scheduler.num_preemptions = 0
+        self.step_stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
+        return time.perf_counter() - start
 
     def _use_async_scheduling(self) -> bool:
         mode = self.config.async_scheduling
