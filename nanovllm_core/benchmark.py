@@ -81,6 +81,20 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--json", help="also write the results as JSON to this file")
     parser.add_argument(
+        "--warmup-prompts",
+        type=int,
+        default=32,
+        help="prompts of the throw-away generate before timing (8 tokens each; 1 is nano-vllm's own warm-up, "
+        "0 times the very first generate)",
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="time the workload this many times (runs after the first shift every token id by the run's index, so "
+        "that no prompt is found in the prefix cache); the last run is reported, every run is listed",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="afterwards, profile 32 decode steps and print the top GPU kernels"
     )
 
@@ -191,19 +205,27 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     # warm-up: a full-size prefill and some decode steps, so compilation and autotuning stay out of the timing
     # (every token id shifted by one, so that no block of the timed prompts is in the prefix cache)
     vocab = llm.hf_config.vocab_size
-    warm = [[(t + 1) % vocab for t in p] for p in prompts[:32]]
-    llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    if args.warmup_prompts > 0:
+        warm = [[(t + 1000) % vocab for t in p] for p in prompts[: args.warmup_prompts]]
+        llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
-    llm.step_stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
-    before = llm.stats()
-    llm.runner.track_gpu_time = device.type == "cuda"
-    llm.runner.num_steps, llm.runner.host_prepare_s = 0, 0.0
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    run_tok_per_s = []
+    for run in range(max(1, args.runs)):
+        run_prompts = prompts if run == 0 else [[(t + run) % vocab for t in p] for p in prompts]
+        llm.step_stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
+        before = llm.stats()
+        llm.runner.track_gpu_time = device.type == "cuda"
+        llm.runner.num_steps, llm.runner.host_prepare_s = 0, 0.0
+        llm.runner._step_events.clear()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = llm.generate(run_prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        run_tok_per_s.append(produced / elapsed)
+        if args.runs > 1:
+            print(f"run {run + 1}: {produced} tok in {elapsed:.2f} s = {produced / elapsed:,.0f} tok/s")
     totals = llm.step_stats.totals
     after = llm.stats()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
@@ -226,6 +248,8 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         "async_scheduling": llm.async_scheduling,
         "num_preemptions": after.num_preemptions - before.num_preemptions,
         "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
+        "warmup_prompts": args.warmup_prompts,
+        "runs_tok_per_s": run_tok_per_s,
     }
     result.update(llm.runner.timing_summary())
     if rates:
