@@ -404,9 +404,11 @@ class ModelRunner:
     # --- KV cache -------------------------------------------------------------------------------------
 
     def kv_block_bytes(self) -> int:
-        layer = self.attention_layers[0]
-        per_block = 2 * self.block_size * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
-        return per_block * len(self.attention_layers)
+        """Bytes one KV-cache block takes over all layers, in the backend's layout for ``kv_cache_dtype``."""
+        shape, dtype = self.backend.kv_cache_spec(
+            self.config.kv_cache_dtype, 1, self.block_size, self.num_kv_heads_local, self.head_dim, self.dtype
+        )
+        return torch.Size(shape).numel() * dtype.itemsize * len(self.attention_layers)
 
     def _num_blocks_from_memory(self) -> int:
         if self.device.type == "cuda":
@@ -425,6 +427,22 @@ class ModelRunner:
         return int(self.config.cpu_kvcache_gib * 2**30 // self.kv_block_bytes())
 
     def _allocate_kv_cache(self) -> int:
+        kv_cache_dtype = self.config.kv_cache_dtype
+        reason = self.backend.check_kv_cache_dtype(kv_cache_dtype, self.device)
+        if reason is not None:
+            from nanovllm_core.plugins import get_registry
+
+            able = [
+                r.name
+                for r in get_registry().registrations["attention"].values()
+                if r.obj.check_kv_cache_dtype(kv_cache_dtype, self.device) is None
+                and r.obj.check_available(self.device, self.dtype, self.head_dim) is None
+            ]
+            raise ConfigError(
+                f"attention backend {self.config.plugins.attention!r} ({type(self.backend).__name__}) cannot keep "
+                f"the KV cache in kv_cache_dtype={kv_cache_dtype!r}: {reason}; backends that can here: "
+                f"{', '.join(sorted(able)) or 'none'} (set plugins.attention), or use kv_cache_dtype='auto'"
+            )
         num_blocks = self.config.num_kvcache_blocks or self._num_blocks_from_memory()
         if dist.is_initialized():  # every rank must hold the same number of blocks
             count = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
@@ -432,16 +450,19 @@ class ModelRunner:
             num_blocks = int(count.item())
         if num_blocks < 1:
             raise ConfigError("the KV cache would hold no block; set num_kvcache_blocks or give it more memory")
-        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads_local, self.head_dim)
+        shape, dtype = self.backend.kv_cache_spec(
+            kv_cache_dtype, num_blocks, self.block_size, self.num_kv_heads_local, self.head_dim, self.dtype
+        )
         # zeros, not empty: a kernel may read a whole last block, and NaN garbage times a zero weight is NaN
-        self.kv_cache = torch.zeros((len(self.attention_layers), *shape), dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros((len(self.attention_layers), *shape), dtype=dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.kv_cache = self.kv_cache[i]
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            "KV cache: %d blocks of %d tokens, kv_cache_dtype=%s (%.2f GiB)",
             num_blocks,
             self.block_size,
-            self.kv_cache.numel() * self.dtype.itemsize / 2**30,
+            kv_cache_dtype,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
         return num_blocks
 

@@ -2,8 +2,10 @@
 
 Decode: batch 1 / 32 / 256 x context 512 / 1024 / 4096. Prefill: a 16k-token ragged batch (16 prompts of about
 1k tokens) and chunked prefills over a cached context. 16 query / 8 KV heads, head_dim 128, bfloat16, block size
-256 by default (see ``--help``). Timings are ``triton.testing.do_bench`` medians of the attention alone (the
-step's keys/values are stored beforehand); ``torch`` runs only the small cases (it loops over sequences).
+256 by default (see ``--help``). ``triton_fp8`` is the triton backend on an FP8 cache (``kv_cache_dtype =
+"fp8"``: e4m3 values, a float32 scale per token and KV head) holding the same context. Timings are
+``triton.testing.do_bench`` medians of the attention alone (the step's keys/values are stored beforehand);
+``torch`` runs only the small cases (it loops over sequences).
 
 Effective bandwidth counts the bytes a kernel must move at least once: the whole context's K and V plus q and
 the output. TFLOP/s counts 4 * head_dim flops per (query head, visible key) pair.
@@ -11,6 +13,7 @@ the output. TFLOP/s counts 4 * head_dim flops per (query head, visible key) pair
     python plugins/attention_flash/bench_kernels.py --out /tmp/kernels.md
     python plugins/attention_flash/bench_kernels.py --sweep      # also try other triton decode/prefill tiles
     python plugins/attention_flash/bench_kernels.py --sweep prefill --backends triton,flash_attn  # that sweep alone
+    python plugins/attention_flash/bench_kernels.py --sweep decode --kv-cache-dtype fp8  # decode tiles, FP8 cache
 
 The prefill sweep times each tile configuration of ``prefill_sweep_configs`` (both K/V load paths: pointers and
 TMA) on the four prefill cases and ends with a table of every configuration beside flash-attn-4.
@@ -32,7 +35,13 @@ import torch
 from nanovllm_attention_flash import FlashAttnBackend, TorchAttentionBackend, TritonAttentionBackend
 from nanovllm_attention_flash.testing import PagedCase, make_case
 
-BACKENDS = {"triton": TritonAttentionBackend, "flash_attn": FlashAttnBackend, "torch": TorchAttentionBackend}
+BACKENDS = {
+    "triton": TritonAttentionBackend,
+    "triton_fp8": TritonAttentionBackend,
+    "flash_attn": FlashAttnBackend,
+    "torch": TorchAttentionBackend,
+}
+FP8 = {"triton_fp8"}  # these names run on an FP8 copy of the case's cache
 
 
 @dataclass
@@ -91,17 +100,22 @@ def available(name: str, args) -> str | None:
     reason = cls.check_available(torch.device(args.device), args.dtype, args.head_dim)
     if reason is None and cls.supported_block_sizes() and args.block_size not in cls.supported_block_sizes():
         reason = f"block size {args.block_size} unsupported"
+    if reason is None and name in FP8:
+        reason = cls.check_kv_cache_dtype("fp8", torch.device(args.device))
     return reason
 
 
 def measure(section: str, label: str, case: PagedCase, names: list[str], rows: list[Row], **options) -> None:
+    """Time each backend on ``case``; ``options`` go to the triton backends (``triton``, ``triton_fp8``)."""
     for name in names:
-        backend = case.backend(BACKENDS[name], **(options if name == "triton" else {}))
-        cache = case.kv_cache.clone()
-        us = bench_us(attend_fn(backend, case, cache))
+        run_case = case.fp8() if name in FP8 else case
+        backend = run_case.backend(BACKENDS[name], **(options if BACKENDS[name] is TritonAttentionBackend else {}))
+        cache = run_case.kv_cache.clone()
+        us = bench_us(attend_fn(backend, run_case, cache))
         del cache
-        gbps = (case.kv_bytes_read() + case.qo_bytes()) / (us * 1e-6) / 1e9
-        tflops = case.causal_flops() / (us * 1e-6) / 1e12
+        gbps = (run_case.kv_bytes_read() + run_case.qo_bytes()) / (us * 1e-6) / 1e9
+        tflops = run_case.causal_flops() / (us * 1e-6) / 1e12
+        del run_case
         rows.append(Row(section, label, name, us, gbps, tflops))
         print(f"  {section:8s} {label:40s} {name:10s} {us:10.1f} us {gbps:8.0f} GB/s {tflops:7.1f} TFLOP/s", flush=True)
 
@@ -134,6 +148,11 @@ def run_main(args, names: list[str]) -> list[Row]:
     return rows
 
 
+def sweep_backend(args) -> str:
+    """The triton flavour the sweeps tune: ``triton``, or ``triton_fp8`` with ``--kv-cache-dtype fp8``."""
+    return "triton_fp8" if args.kv_cache_dtype == "fp8" else "triton"
+
+
 def run_decode_sweep(args) -> list[Row]:
     """Other decode tiles / split counts of the triton backend (to tune the defaults)."""
     rows: list[Row] = []
@@ -149,7 +168,7 @@ def run_decode_sweep(args) -> list[Row]:
                     opts["num_kv_splits"] = splits
                 tag = f"n{block_n} w{warps} s{stages} splits={'auto' if splits is None else splits}"
                 try:
-                    measure("sweep-d", f"B={batch} ctx={context} {tag}", case, ["triton"], rows, **opts)
+                    measure("sweep-d", f"B={batch} ctx={context} {tag}", case, [sweep_backend(args)], rows, **opts)
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report it, go on
                     print(f"  sweep-d B={batch} ctx={context} {tag}: {type(exc).__name__}: {exc}", flush=True)
                     break  # the other split counts of this tile fail the same way
@@ -243,8 +262,9 @@ def run_prefill_sweep(args, names: list[str]) -> tuple[list[Row], str]:
         configs = prefill_sweep_configs(args.head_dim, args.block_size, args.dtype)
         if default not in configs:
             configs.insert(0, default)
-    print(f"prefill sweep: {len(configs)} configs x {len(cases)} cases", flush=True)
-    precompile_prefill(next(iter(cases.values())), configs)
+    print(f"prefill sweep ({sweep_backend(args)}): {len(configs)} configs x {len(cases)} cases", flush=True)
+    if sweep_backend(args) == "triton":  # FP8 configs compile when first timed
+        precompile_prefill(next(iter(cases.values())), configs)
     rows: list[Row] = []
     times: dict[tuple[str, str], float] = {}
     reference: dict[str, float] = {}
@@ -261,7 +281,7 @@ def run_prefill_sweep(args, names: list[str]) -> tuple[list[Row], str]:
             if tag in failed:
                 continue
             try:
-                measure("sweep-p", f"{label} {tag}", case, ["triton"], rows, **tile_options(cfg))
+                measure("sweep-p", f"{label} {tag}", case, [sweep_backend(args)], rows, **tile_options(cfg))
                 times[(label, tag)] = rows[-1].us
             except Exception as exc:  # noqa: BLE001 - a tile that does not fit shared memory, a compile error
                 failed[tag] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc) else ''}"
@@ -269,11 +289,12 @@ def run_prefill_sweep(args, names: list[str]) -> tuple[list[Row], str]:
         del case
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return rows, prefill_sweep_table(list(cases), configs, tile_tag(default), times, reference, failed)
+    return rows, prefill_sweep_table(list(cases), configs, tile_tag(default), times, reference, failed,
+                                     sweep_backend(args))
 
 
 def prefill_sweep_table(labels: list[str], configs: list, default_tag: str, times: dict[tuple[str, str], float],
-                        reference: dict[str, float], failed: dict[str, str]) -> str:
+                        reference: dict[str, float], failed: dict[str, str], backend: str = "triton") -> str:
     """Markdown: one row per config (fastest first by geometric mean over the cases, relative to the default
     config), one column per case with its time and, in brackets, flash-attn-4's time / this."""
     def speedup(tag: str) -> float | None:  # geometric mean of default time / this time
@@ -283,7 +304,7 @@ def prefill_sweep_table(labels: list[str], configs: list, default_tag: str, time
 
     tags = [tile_tag(cfg) for cfg in configs if tile_tag(cfg) not in failed]
     tags.sort(key=lambda t: -(speedup(t) or 0.0))
-    lines = ["## Prefill tile sweep (triton)", "",
+    lines = [f"## Prefill tile sweep ({backend})", "",
              "Time in us; in brackets: flash_attn time / this (1.00 = as fast as flash-attn-4). Last column: "
              f"geometric-mean speed-up over the default config ({default_tag}).", "",
              "| config | " + " | ".join(labels) + " | vs default |",
@@ -352,7 +373,9 @@ def markdown(rows: list[Row], args, skipped: dict[str, str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the results as a markdown table here")
-    parser.add_argument("--backends", default="triton,flash_attn,torch", help="comma-separated subset")
+    parser.add_argument("--backends", default="triton,triton_fp8,flash_attn,torch", help="comma-separated subset")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the cache the --sweep tunes the triton kernels on (the main tables run both)")
     parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode", "prefill"],
                         help="also sweep triton tile configurations; `--sweep decode` / `--sweep prefill`: that sweep "
                         "alone, without the main tables (with --smoke: a tiny prefill sweep)")

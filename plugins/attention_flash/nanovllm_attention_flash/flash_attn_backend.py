@@ -78,6 +78,18 @@ class FlashAttnBackend(AttentionBackend):
         # H200: 128 and 256; the GPU tests here also run 16 and 64.
         return [16, 32, 64, 128, 256]
 
+    @classmethod
+    def check_kv_cache_dtype(cls, kv_cache_dtype: str, device: torch.device) -> str | None:
+        if kv_cache_dtype == "auto":
+            return None
+        # flash-attn-4 reads an FP8 cache only on Blackwell, with one descale factor per (sequence, KV head); its
+        # Hopper kernels (this backend's H100/H200 target) take 16-bit K/V only, and neither can read this
+        # plugin's per-token scales
+        return (
+            f"kv_cache_dtype {kv_cache_dtype!r} is not supported: flash-attn-4 has no FP8 KV cache path on "
+            "Hopper and none for per-token scales (supported: 'auto')"
+        )
+
     def __init__(
         self,
         num_heads: int,

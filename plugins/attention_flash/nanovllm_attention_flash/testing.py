@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from nanovllm_attention_flash.fp8_cache import SCALE_BYTES, is_fp8_cache, to_fp8_cache
 from nanovllm_core import AttentionBackend, AttentionBatch
 
 
@@ -23,7 +24,8 @@ class PagedCase:
     q: torch.Tensor  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor
-    kv_cache: torch.Tensor  # (2, num_blocks, block_size, num_kv_heads, head_dim), cached context filled in
+    kv_cache: torch.Tensor  # (2, num_blocks, block_size, num_kv_heads, head_dim), cached context filled in;
+    # or an FP8 cache (``fp8_cache``, after ``fp8()``)
     scale: float
     query_lens: list[int]
     context_lens: list[int]
@@ -43,6 +45,8 @@ class PagedCase:
     def kv_bytes_read(self) -> int:
         """Bytes of K and V a kernel must read once: the whole context of every sequence."""
         seq_lens = [c + q for c, q in zip(self.context_lens, self.query_lens)]
+        if is_fp8_cache(self.kv_cache):  # one byte per value plus the row's scale
+            return 2 * sum(seq_lens) * self.num_kv_heads * (self.head_dim + SCALE_BYTES)
         return 2 * sum(seq_lens) * self.num_kv_heads * self.head_dim * self.kv_cache.element_size()
 
     def qo_bytes(self) -> int:
@@ -73,17 +77,15 @@ class PagedCase:
         return backend.forward(self.q, self.k, self.v, cache, backend.build_metadata(self.batch))
 
     def to(self, dtype: torch.dtype) -> PagedCase:
-        """The same case with q/k/v and cache cast (e.g. float32 for a more exact reference)."""
-        return PagedCase(
-            batch=self.batch,
-            q=self.q.to(dtype),
-            k=self.k.to(dtype),
-            v=self.v.to(dtype),
-            kv_cache=self.kv_cache.to(dtype),
-            scale=self.scale,
-            query_lens=self.query_lens,
-            context_lens=self.context_lens,
-        )
+        """The same case with q/k/v and cache cast (e.g. float32 for a more exact reference); an FP8 cache
+        stays as it is."""
+        cache = self.kv_cache if is_fp8_cache(self.kv_cache) else self.kv_cache.to(dtype)
+        return replace(self, q=self.q.to(dtype), k=self.k.to(dtype), v=self.v.to(dtype), kv_cache=cache)
+
+    def fp8(self) -> PagedCase:
+        """The same step on an FP8 cache (``kv_cache_dtype = "fp8"``): the cached context (and the NaN fill of
+        unused slots) quantised with ``fp8_cache.to_fp8_cache``."""
+        return replace(self, kv_cache=to_fp8_cache(self.kv_cache))
 
 
 def make_case(
@@ -201,3 +203,20 @@ def reference(case: PagedCase, torch_backend_cls: type[AttentionBackend]) -> tor
         cache = exact.kv_cache.clone()
         out[: qsl[n]] = backend.forward(exact.q[: qsl[n]], exact.k[: qsl[n]], exact.v[: qsl[n]], cache, sub)
     return out
+
+
+def record_tma_use(monkeypatch) -> list[bool]:
+    """Record, for each prefill launch from now on, whether it got TMA tensor descriptors (``monkeypatch``: a
+    pytest ``MonkeyPatch``, which undoes the wrapping)."""
+    from nanovllm_attention_flash import triton_kernels
+
+    used: list[bool] = []
+    original = triton_kernels.kv_tensor_descriptors
+
+    def spy(*args, **kwargs):
+        descriptors = original(*args, **kwargs)
+        used.append(descriptors is not None)
+        return descriptors
+
+    monkeypatch.setattr(triton_kernels, "kv_tensor_descriptors", spy)
+    return used

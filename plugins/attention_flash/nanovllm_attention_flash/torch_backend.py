@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanovllm_attention_flash.fp8_cache import Fp8CacheSupport, fp8_views, gather_fp8, is_fp8_cache, store_fp8
 from nanovllm_core import AttentionBackend, AttentionBatch
 
 
@@ -20,8 +21,12 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     value_cache.index_copy_(0, slot_mapping, v)
 
 
-class TorchAttentionBackend(AttentionBackend):
-    """One ``scaled_dot_product_attention`` per sequence over keys gathered from its blocks."""
+class TorchAttentionBackend(Fp8CacheSupport, AttentionBackend):
+    """One ``scaled_dot_product_attention`` per sequence over keys gathered from its blocks.
+
+    With an FP8 cache (``kv_cache_dtype = "fp8"``, see ``fp8_cache``) every sequence reads its whole context
+    back from the cache, dequantised to the model's dtype, the new tokens included, as the Triton kernels do.
+    """
 
     name = "torch"
     priority = 0
@@ -29,7 +34,12 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionBatch
     ) -> torch.Tensor:
-        store_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        fp8 = None
+        if is_fp8_cache(kv_cache):
+            fp8 = fp8_views(kv_cache, metadata.block_size, self.num_kv_heads, self.head_dim)
+            store_fp8(k, v, fp8, metadata.slot_mapping)
+        else:
+            store_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         group = self.num_heads // self.num_kv_heads
         bs = metadata.block_size
@@ -39,7 +49,11 @@ class TorchAttentionBackend(AttentionBackend):
             num_q = end - start
             if num_q == 0:
                 continue
-            if num_q == context:  # nothing cached before this chunk: the new keys are the whole context
+            if fp8 is not None:
+                blocks = metadata.block_tables[i, : -(-context // bs)].long()
+                keys = gather_fp8(fp8, 0, blocks, context, q.dtype)
+                values = gather_fp8(fp8, 1, blocks, context, q.dtype)
+            elif num_q == context:  # nothing cached before this chunk: the new keys are the whole context
                 keys, values = k[start:end], v[start:end]
             else:
                 blocks = metadata.block_tables[i, : -(-context // bs)].long()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from nanovllm_attention_flash.fp8_cache import Fp8CacheSupport, fp8_views, is_fp8_cache
 from nanovllm_core import AttentionBackend, AttentionBatch, ConfigError
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -50,10 +51,11 @@ class TritonMetadata:
     num_single_token_seqs: int
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
     """Paged attention with this project's Triton kernels: KV store, split-KV decode, paged varlen prefill.
 
-    KV-cache layout: the core's default ``(2, num_blocks, block_size, num_kv_heads, head_dim)``. Block sizes:
+    KV-cache layout: the core's default ``(2, num_blocks, block_size, num_kv_heads, head_dim)``, or with
+    ``kv_cache_dtype = "fp8"`` the FP8 cache of ``fp8_cache`` (compute capability 8.9+). Block sizes:
     any power of two from 16 to 256. Head sizes 64, 128, 256; float16 and bfloat16 on CUDA (float32 too, with
     IEEE-precision dots). On CPU the kernels run in Triton's interpreter when ``TRITON_INTERPRET=1`` (tests).
 
@@ -113,6 +115,15 @@ class TritonAttentionBackend(AttentionBackend):
     def supported_block_sizes(cls) -> list[int] | None:
         return [16, 32, 64, 128, 256]
 
+    @classmethod
+    def check_kv_cache_dtype(cls, kv_cache_dtype: str, device: torch.device) -> str | None:
+        reason = super().check_kv_cache_dtype(kv_cache_dtype, device)
+        if reason is None and kv_cache_dtype == "fp8" and device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 9) or torch.version.hip is not None:
+                return f"kv_cache_dtype 'fp8' needs an NVIDIA GPU of compute capability 8.9+, not {major}.{minor}"
+        return reason
+
     def __init__(
         self,
         num_heads: int,
@@ -154,6 +165,7 @@ class TritonAttentionBackend(AttentionBackend):
         if opts.num_kv_splits is not None and opts.num_kv_splits & (opts.num_kv_splits - 1):
             raise ConfigError(f"num_kv_splits={opts.num_kv_splits} must be a power of two")
         self._num_sms = kernels.num_sms(torch.device(device))
+        self._fp8_views: dict[tuple[int, tuple[int, ...]], tuple] = {}
 
     def _num_splits(self, num_rows: int, batch: AttentionBatch) -> int:
         if self.options.num_kv_splits is not None:
@@ -170,10 +182,86 @@ class TritonAttentionBackend(AttentionBackend):
         single = sum(1 for a, b in zip(qsl, qsl[1:]) if b - a == 1) if qsl else 0
         return TritonMetadata(batch, False, self._num_splits(single, batch) if single else 1, single)
 
+    def warmup(self, kv_cache: torch.Tensor) -> None:
+        """Compile and load every kernel variant ``forward`` can launch on caches like ``kv_cache`` (one layer's),
+        so that no Triton JIT compile lands in the first requests: each step of :meth:`warmup_steps` runs once.
+        Interpreted kernels (CPU) compile nothing, so there it returns at once."""
+        if torch.device(self.device).type != "cuda":
+            return
+        with torch.inference_mode():
+            for q, k, v, metadata in self.warmup_steps(kv_cache):
+                self.forward(q, k, v, kv_cache, metadata)
+        torch.cuda.synchronize(self.device)
+
+    def warmup_steps(
+        self, kv_cache: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, TritonMetadata]]:
+        """Tiny ``forward`` calls that together launch every kernel variant a step can: the KV store of this
+        cache's type; pure decode with one KV split and with each power-of-two split count up to
+        ``MAX_KV_SPLITS`` (the merge kernel is compiled per count; a fixed ``num_kv_splits`` needs only its
+        own); a prefill alone, and beside a one-token sequence (a mixed batch: the prefill kernel skips that one,
+        the decode kernel takes it). The prefill's K/V load path (pointers or TMA) is the one this cache takes.
+        Every key and value is stored at slot -1 (nowhere) and every context is block 0's first rows, so the
+        cache is only read. Every other argument a variant depends on (dtypes, 16-byte alignment, strides
+        divisible by 16) is the same as in the engine's steps; integers that vary per batch are not specialised
+        (``triton_kernels._kernel_set``)."""
+        kernels = _kernels()
+        device = torch.device(self.device)
+
+        def step(query_lens: list[int], single: int, splits: int) -> tuple:
+            n = sum(query_lens)
+            qsl = [0]
+            for length in query_lens:
+                qsl.append(qsl[-1] + length)
+            seq_lens = query_lens  # nothing cached before: the context is the new tokens (rows of block 0)
+            batch = AttentionBatch(
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                block_tables=torch.zeros((len(query_lens), 1), dtype=torch.int32, device=device),
+                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
+                max_query_len=max(query_lens),
+                max_seq_len=max(seq_lens),
+                num_seqs=len(query_lens),
+                num_tokens=n,
+                block_size=self.block_size,
+                query_start_loc_cpu=qsl,
+                seq_lens_cpu=seq_lens,
+            )
+            q = torch.zeros((n, self.num_heads, self.head_dim), dtype=self.dtype, device=device)
+            kv = torch.zeros((n, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=device)
+            decode_only = max(query_lens) == 1
+            return q, kv, kv, TritonMetadata(batch, decode_only, splits, 0 if decode_only else single)
+
+        fixed = self.options.num_kv_splits
+        split_counts = [fixed] if fixed else [2**i for i in range(kernels.MAX_KV_SPLITS.bit_length())]
+        steps = [step([1, 1], 0, splits) for splits in split_counts]
+        steps.append(step([2], 0, 1))  # the prefill kernel alone
+        steps.append(step([2, 1], 1, split_counts[0]))  # the prefill kernel beside the decode kernel
+        return steps
+
+    def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Keys, values and (for an FP8 cache) the ``key_scales``/``value_scales`` keyword arguments.
+
+        An FP8 cache's views are built once per layer cache (about 10 us of view ops, twice per layer and step
+        otherwise): keyed by address and shape, which no other tensor can share while the views keep it alive.
+        """
+        if not is_fp8_cache(kv_cache):
+            return kv_cache[0], kv_cache[1], {}
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
+        views = self._fp8_views.get(key)
+        if views is None:
+            values, scales = fp8_views(kv_cache, self.block_size, self.num_kv_heads, self.head_dim)
+            views = self._fp8_views[key] = (values[0], values[1], {"key_scales": scales[0], "value_scales": scales[1]})
+        return views
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonMetadata
     ) -> torch.Tensor:
-        _kernels().store_kv(k, v, kv_cache[0], kv_cache[1], metadata.batch.slot_mapping)
+        key_cache, value_cache, scales = self._cache_views(kv_cache)
+        if scales:
+            _kernels().store_kv_fp8(k, v, key_cache, value_cache, *scales.values(), metadata.batch.slot_mapping)
+        else:
+            _kernels().store_kv(k, v, key_cache, value_cache, metadata.batch.slot_mapping)
         return self.attend(q, kv_cache, metadata)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonMetadata) -> torch.Tensor:
@@ -181,12 +269,16 @@ class TritonAttentionBackend(AttentionBackend):
         kernels = _kernels()
         batch = metadata.batch
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        key_cache, value_cache, scales = self._cache_views(kv_cache)
         common = (q, key_cache, value_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, out, self.scale)
         if not metadata.decode_only:
             kernels.prefill_attention(
-                *common, batch.num_seqs, self.prefill_config, skip_single=metadata.num_single_token_seqs > 0
+                *common,
+                batch.num_seqs,
+                self.prefill_config,
+                skip_single=metadata.num_single_token_seqs > 0,
+                **scales,
             )
         if metadata.decode_only or metadata.num_single_token_seqs:
-            kernels.decode_attention(*common, batch.num_seqs, metadata.num_splits, self.decode_config)
+            kernels.decode_attention(*common, batch.num_seqs, metadata.num_splits, self.decode_config, **scales)
         return out

@@ -3,11 +3,14 @@
 Layout of one layer's KV cache (the core's default, shared with the ``torch`` and ``flash_attn`` backends):
 ``kv_cache[0]`` holds keys and ``kv_cache[1]`` values, each ``[num_blocks, block_size, num_kv_heads, head_dim]``
 with ``head_dim`` contiguous. Token ``j`` of sequence ``i`` lives in block ``block_tables[i, j // block_size]``
-at row ``j % block_size``.
+at row ``j % block_size``. An FP8 cache (``kv_cache_dtype = "fp8"``, ``fp8_cache``) has the same layout in e4m3
+plus ``[num_blocks, num_kv_heads, block_size]`` float32 scales for keys and for values; the attention kernels
+take those as ``key_scales``/``value_scales`` and dequantise on load.
 
 Kernels (all of them take device tensors and never synchronise with the host):
 
-- ``store_kv``: writes the step's new keys/values at ``slot_mapping`` (``-1`` = padding, skipped).
+- ``store_kv``: writes the step's new keys/values at ``slot_mapping`` (``-1`` = padding, skipped);
+  ``store_kv_fp8`` quantises them into an FP8 cache, one scale per (token, KV head).
 - ``decode_attention``: flash-decoding for sequences with exactly one query token. One program handles every
   query head of one KV head (GQA: each KV tile is read once for the whole group) over one split of the context;
   a second kernel merges the splits through their log-sum-exp. With one split the first kernel writes the

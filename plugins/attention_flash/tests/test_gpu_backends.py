@@ -3,7 +3,9 @@
 Ragged batches with shuffled block tables: decode (with CUDA-graph padding rows), plain prefill, prefix-cache
 hits, chunked prefill over a cached context and mixed batches; GQA ratios 1/2/4/8, block sizes 16/64/128/256,
 head sizes 64/128/256, bfloat16 and float16; the triton backend with its default options and with the prefill
-kernel's TMA variant (``prefill_use_tma``). Also: decode captured in a CUDA graph and replayed on new data.
+kernel's TMA variant (``prefill_use_tma``); the triton backend on an FP8 cache (``kv_cache_dtype = "fp8"``)
+against the torch backend on the same FP8 cache. Also: decode captured in a CUDA graph and replayed on new data,
+and ``TritonAttentionBackend.warmup`` leaving no kernel variant to compile.
 A timing table (median of 10 runs of ``forward``, store included) is printed at the end (``-s`` shows it).
 
 Run: ``python -m pytest plugins/attention_flash/tests -m gpu -x -q -s``
@@ -11,12 +13,15 @@ Run: ``python -m pytest plugins/attention_flash/tests -m gpu -x -q -s``
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import time
 import zlib
 
 import pytest
 import torch
 from nanovllm_attention_flash import FlashAttnBackend, TorchAttentionBackend, TritonAttentionBackend
+from nanovllm_attention_flash import triton_kernels as tk
 from nanovllm_attention_flash.testing import PagedCase, make_case, reference
 
 pytestmark = [
@@ -30,7 +35,11 @@ VARIANTS = {
     "triton": (TritonAttentionBackend, {}),
     "triton_tma": (TritonAttentionBackend, {"prefill_use_tma": True}),  # prefill K/V through TMA descriptors
     "flash_attn": (FlashAttnBackend, {}),
+    # FP8 cache: against the torch backend reading the same e4m3 values and scales
+    "triton_fp8": (TritonAttentionBackend, {}),
+    "triton_fp8_tma": (TritonAttentionBackend, {"prefill_use_tma": True}),
 }
+FP8_VARIANTS = {"triton_fp8", "triton_fp8_tma"}
 TOLERANCE = {torch.bfloat16: dict(atol=1e-2, rtol=2e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 TIMINGS: list[tuple[str, str, float]] = []
 
@@ -86,6 +95,12 @@ def skip_unless_available(cls, dtype: torch.dtype, head_dim: int, block_size: in
         pytest.skip(f"{cls.name}: {reason}")
 
 
+def skip_unless_fp8(cls) -> None:
+    reason = cls.check_kv_cache_dtype("fp8", torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"{cls.name}: {reason}")
+
+
 def median_us(fn, reps: int = 10) -> float:
     for _ in range(2):
         fn()
@@ -129,10 +144,13 @@ def build(c, seed: int, name: str) -> PagedCase:
 def test_matches_torch_backend(c, name: str) -> None:
     kind, h, kvh, d, bs, dtype = c
     cls, options = VARIANTS[name]
-    if name == "triton_tma" and kind == "decode":
+    if name.endswith("_tma") and kind == "decode":
         pytest.skip("decode steps do not run the prefill kernel")
     skip_unless_available(cls, dtype, d, bs)
     case = build(c, seed=zlib.crc32(case_id(c).encode()) % 1000, name=name)
+    if name in FP8_VARIANTS:
+        skip_unless_fp8(cls)
+        case = case.fp8()
     backend = case.backend(cls, **options)
     out = case.run(backend)
     torch.cuda.synchronize()
@@ -157,21 +175,24 @@ def test_triton_decode_split_counts(num_kv_splits: int) -> None:
     torch.testing.assert_close(out.float(), reference(case, TorchAttentionBackend), **TOLERANCE[torch.bfloat16])
 
 
-@pytest.mark.parametrize("name", list(BACKENDS))
+@pytest.mark.parametrize("name", [*BACKENDS, "triton_fp8"])
 def test_decode_cuda_graph_replays_with_new_data(name: str) -> None:
     """Capture ``forward`` for a fixed batch of 40 sequences + 8 padding rows over a static 48-block table,
     replay it after copying another step's data into the same tensors, compare with eager ``forward``."""
-    cls = BACKENDS[name]
+    cls = VARIANTS[name][0]
     bs = 128
     skip_unless_available(cls, torch.bfloat16, 128, bs)
+    if name in FP8_VARIANTS:
+        skip_unless_fp8(cls)
     assert cls.supports_cuda_graph
     fill = 0.0 if name == "flash_attn" else float("nan")
 
     def step(seed: int) -> PagedCase:
         rnd = random.Random(seed)
-        return make_case([1] * 40, [rnd.randint(0, 5000) for _ in range(40)], num_heads=16, num_kv_heads=8,
+        case = make_case([1] * 40, [rnd.randint(0, 5000) for _ in range(40)], num_heads=16, num_kv_heads=8,
                          head_dim=128, block_size=bs, dtype=torch.bfloat16, device="cuda", num_pad_rows=8,
                          table_width=48, num_blocks=1700, unused_fill=fill, seed=seed)
+        return case.fp8() if name in FP8_VARIANTS else case
 
     first, second = step(1), step(2)
     assert first.kv_cache.shape == second.kv_cache.shape
@@ -199,3 +220,41 @@ def test_decode_cuda_graph_replays_with_new_data(name: str) -> None:
     eager = second.run(second.backend(cls))
     torch.testing.assert_close(graph_out, eager, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(graph_out.float(), reference(second, TorchAttentionBackend), **TOLERANCE[torch.bfloat16])
+
+
+def compiled_variants() -> int:
+    """Kernel variants Triton has compiled (in this process) for the triton backend's kernels."""
+    kernels = tk._kernels_for(torch.device("cuda"))
+    jitted = [getattr(kernels, f.name) for f in dataclasses.fields(kernels)]
+    return sum(len(cache[0]) for kernel in jitted for cache in kernel.device_caches.values())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("options", [{}, {"prefill_use_tma": False}], ids=["default", "pointers"])
+def test_triton_warmup_leaves_nothing_to_compile(fp8: bool, options: dict) -> None:
+    """After ``warmup`` on one cache, steps of every kind (decode at many batch sizes and block-table widths, so
+    many split counts; prefill; chunked; mixed; CUDA-graph padding) compile no further kernel variant."""
+    skip_unless_available(TritonAttentionBackend, torch.bfloat16, 128, 256)
+    if fp8:
+        skip_unless_fp8(TritonAttentionBackend)
+    rnd = random.Random(0)
+    common = dict(num_heads=16, num_kv_heads=8, head_dim=128, block_size=256, dtype=torch.bfloat16, device="cuda",
+                  unused_fill=0.0)
+    cases = [make_case([1] * n, [rnd.randint(1, 4000) for _ in range(n)], num_pad_rows=pad, table_width=width,
+                       **common) for n, pad, width in ((1, 0, 1), (3, 5, 16), (40, 8, 17), (256, 0, 4), (7, 0, 64))]
+    for kind in ("prefill", "prefix_hit", "chunked", "mixed"):
+        query_lens, context_lens, _ = lengths(kind, 256, 3)
+        cases.append(make_case(query_lens, context_lens, **common))
+    cases = [case.fp8() if fp8 else case for case in cases]
+    tk._kernel_set.cache_clear()  # fresh kernels: nothing compiled in this process yet
+    backend = cases[0].backend(TritonAttentionBackend, **options)
+    start = time.perf_counter()
+    backend.warmup(cases[0].kv_cache.clone())
+    warmed = compiled_variants()
+    print(f"\nwarm-up ({'fp8' if fp8 else 'bf16'} cache, {options or 'default'}): {warmed} kernel variants in "
+          f"{time.perf_counter() - start:.1f} s")
+    assert warmed > 0
+    for case in cases:
+        case.run(backend)
+    torch.cuda.synchronize()
+    assert compiled_variants() == warmed, "a step compiled a kernel variant the warm-up did not"

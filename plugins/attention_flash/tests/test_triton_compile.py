@@ -27,13 +27,20 @@ except ImportError as exc:  # pragma: no cover - another Triton layout
 
 POINTERS = {
     "Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_CACHE": "*bf16", "VALUE_CACHE": "*bf16", "OUT": "*bf16",
+    "KEY_SCALES": "*bf16", "VALUE_SCALES": "*bf16",  # unused placeholders with a 16-bit cache
     "PART_OUT": "*fp32", "PART_LSE": "*fp32", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "QUERY_START_LOC": "*i32",
     "SLOTS": "*i64",
 }
+# an FP8 cache: e4m3 values and float32 scales
+FP8_POINTERS = {"KEY_CACHE": "*fp8e4nv", "VALUE_CACHE": "*fp8e4nv", "KEY_SCALES": "*fp32", "VALUE_SCALES": "*fp32"}
 
 
-def compile_ptx(fn, constexprs: dict, num_warps: int, num_stages: int, descriptors: dict | None = None) -> str:
-    """PTX of ``fn`` for sm_90; ``descriptors`` maps parameters that are host tensor descriptors to their type."""
+def compile_ptx(
+    fn, constexprs: dict, num_warps: int, num_stages: int, descriptors: dict | None = None, fp8: bool = False
+) -> str:
+    """PTX of ``fn`` for sm_90; ``descriptors`` maps parameters that are host tensor descriptors to their type;
+    ``fp8``: the cache pointers are an FP8 cache's."""
+    pointers = {**POINTERS, **FP8_POINTERS} if fp8 else POINTERS
     params = list(inspect.signature(fn).parameters)
     signature, attrs = {}, {}
     for i, name in enumerate(params):
@@ -41,8 +48,8 @@ def compile_ptx(fn, constexprs: dict, num_warps: int, num_stages: int, descripto
             signature[name] = "constexpr"
         elif descriptors and name in descriptors:
             signature[name] = descriptors[name]
-        elif name in POINTERS:
-            signature[name] = POINTERS[name]
+        elif name in pointers:
+            signature[name] = pointers[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name == "scale_log2":
             signature[name] = "fp32"
@@ -63,12 +70,16 @@ def count(pattern: str, ptx: str) -> int:
 CP_ASYNC_16 = r"cp\.async\.cg\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*0x10"
 
 
+def decode_constexprs(cfg: tk.DecodeConfig, fp8: bool = False) -> dict:
+    return dict(GROUP=2, BLOCK_H=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=cfg.block_n, ONE_SPLIT=False, KV_FP8=fp8,
+                DOT_PRECISION="tf32")
+
+
 def test_decode_kernel_compiles_for_sm90() -> None:
     cfg = tk.default_decode_config(128, 256)
     ptx = compile_ptx(
         tk._decode_split_kernel,
-        dict(GROUP=2, BLOCK_H=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=cfg.block_n, ONE_SPLIT=False,
-             DOT_PRECISION="tf32"),
+        decode_constexprs(cfg, fp8=False),
         cfg.num_warps, cfg.num_stages,
     )
     assert count(CP_ASYNC_16, ptx) >= 16, "K/V tiles should stream with 16-byte cp.async"
@@ -80,9 +91,9 @@ def test_merge_kernel_compiles_for_sm90() -> None:
     assert count(r"ld\.global\S*\.v4", ptx) > 0
 
 
-def prefill_constexprs(cfg: tk.PrefillConfig, use_tma: bool) -> dict:
+def prefill_constexprs(cfg: tk.PrefillConfig, use_tma: bool, fp8: bool = False) -> dict:
     return dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                SEQ_CHUNK=tk.PREFILL_SEQ_CHUNK, SKIP_SINGLE=True, USE_TMA=use_tma, DOT_PRECISION="tf32")
+                SEQ_CHUNK=tk.PREFILL_SEQ_CHUNK, SKIP_SINGLE=True, USE_TMA=use_tma, KV_FP8=fp8, DOT_PRECISION="tf32")
 
 
 def test_prefill_kernel_compiles_for_sm90() -> None:
@@ -126,9 +137,52 @@ def test_decode_pipeline_keeps_key_value_copies_in_flight() -> None:
     cfg = tk.default_decode_config(128, 256)
     ptx = compile_ptx(
         tk._decode_split_kernel,
-        dict(GROUP=2, BLOCK_H=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=cfg.block_n, ONE_SPLIT=False,
-             DOT_PRECISION="tf32"),
+        decode_constexprs(cfg, fp8=False),
         cfg.num_warps, cfg.num_stages,
     )
     waits = {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)}
     assert 2 * (cfg.num_stages - 2) in waits, f"K/V copies are not kept in flight: wait_group {sorted(waits)}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 cache (kv_cache_dtype = "fp8")
+# ----------------------------------------------------------------------------------------------------
+
+# e4m3 -> 16-bit conversions (Hopper converts pairs: cvt.rn.f16x2.e4m3x2) and float32 -> e4m3 (the store)
+CVT_FROM_E4M3 = r"cvt\.rn\.f16x2\.e4m3x2"
+CVT_TO_E4M3 = r"cvt\.rn\.satfinite\.e4m3x2\.f32"
+CP_ASYNC_ANY = r"cp\.async\.c[ag]\.shared\.global"
+
+
+def test_fp8_store_kernel_compiles_for_sm90() -> None:
+    ptx = compile_ptx(tk._store_kv_fp8_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P2=8, DIM_P2=128,
+                                                     BLOCK_SIZE=256), 4, 1, fp8=True)
+    assert count(CVT_TO_E4M3, ptx) > 0, "float32 -> e4m3 should be the hardware conversion"
+    assert count(r"div\.rn\.f32", ptx) > 0, "scale and scaled values use IEEE division, as PyTorch does"
+
+
+def test_fp8_decode_kernel_compiles_for_sm90() -> None:
+    cfg = tk.default_decode_config(128, 256)
+    ptx = compile_ptx(
+        tk._decode_split_kernel,
+        decode_constexprs(cfg, fp8=True),
+        cfg.num_warps, cfg.num_stages, fp8=True,
+    )
+    assert count(CVT_FROM_E4M3, ptx) > 0
+    assert count(CP_ASYNC_ANY, ptx) > 0, "the e4m3 K/V tiles should stream through cp.async"
+    assert count(r"mma\.sync", ptx) > 0
+    # four copy groups per tile (keys, their scales, values, theirs) stay in flight across iterations
+    waits = {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)}
+    assert 4 * (cfg.num_stages - 2) in waits, f"K/V copies are not kept in flight: wait_group {sorted(waits)}"
+
+
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+def test_fp8_prefill_kernel_compiles_for_sm90(use_tma: bool) -> None:
+    cfg = tk.PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, use_tma=use_tma)
+    desc = f"tensordesc<fp8e4nv[{cfg.block_n}, 128]>"
+    ptx = compile_ptx(tk._prefill_kernel, prefill_constexprs(cfg, use_tma, fp8=True), cfg.num_warps, cfg.num_stages,
+                      descriptors={"KEY_CACHE": desc, "VALUE_CACHE": desc} if use_tma else None, fp8=True)
+    assert count(CVT_FROM_E4M3, ptx) > 0
+    if use_tma:
+        assert count(r"cp\.async\.bulk\.tensor\.2d", ptx) >= 4
+    assert count(r"wgmma\.mma_async", ptx) > 0

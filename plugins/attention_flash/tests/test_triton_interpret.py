@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from nanovllm_attention_flash import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
-from nanovllm_attention_flash.testing import make_case, reference  # noqa: E402
+from nanovllm_attention_flash.testing import make_case, record_tma_use, reference  # noqa: E402
 
 from nanovllm_core import ConfigError  # noqa: E402
 from nanovllm_core.testing.conformance import AttentionBackendConformance  # noqa: E402
@@ -87,22 +87,6 @@ def test_small_tiles_and_float16(use_tma: bool) -> None:
     torch.testing.assert_close(out, reference(case, TorchAttentionBackend), atol=2e-3, rtol=2e-3)
 
 
-def _spy_tma(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Record, for each prefill launch, whether it got tensor descriptors (the TMA path)."""
-    from nanovllm_attention_flash import triton_kernels
-
-    used: list[bool] = []
-    original = triton_kernels.kv_tensor_descriptors
-
-    def spy(*args, **kwargs):
-        descriptors = original(*args, **kwargs)
-        used.append(descriptors is not None)
-        return descriptors
-
-    monkeypatch.setattr(triton_kernels, "kv_tensor_descriptors", spy)
-    return used
-
-
 TMA_CASES = [("prefill", 16, 16), ("prefix_hit", 32, 16), ("chunked", 32, 32), ("mixed", 16, 16)]
 
 
@@ -110,7 +94,7 @@ TMA_CASES = [("prefill", 16, 16), ("prefix_hit", 32, 16), ("chunked", 32, 32), (
 def test_prefill_tma_matches_torch_backend(kind: str, block_size: int, block_n: int, monkeypatch) -> None:
     """The TMA variant (``prefill_use_tma``; descriptor loads emulated by the interpreter): ragged chunks whose
     diagonal tiles run past ``seq_len`` into never-written (NaN) slots, which must not reach the output."""
-    used = _spy_tma(monkeypatch)
+    used = record_tma_use(monkeypatch)
     case = make_case(*KINDS[kind], num_heads=4, num_kv_heads=2, block_size=block_size, seed=block_size + block_n)
     backend = case.backend(TritonAttentionBackend, prefill_use_tma=True, prefill_block_m=16, prefill_block_n=block_n)
     assert_matches_torch(case, case.run(backend))

@@ -1,0 +1,178 @@
+"""The ``triton`` backend's FP8 KV cache and its warm-up, kernels in Triton's interpreter on CPU.
+
+The FP8 kernels against the ``torch`` backend on the same FP8 cache (float32: both compute on identical
+dequantised values, so the bound is tight), the store kernel bit for bit against PyTorch's quantisation, and
+``warmup_steps``: every kernel variant a step launches (Triton's own specialisation key: dtypes, 16-byte
+alignment, integers equal to 1 or divisible by 16, constexprs) is one the warm-up launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nanovllm_attention_flash import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
+from nanovllm_attention_flash import triton_kernels as tk  # noqa: E402
+from nanovllm_attention_flash.fp8_cache import fp8_cache_shape, fp8_views, store_fp8  # noqa: E402
+from nanovllm_attention_flash.testing import PagedCase, make_case, record_tma_use, reference  # noqa: E402
+
+KINDS = {
+    "decode": ([1] * 5, [1, 15, 16, 40, 77]),
+    "prefill": ([1, 7, 20, 45], [0] * 4),
+    "chunked": ([9, 16, 30], [13, 37, 50]),
+    "mixed": ([1, 12, 1, 5, 1], [30, 0, 7, 21, 64]),
+}
+
+
+def assert_matches_torch(case: PagedCase, out: torch.Tensor, tol: float = 2e-5) -> None:
+    assert not torch.isnan(out).any(), "NaN in the output"
+    torch.testing.assert_close(out.float(), reference(case, TorchAttentionBackend), atol=tol, rtol=tol)
+
+
+CASES = [("decode", 4, 2, 16), ("prefill", 4, 1, 16), ("chunked", 4, 2, 32), ("mixed", 4, 1, 16), ("mixed", 2, 2, 32)]
+
+
+@pytest.mark.parametrize(
+    "kind,num_heads,num_kv_heads,block_size", CASES, ids=[f"{c[0]}-{c[1]}q{c[2]}kv-bs{c[3]}" for c in CASES]
+)
+def test_fp8_matches_torch_backend(kind: str, num_heads: int, num_kv_heads: int, block_size: int) -> None:
+    """Ragged steps on an FP8 cache whose unused slots hold NaN (values and scales)."""
+    case = make_case(
+        *KINDS[kind],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        num_pad_rows=2 if kind == "decode" else 0,
+        seed=block_size + num_heads,
+    ).fp8()
+    cache = case.kv_cache.clone()
+    assert_matches_torch(case, case.run(case.backend(TritonAttentionBackend), cache))
+    expected = case.kv_cache.clone()  # the torch backend's store, bit for bit
+    case.run(case.backend(TorchAttentionBackend), expected)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_fp8_decode_split_counts(num_kv_splits: int) -> None:
+    case = make_case([1] * 3, [3, 16, 97], num_heads=4, num_kv_heads=1, block_size=16, num_pad_rows=1).fp8()
+    assert_matches_torch(case, case.run(case.backend(TritonAttentionBackend, num_kv_splits=num_kv_splits)))
+
+
+def test_fp8_prefill_through_tma(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TMA variant: descriptors over the e4m3 values; diagonal tiles read never-written NaN slots."""
+    used = record_tma_use(monkeypatch)
+    case = make_case(*KINDS["chunked"], num_heads=4, num_kv_heads=2, block_size=16, seed=3).fp8()
+    backend = case.backend(TritonAttentionBackend, prefill_use_tma=True, prefill_block_m=16, prefill_block_n=16)
+    assert_matches_torch(case, case.run(backend))
+    assert used == [True]
+
+
+def test_fp8_float16() -> None:
+    case = make_case(*KINDS["mixed"], num_heads=4, num_kv_heads=2, block_size=16, dtype=torch.float16).fp8()
+    assert_matches_torch(case, case.run(case.backend(TritonAttentionBackend)), tol=2e-3)
+
+
+def test_fp8_store_kernel_is_bit_exact() -> None:
+    """Rows of very different magnitudes, an all-zero row, 3 KV heads (a masked fourth), padding slots."""
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(7, 3, 64, generator=gen) * torch.tensor([1e-4, 1.0, 500.0]).view(1, 3, 1)
+    v = torch.randn(7, 3, 64, generator=gen)
+    k[2, 1] = 0.0
+    v[4, 0, :5] = torch.tensor([0.0, -0.0, 1e-9, -1e-9, 3.0])  # subnormals and signed zeros after scaling
+    slots = torch.tensor([17, -1, 63, 0, 5, 40, -1])
+    ours = torch.zeros(fp8_cache_shape(4, 16, 3, 64), dtype=torch.uint8)
+    views = fp8_views(ours, 16, 3, 64)
+    tk.store_kv_fp8(k, v, views.values[0], views.values[1], views.scales[0], views.scales[1], slots)
+    expected = torch.zeros_like(ours)
+    store_fp8(k, v, fp8_views(expected, 16, 3, 64), slots)
+    assert torch.equal(ours, expected)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Warm-up coverage
+# ----------------------------------------------------------------------------------------------------
+
+
+def variant_key(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What Triton's JIT keys a compiled variant on: each runtime argument's specialisation, constexprs, options."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    unspecialised = set(kernel.kwargs.get("do_not_specialize", ()))
+    spec = tuple(
+        (name, native_specialize_impl(BaseBackend, arg, False, name not in unspecialised, True))
+        for name, arg in zip(kernel.arg_names, args)
+    )
+    return (kernel.__name__, spec, tuple(sorted(kwargs.items())))
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> set:
+    """Every kernel launch from here on adds its variant key to the returned set."""
+    seen: set = set()
+    real = tk._kernels_for(torch.device("cpu"))
+
+    class Recorder:
+        def __init__(self, kernel) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.add(variant_key(self.kernel, args, kwargs))
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    recorded = tk._KernelSet(**{f.name: Recorder(getattr(real, f.name)) for f in dataclasses.fields(real)})
+    monkeypatch.setattr(tk, "_kernels_for", lambda device: recorded)
+    return seen
+
+
+def engine_like_steps(fp8: bool) -> list[PagedCase]:
+    """Steps as the engine makes them: decode at several batch sizes and block-table widths (CUDA-graph
+    padding included, so several KV-split counts), prefill, chunked prefill, mixed, a mixed batch without
+    host lengths; q/k/v as views of one fused projection output."""
+    common = dict(num_heads=4, num_kv_heads=2, block_size=16)
+    cases = [
+        make_case([1] * 3, [5, 30, 2], num_pad_rows=1, table_width=8, **common),
+        make_case([1], [200], table_width=16, **common),
+        make_case([1] * 2, [40, 1], table_width=1 + 40 // 16, **common),
+        make_case(*KINDS["prefill"], **common),
+        make_case(*KINDS["chunked"], **common),
+        make_case(*KINDS["mixed"], **common),
+    ]
+    no_host = make_case(*KINDS["mixed"], **common)
+    no_host.batch.query_start_loc_cpu = []
+    cases.append(no_host)
+    for case in cases:  # fused qkv: strided views at offsets, as the model hands them over
+        qkv = torch.cat([case.q.flatten(1), case.k.flatten(1), case.v.flatten(1)], dim=1)
+        q_size, kv_size = case.q[0].numel(), case.k[0].numel()
+        case.q = qkv[:, :q_size].view_as(case.q)
+        case.k = qkv[:, q_size : q_size + kv_size].view_as(case.k)
+        case.v = qkv[:, q_size + kv_size :].view_as(case.v)
+    return [case.fp8() if fp8 else case for case in cases]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float32-cache", "fp8-cache"])
+@pytest.mark.parametrize("options", [{}, {"prefill_use_tma": True, "num_kv_splits": 2}], ids=["default", "tma"])
+def test_warmup_launches_every_variant_a_step_meets(launches: set, fp8: bool, options: dict) -> None:
+    steps = engine_like_steps(fp8)
+    backend = steps[0].backend(TritonAttentionBackend, **options)
+    cache = steps[0].kv_cache.clone()
+    backend.warmup(cache)  # interpreted kernels: nothing to compile, nothing launched
+    assert not launches
+    before = cache.clone()
+    for q, k, v, metadata in backend.warmup_steps(cache):
+        backend.forward(q, k, v, cache, metadata)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8)), "the warm-up wrote into the cache"
+    warmed = set(launches)
+    launches.clear()
+    for case in steps:
+        case.run(backend)
+    assert {key[0] for key in launches} >= {"_prefill_kernel", "_decode_split_kernel", "_decode_merge_kernel"}
+    missing = launches - warmed
+    assert not missing, f"variants the warm-up did not compile: {sorted(missing)}"
