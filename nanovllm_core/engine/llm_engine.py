@@ -84,19 +84,29 @@ def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtyp
 
 
 def select_attention_backend(
-    registry: PluginRegistry, name: str, device: torch.device, dtype: torch.dtype, head_dim: int, block_size: int
+    registry: PluginRegistry,
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
 ) -> type[AttentionBackend]:
     def problem(cls: type[AttentionBackend]) -> str | None:
         reason = cls.check_available(device, dtype, head_dim)
         if reason is None and cls.supported_block_sizes() is not None and block_size not in cls.supported_block_sizes():
             reason = f"kvcache_block_size {block_size} unsupported (supported: {cls.supported_block_sizes()})"
-        return reason
+        return reason or cls.check_kv_cache_dtype(kv_cache_dtype, device)
 
     if name != "auto":
         cls = registry.get("attention", name).obj
         reason = problem(cls)
         if reason is not None:
-            raise ConfigError(f"attention backend {name!r} cannot run here: {reason}")
+            usable = [r.name for r in registry.registrations["attention"].values() if problem(r.obj) is None]
+            raise ConfigError(
+                f"attention backend {name!r} cannot run here: {reason}; "
+                f"backends that can: {', '.join(usable) or 'none'}"
+            )
         return cls
     candidates = sorted(registry.registrations["attention"].values(), key=lambda r: -getattr(r.obj, "priority", 0))
     reasons = []
@@ -157,7 +167,8 @@ class LLMEngine(EngineCore):
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.hf_config)
         _, _, _, head_dim = model_shape(self.hf_config)
         backend_cls = select_attention_backend(
-            registry, cfg.plugins.attention, self.device, self.dtype, head_dim, cfg.kvcache_block_size
+            registry, cfg.plugins.attention, self.device, self.dtype, head_dim, cfg.kvcache_block_size,
+            cfg.kv_cache_dtype,
         )
         self.attention_backend_name = backend_cls.name
         validate_plugin_options(cfg.plugins, scheduler_cls, block_manager_cls, backend_cls)  # before weights load

@@ -383,6 +383,7 @@ class ModelRunner:
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator, seed=config.seed)
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.backend.warmup(self.attention_layers[0].kv_cache)  # compile every attention kernel variant now
         self.graphs: CudaGraphDecoder | None = None
         if device.type == "cuda" and not config.enforce_eager and backend_cls.supports_cuda_graph:
             self.graphs = CudaGraphDecoder(

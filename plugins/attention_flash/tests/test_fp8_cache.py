@@ -18,6 +18,7 @@ from nanovllm_attention_flash.fp8_cache import (
 from nanovllm_attention_flash.testing import make_case, reference
 
 from nanovllm_core import LLM, AttentionBackend, ConfigError, SamplingParams
+from nanovllm_core.engine.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 # (query_lens, context_lens, padding rows) of each step kind: ragged, straddling 16-token blocks
@@ -190,7 +191,8 @@ def test_engine_sizes_an_fp8_cache_from_memory(head64_path) -> None:
 def test_backend_without_fp8_is_refused_naming_those_with_it(head64_path, monkeypatch) -> None:
     monkeypatch.setattr(TorchAttentionBackend, "check_kv_cache_dtype", AttentionBackend.check_kv_cache_dtype)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # makes triton available on this CPU
-    with pytest.raises(ConfigError, match=r"cannot keep the KV cache in kv_cache_dtype='fp8'.*can here: triton"):
+    monkeypatch.setattr(ModelRunner, "__init__", lambda *a, **k: pytest.fail("weights loaded before the refusal"))
+    with pytest.raises(ConfigError, match=r"'torch' cannot run here: kv_cache_dtype 'fp8'.*backends that can: triton"):
         LLM(str(head64_path), device="cpu", plugins={"attention": "torch"}, kv_cache_dtype="fp8")
 
 
