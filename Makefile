@@ -4,10 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build of torch; the package metadata itself accepts any torch>=2.5.
 TORCH_PIN ?= torch==2.13.0
-PACKAGES := -e . -e plugins/scheduler_fifo -e plugins/attention_flash -e plugins/models_qwen3
+PACKAGES := -e . -e plugins/scheduler_fifo -e plugins/scheduler_mixed -e plugins/scheduler_priority \
+	-e plugins/attention_flash -e plugins/models_qwen3
 STAMP := $(VENV)/.install-stamp
-SOURCES := pyproject.toml plugins/scheduler_fifo/pyproject.toml plugins/attention_flash/pyproject.toml \
-	plugins/models_qwen3/pyproject.toml
+SOURCES := pyproject.toml plugins/scheduler_fifo/pyproject.toml plugins/scheduler_mixed/pyproject.toml \
+	plugins/scheduler_priority/pyproject.toml plugins/attention_flash/pyproject.toml plugins/models_qwen3/pyproject.toml
 
 .PHONY: install run test lint bench-host clean
 
@@ -18,6 +19,7 @@ $(STAMP): $(SOURCES) Makefile
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)" -e ".[test]" -e "plugins/scheduler_fifo[test]" \
+		-e "plugins/scheduler_mixed[test]" -e "plugins/scheduler_priority[test]" \
 		-e "plugins/attention_flash[test]" -e "plugins/models_qwen3[test]"
 	touch $(STAMP)
 
