@@ -129,8 +129,8 @@ def test_the_example_passes_its_own_tests(
     code = pytest.main(["-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'basetemp'}", str(EXAMPLE / "tests")])
     out = capsys.readouterr().out
     assert code == 0, out[-3000:]
-    # the kit's 10 checks (7 of them run with and without async scheduling) and the policy's 5 tests
-    assert "22 passed" in out, out[-3000:]
+    # the kit's 12 checks (9 of them run with and without async scheduling) and the policy's 5 tests
+    assert "26 passed" in out, out[-3000:]
 
 
 # --- the tutorial -----------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def test_the_tutorial_plugin_passes_the_conformance_kit(
     code = pytest.main(["-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'basetemp'}", "tests"])
     out = capsys.readouterr().out
     assert code == 0, out[-3000:]
-    assert "17 passed" in out  # the kit's 10 checks, 7 of them with and without async scheduling
+    assert "21 passed" in out  # the kit's 12 checks, 9 of them with and without async scheduling
 
 
 def test_the_tutorial_plugin_changes_the_engine_as_documented(
