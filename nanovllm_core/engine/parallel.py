@@ -1,33 +1,64 @@
 """Tensor parallelism on torch.distributed (NCCL on GPUs, gloo on CPUs).
 
 Rank 0 runs the engine (scheduler, sampling) and its shard of the model; ranks 1..N-1 are workers that
-build the same shard layout and KV cache and run every step on rank 0's decision. Each step rank 0
-broadcasts the step's flattened inputs (:class:`HostBatch`) over a gloo control group; all ranks then run
-the forward together (the all-reduces and the logits all-gather inside the layers keep them in step).
+build the same shard layout and KV cache and run every step on rank 0's decision. Each step rank 0 sends the
+step's flattened inputs (:class:`HostBatch`) to the workers; all ranks then run the forward together (the
+all-reduces and the logits all-gather inside the layers keep them in step).
 
 Started two ways:
-- ``LLM(..., tensor_parallel_size=N)`` on one host spawns N-1 worker processes itself;
+- ``LLM(..., tensor_parallel_size=N)`` on one host spawns N-1 worker processes itself; the step inputs go
+  through a shared-memory ring (:mod:`nanovllm_core.engine.shm_ring`), which also carries the workers'
+  reports (started; failed, and why);
 - under ``torchrun`` (``RANK``/``WORLD_SIZE`` set, ``env://`` rendezvous) every process runs the same
-  script: rank 0 returns an engine, the other ranks serve as workers inside the ``LLM`` constructor and
-  exit the process when rank 0 shuts down.
+  script, possibly on several hosts: rank 0 returns an engine, the other ranks serve as workers inside the
+  ``LLM`` constructor and exit the process when rank 0 shuts down. Step inputs go over a gloo group.
+
+Lifecycle rules (docs/tensor-parallel.md): no rank ever waits for a peer to leave (NCCL communicators are
+aborted, not destroyed: a graceful destroy waits for every peer); every wait for a worker has a deadline and
+watches the worker's process; Ctrl-C on rank 0 is held while a step is being handed to the workers and run,
+so the ranks never fall out of step; workers ignore Ctrl-C (rank 0 decides when they stop).
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
+import pickle
+import signal
 import socket
+import sys
 import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_any
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanovllm_core.distributed import set_tensor_parallel
+from nanovllm_core.distributed import set_peer_failure_check, set_tensor_parallel
+from nanovllm_core.engine.shm_ring import BroadcastRing, RingLayout
+from nanovllm_core.engine.sigint_hold import SigintHold
+from nanovllm_core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 INIT_TIMEOUT = timedelta(seconds=int(os.environ.get("NANOVLLM_TP_TIMEOUT", "300")))
+WORKER_ENV = "NANOVLLM_TP_WORKER"  # "<ring layout>;<rank>": set only in the processes this module spawns
+STARTING, STARTED, FAILED = 0, 1, 2  # a worker's state in its ring report
+EXIT_DEADLINE_S = 2.0  # how long shutdown waits for the workers to leave before it terminates them
+MAIN_GUARD_EXIT = 3  # exit code of a worker that found itself re-importing an unguarded main module
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process ended while the engine needed it: the engine cannot continue."""
 
 
 @dataclass
@@ -52,15 +83,45 @@ def local_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, device_type: str) -> dist.ProcessGroup:
-    """Join the process group; returns the gloo group used for control messages."""
+def spin_seconds(device_type: str) -> float:
+    """How long a waiting worker spins before it sleeps on its doorbell. On a GPU rank 0's host work between two
+    steps takes a few milliseconds and cores are plentiful; on a CPU the ranks share the cores that compute."""
+    return 0.05 if device_type == "cuda" else 0.001
+
+
+def cpu_threads_per_rank(world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def init_distributed(
+    rank: int, world_size: int, init_method: str, device_type: str, control: bool = False
+) -> dist.ProcessGroup | None:
+    """Join the process group; with ``control``, also return a gloo group for control messages."""
     device = local_device(device_type, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=INIT_TIMEOUT)
     set_tensor_parallel(rank, world_size)
+    if not control:
+        return None
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+
+def leave_distributed(device_type: str) -> None:
+    """Leave the process group without waiting for any other rank. NCCL communicators are aborted: a graceful
+    destroy flushes with every peer and hangs when one is gone or out of step. gloo's destroy only closes this
+    rank's connections (a peer blocked in a collective with this rank gets an error instead of waiting)."""
+    set_tensor_parallel(0, 1)
+    if not dist.is_initialized():
+        return
+    if device_type == "cuda":
+        try:
+            dist.distributed_c10d._abort_process_group()  # noqa: SLF001 - the public destroy waits for peers
+            return
+        except Exception:  # noqa: BLE001 - an older torch without it: the graceful path
+            logger.debug("aborting the NCCL process group failed; destroying it", exc_info=True)
+    dist.destroy_process_group()
 
 
 def build_runner(spec: RunnerSpec, rank: int):
@@ -80,51 +141,107 @@ def build_runner(spec: RunnerSpec, rank: int):
     )
 
 
-def serve(runner, control: dist.ProcessGroup) -> None:
+def serve(runner: Any, receive: Callable[[], tuple[str, Any]]) -> None:
     """A worker's loop: run every step rank 0 announces, until it says ``exit``."""
     while True:
-        message: list[Any] = [None]
-        dist.broadcast_object_list(message, src=0, group=control)
-        kind, payload = message[0]
+        kind, payload = receive()
         if kind == "step":
             runner.run_step(payload)
         elif kind == "exit":
-            dist.barrier(group=control)  # leave together: no rank tears down a connection another still uses
             return
+        else:
+            raise RuntimeError(f"unknown tensor-parallel message {kind!r} (expected 'step' or 'exit')")
 
 
-def worker_main(rank: int, world_size: int, init_method: str, spec: RunnerSpec) -> None:
-    if spec.device_type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    control = init_distributed(rank, world_size, init_method, spec.device_type)
+class _ParentGone(Exception):
+    pass
+
+
+def worker_main(
+    rank: int, world_size: int, init_method: str, spec: RunnerSpec, layout: RingLayout, doorbell: Connection
+) -> None:
+    """A spawned worker: report in, join the group, build the shard, serve; never returns (``os._exit``: the
+    interpreter's teardown has nothing left to save and NCCL's static destructors can hang or abort)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
+    os.environ.pop(WORKER_ENV, None)
+    parent = os.getppid()
+    ring = BroadcastRing.attach(layout, reader=rank - 1, doorbell=doorbell)
+    reader = rank - 1
+    code = 0
+
+    def check_parent() -> None:
+        if os.getppid() != parent:
+            raise _ParentGone
+
     try:
-        serve(build_runner(spec, rank), control)
-    except KeyboardInterrupt:
-        pass
+        if spec.device_type == "cpu":
+            torch.set_num_threads(cpu_threads_per_rank(world_size))
+        elif spec.device_type == "cuda":
+            torch.cuda.set_device(local_device("cuda", rank))
+        ring.report(reader, STARTED)
+        init_distributed(rank, world_size, init_method, spec.device_type)
+        runner = build_runner(spec, rank)
+        ring.spin_s = spin_seconds(spec.device_type)
+        serve(runner, lambda: pickle.loads(ring.recv(check=check_parent)))
+    except _ParentGone:
+        code = 1
+    except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which raises it there
+        ring.report(reader, FAILED, f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        code = 1
     finally:
-        dist.destroy_process_group()
-
-
-def _within(fn: Any, seconds: float) -> bool:
-    """Run ``fn`` with a deadline (in a daemon thread: a collective whose peers are gone must not keep the
-    process from exiting); True if it finished without an error. At interpreter exit, where Python 3.12 starts no
-    new thread (``weakref.finalize`` runs then), it runs in this thread."""
-    errors: list[BaseException] = []
-
-    def run() -> None:
         try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - reported as False; the caller falls back
-            errors.append(exc)
+            leave_distributed(spec.device_type)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
-    thread = threading.Thread(target=run, daemon=True)
+
+def serve_torchrun(rank: int, world_size: int, spec: RunnerSpec) -> None:
+    """A torchrun worker (rank > 0): serve until rank 0 shuts down (step inputs over a gloo group)."""
+    if spec.device_type == "cpu":
+        torch.set_num_threads(cpu_threads_per_rank(world_size))
+    control = init_distributed(rank, world_size, "env://", spec.device_type, control=True)
+
+    def receive() -> Any:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0, group=control)
+        return message[0]
+
     try:
-        thread.start()
-    except RuntimeError:  # interpreter shutdown
-        run()
-        return not errors
-    thread.join(timeout=seconds)
-    return not thread.is_alive() and not errors
+        serve(build_runner(spec, rank), receive)
+        dist.barrier(group=control)  # every rank got 'exit': rank 0 may leave without cutting a message short
+    finally:
+        leave_distributed(spec.device_type)
+
+
+def refuse_inside_worker() -> None:
+    """Raise a clear error (and tell rank 0 why) when a spawned worker is asked to build a tensor-parallel
+    engine: that happens only when the spawn start method re-imports a main module that builds one at import
+    time, i.e. a script without the ``if __name__ == "__main__":`` guard."""
+    value = os.environ.get(WORKER_ENV)
+    if value is None:
+        return
+    layout_text, rank = value.rsplit(";", 1)
+    frame, main = sys._getframe(), "the main module"
+    while frame is not None:  # the re-imported script runs as __mp_main__
+        if frame.f_globals.get("__name__") == "__mp_main__":
+            main = frame.f_globals.get("__file__", main)
+            break
+        frame = frame.f_back
+    message = (
+        f"a tensor-parallel worker re-imported {main} and it built an LLM again: the workers are started with the "
+        "'spawn' method, which imports the main module in every worker. Put the code that builds the LLM under "
+        '`if __name__ == "__main__":` (see docs/tensor-parallel.md)'
+    )
+    try:
+        ring = BroadcastRing.attach(RingLayout.decode(layout_text), reader=int(rank) - 1)
+        ring.report(int(rank) - 1, FAILED, message)
+        ring.close()
+    finally:
+        print(f"nanovllm: {message}", file=sys.stderr, flush=True)
+        os._exit(MAIN_GUARD_EXIT)
 
 
 def free_port() -> int:
@@ -133,57 +250,241 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"exit code {code}, killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+# --- one tensor-parallel engine per process ---------------------------------------------------------------
+
+_current: weakref.ref[TensorParallelGroup] | None = None
+
+
+def _claim_process() -> None:
+    """torch.distributed has one default process group per process, so one tensor-parallel engine at a time.
+    An engine that was deleted but not yet collected (reference cycles) is collected here, which shuts it down."""
+    global _current
+    if _current is not None and _current() is not None and not _current().closed:
+        gc.collect()
+    if _current is not None and _current() is not None and not _current().closed:
+        raise ConfigError(
+            "another tensor-parallel engine is still running in this process (torch.distributed allows one "
+            "process group per process): call shutdown() on it first, or use `with LLM(...) as llm:`"
+        )
+    if dist.is_initialized():
+        raise ConfigError(
+            "torch.distributed is already initialized in this process (not by nanovllm); a tensor-parallel engine "
+            "creates its own process group: destroy the existing one first (dist.destroy_process_group())"
+        )
+
+
 class TensorParallelGroup:
-    """Rank 0's side: starts (or joins) the workers and tells them what to run."""
+    """Rank 0's side: starts (or joins) the workers, tells them what to run, watches them, stops them."""
 
     def __init__(self, spec: RunnerSpec, world_size: int) -> None:
+        global _current
+        refuse_inside_worker()
+        _claim_process()
+        _current = weakref.ref(self)
         self.world_size = world_size
+        self.device_type = spec.device_type
         self.processes: list[mp.Process] = []
         self.closed = False
-        if launched_by_torchrun():
-            init_method = "env://"
-        else:
-            init_method = f"tcp://127.0.0.1:{free_port()}"
-            ctx = mp.get_context("spawn")
-            for rank in range(1, world_size):
-                proc = ctx.Process(target=worker_main, args=(rank, world_size, init_method, spec), daemon=True)
+        self.failure: str | None = None  # why the group cannot go on (set by the watchdog)
+        self.ring: BroadcastRing | None = None
+        self.control: dist.ProcessGroup | None = None
+        self._threads = torch.get_num_threads()
+        self._sigint = SigintHold()
+        self._wake_r, self._wake_w = os.pipe()
+        self._watchdog: threading.Thread | None = None
+        try:
+            if spec.device_type == "cpu":
+                torch.set_num_threads(cpu_threads_per_rank(world_size))
+            if launched_by_torchrun():
+                self.control = init_distributed(0, world_size, "env://", spec.device_type, control=True)
+            else:
+                self._spawn(spec)
+            set_peer_failure_check(self.check)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- start-up -------------------------------------------------------------------------------------
+
+    def _spawn(self, spec: RunnerSpec) -> None:
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.ring = BroadcastRing.create(self.world_size - 1)
+        self.ring.spin_s = spin_seconds(spec.device_type)
+        doorbells = self.ring.make_doorbells()
+        ctx = mp.get_context("spawn")
+        previous = os.environ.get(WORKER_ENV)
+        try:
+            for rank in range(1, self.world_size):
+                os.environ[WORKER_ENV] = f"{self.ring.layout.encode()};{rank}"
+                proc = ctx.Process(
+                    target=worker_main,
+                    args=(rank, self.world_size, init_method, spec, self.ring.layout, doorbells[rank - 1]),
+                    name=f"nanovllm-tp-rank{rank}",
+                    daemon=True,
+                )
                 proc.start()
                 self.processes.append(proc)
-        if spec.device_type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        self.control = init_distributed(0, world_size, init_method, spec.device_type)
+        finally:
+            if previous is None:
+                os.environ.pop(WORKER_ENV, None)
+            else:
+                os.environ[WORKER_ENV] = previous
+        self._wait_started()
+        self._watchdog = threading.Thread(target=self._watch, name="nanovllm-tp-watchdog", daemon=True)
+        self._watchdog.start()
+        init_distributed(0, self.world_size, init_method, spec.device_type)
 
-    def check_workers(self) -> None:
-        dead = [(rank, p.exitcode) for rank, p in enumerate(self.processes, start=1) if not p.is_alive()]
-        if dead:
-            self.close(graceful=False)
-            detail = ", ".join(f"rank {rank} (exit code {code})" for rank, code in dead)
-            raise RuntimeError(f"tensor-parallel worker died: {detail}; the engine cannot continue")
+    def _wait_started(self) -> None:
+        """Wait until every worker reported in, failing at once (with its reason) if one ends first."""
+        deadline = time.monotonic() + INIT_TIMEOUT.total_seconds()
+        ring = self.ring
+        assert ring is not None
+        while not all(ring.state(rank - 1) == STARTED for rank in range(1, self.world_size)):
+            for rank, proc in enumerate(self.processes, start=1):
+                if not proc.is_alive() or ring.state(rank - 1) == FAILED:
+                    proc.join(1)
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start: {self._reason(rank)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"tensor-parallel workers did not start within {INIT_TIMEOUT.total_seconds():.0f} s "
+                    "(NANOVLLM_TP_TIMEOUT)"
+                )
+            wait_for_any([p.sentinel for p in self.processes], timeout=0.05)
 
-    def send(self, kind: str, payload: Any = None) -> None:
-        if self.closed:
-            raise RuntimeError("the tensor-parallel group is shut down")
-        self.check_workers()
-        dist.broadcast_object_list([(kind, payload)], src=0, group=self.control)
+    def _reason(self, rank: int) -> str:
+        proc = self.processes[rank - 1]
+        text = self.ring.report_text(rank - 1) if self.ring is not None else ""
+        exit_text = describe_exit(proc.exitcode)
+        if text:
+            return f"{text} ({exit_text})"
+        if proc.exitcode is not None and proc.exitcode > 0:
+            return f"{exit_text}; its error output is above"
+        return exit_text
 
-    def _say_exit(self) -> None:
-        dist.broadcast_object_list([("exit", None)], src=0, group=self.control)
-        dist.barrier(group=self.control)
+    def _watch(self) -> None:
+        """Watchdog thread: notice a worker that ends while the engine runs, say so, and unblock rank 0."""
+        pending = {proc.sentinel: rank for rank, proc in enumerate(self.processes, start=1)}
+        while pending:
+            ready = wait_for_any([*pending, self._wake_r])
+            if self._wake_r in ready or self.closed:
+                return
+            for sentinel in ready:
+                rank = pending.pop(sentinel)
+                self.processes[rank - 1].join(1)
+                self._worker_died(rank)
 
-    def close(self, graceful: bool = True) -> None:
+    def _worker_died(self, rank: int) -> None:
         if self.closed:
             return
+        if self.failure is None:
+            self.failure = f"rank {rank} ({self._reason(rank)})"
+        logger.error("tensor-parallel worker died: %s", self.failure)
+        if self.device_type == "cuda":
+            # rank 0 may be waiting on a collective with the dead rank inside the GPU; only an abort ends it
+            try:
+                dist.distributed_c10d._abort_process_group()  # noqa: SLF001
+            except Exception:  # noqa: BLE001
+                logger.debug("aborting the NCCL process group after a worker died failed", exc_info=True)
+
+    # --- steps ----------------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise :class:`WorkerDiedError` if the group cannot run a step."""
+        if self.closed:
+            raise RuntimeError("the tensor-parallel group is shut down")
+        if self.failure is None:
+            for rank, proc in enumerate(self.processes, start=1):
+                if not proc.is_alive():  # the watchdog may not have run yet
+                    self.failure = f"rank {rank} ({self._reason(rank)})"
+                    break
+        if self.failure is not None:
+            raise WorkerDiedError(
+                f"tensor-parallel worker died: {self.failure}; the engine cannot continue: shut it down and "
+                "create a new one"
+            )
+
+    def send_step(self, host: Any) -> None:
+        """Hand one step's inputs to the workers (the model runner's ``on_step``). Ctrl-C is held until the
+        caller (the runner's step, which runs the forward and its collectives) returns."""
+        caller = sys._getframe(1)
+        if not self._sigint.tried:
+            self._sigint.install()  # from the thread that drives the engine: the main thread's handler only
+        self._sigint.deliver_pending(caller)  # a Ctrl-C held since the last step: now, before this one starts
+        self._sigint.hold(caller)
+        self.check()
+        self._send(("step", host))
+
+    def _send(self, message: tuple[str, Any], timeout: float | None = None) -> bool:
+        if self.ring is not None:
+            return self.ring.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), self.check, timeout)
+        dist.broadcast_object_list([message], src=0, group=self.control)
+        return True
+
+    # --- shutdown -------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the workers: tell them to leave, leave the process group, wait for them (at most a few seconds,
+        then terminate). Never waits on a peer without a deadline; safe to call twice, from a finalizer, at
+        interpreter exit (no thread is started) and after a failure."""
+        global _current
+        if self.closed:
+            return
+        self._sigint.hold(sys._getframe())
+        healthy = self.failure is None and all(p.is_alive() for p in self.processes)
         self.closed = True
-        if graceful and all(p.is_alive() for p in self.processes) and _within(self._say_exit, 10):
-            # Every rank is leaving now: tear the groups down together, before waiting for the workers to
-            # exit. NCCL's teardown can wait for its peers, so a rank 0 that joined the workers first (while they
-            # sat in their own teardown) and destroyed its group after they were gone would wait forever.
-            _within(dist.destroy_process_group, 60)
+        try:
+            told = self._say_exit(healthy)
+            leave_distributed(self.device_type)
+            self._stop_workers(EXIT_DEADLINE_S if told else 0.2)
+        finally:
+            os.write(self._wake_w, b"x")
+            if self._watchdog is not None and self._watchdog is not threading.current_thread():
+                self._watchdog.join(1)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            if self.ring is not None:
+                self.ring.close(unlink=True)
+            set_peer_failure_check(None)
+            torch.set_num_threads(self._threads)
+            self._sigint.uninstall()
+            if _current is not None and _current() is self:
+                _current = None
+
+    def _say_exit(self, healthy: bool) -> bool:
+        """Tell the workers to leave; True if the message went out. Through the ring even when a worker died
+        (the others still read it); over gloo (torchrun) only when every rank is there to receive it."""
+        try:
+            if self.ring is not None:
+                return self.ring.send(pickle.dumps(("exit", None)), timeout=0.5)
+            if healthy and dist.is_initialized():
+                self._send(("exit", None))
+                dist.barrier(group=self.control)
+                return True
+        except Exception:  # noqa: BLE001 - a peer is gone: the workers are stopped regardless
+            logger.debug("the tensor-parallel exit message failed", exc_info=True)
+        return False
+
+    def _stop_workers(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
         for proc in self.processes:
-            proc.join(timeout=10)
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.processes:
             if proc.is_alive():
+                logger.warning("tensor-parallel worker %s did not exit in time; terminating it", proc.name)
                 proc.terminate()
-                proc.join(timeout=5)
-        if dist.is_initialized():  # the farewell failed (a peer gone or out of step): best effort, bounded
-            _within(dist.destroy_process_group, 10)
-        set_tensor_parallel(0, 1)
+        for proc in self.processes:
+            proc.join(0.5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1)

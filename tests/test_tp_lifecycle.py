@@ -1,0 +1,278 @@
+"""Tensor-parallel lifecycle: shutdown, deletion, interpreter exit, dead and stuck workers, Ctrl-C, the missing
+main guard, and the process state left behind. Each test is bounded to seconds. Every test runs on CPU (gloo);
+with two GPUs the same tests run over NCCL too (marked gpu)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanovllm_core import LLM, SamplingParams
+from nanovllm_core.engine.parallel import WorkerDiedError
+from nanovllm_core.errors import ConfigError
+from nanovllm_core.testing import write_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LONG = SamplingParams(max_tokens=200, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22, 23] * 9]
+SHUTDOWN_LIMIT_S = 5.0
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "NANOVLLM_TP_TIMEOUT": "60"}
+
+
+@pytest.fixture(
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+            ],
+        ),
+    ]
+)
+def target(request, qwen3_path, tmp_path_factory) -> tuple[Path, dict]:
+    """(checkpoint, engine keyword arguments) for the device under test."""
+    engine = dict(device=request.param, num_kvcache_blocks=48, kvcache_block_size=16, max_model_len=256)
+    if request.param == "cpu":
+        return qwen3_path, engine
+    # head_dim 128 in bf16, which the GPU attention kernels (and their CUDA graphs) take
+    path = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("bf16"), "qwen3", hidden_size=256, num_heads=16, num_kv_heads=8, head_dim=128,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    return path, engine
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def wait_gone(processes, seconds: float) -> list:
+    deadline = time.monotonic() + seconds
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in processes if p.is_alive()]
+
+
+def pid_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def write_script(tmp_path, target, body: str, guard: bool = True) -> Path:
+    """A script that builds a TP=2 ``llm`` for ``target`` (under the main guard unless ``guard`` is False),
+    then runs ``body``."""
+    path, engine = target
+    build = f"llm = LLM({str(path)!r}, tensor_parallel_size=2, **{engine!r})\n" + textwrap.dedent(body)
+    if guard:
+        build = 'if __name__ == "__main__":\n' + textwrap.indent(build, "    ")
+    script = tmp_path / "script.py"
+    script.write_text("import os, signal, threading, time\nfrom nanovllm_core import LLM, SamplingParams\n\n" + build)
+    return script
+
+
+def run_script(script: Path, timeout: float = 120, **popen) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=timeout, env=ENV, **popen
+    )
+
+
+def test_with_block_shuts_down_fast_without_threads_and_restores_torch_threads(target, monkeypatch):
+    path, engine = target
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # the engine sets its own count while it runs (cpu_count // 2 on CPU)
+    try:
+        with LLM(str(path), tensor_parallel_size=2, **engine) as llm:
+            processes = llm.tp_group.processes
+            assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+            def refuse(self):  # as at interpreter exit on Python 3.12, where finalizers shut engines down
+                raise RuntimeError("can't create new thread at interpreter shutdown")
+
+            monkeypatch.setattr(threading.Thread, "start", refuse)
+            start = time.monotonic()
+        elapsed = time.monotonic() - start
+        monkeypatch.undo()
+        assert elapsed < SHUTDOWN_LIMIT_S
+        assert not [p for p in processes if p.is_alive()]
+        assert torch.get_num_threads() == 3
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_deleted_engine_releases_its_workers_and_makes_room_for_the_next_one(target):
+    path, engine = target
+    llm = LLM(str(path), tensor_parallel_size=2, **engine)
+    expected = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    workers = llm.tp_group.processes
+    del llm  # no shutdown(), no gc.collect()
+    assert not wait_gone(workers, SHUTDOWN_LIMIT_S)
+    second = LLM(str(path), tensor_parallel_size=2, **engine)
+    workers = second.tp_group.processes
+    cycle = [second]
+    cycle.append(cycle)
+    del second, cycle  # unreachable, but only the garbage collector can tell: the next engine runs it
+    third = LLM(str(path), tensor_parallel_size=2, **engine)
+    try:
+        assert not wait_gone(workers, SHUTDOWN_LIMIT_S)
+        assert token_ids(third.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+        # one process group per process: a second live engine is refused clearly, the first keeps working
+        with pytest.raises(ConfigError, match="another tensor-parallel engine is still running"):
+            LLM(str(path), tensor_parallel_size=2, **engine)
+        assert token_ids(third.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    finally:
+        third.shutdown()
+
+
+def test_stopped_worker_does_not_stall_shutdown(target):
+    path, engine = target
+    llm = LLM(str(path), tensor_parallel_size=2, **engine)
+    worker = llm.tp_group.processes[0]
+    os.kill(worker.pid, signal.SIGSTOP)  # hung: it will never read the exit message
+    start = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - start < SHUTDOWN_LIMIT_S
+    assert not worker.is_alive()
+
+
+def test_worker_killed_mid_generate_is_reported_in_seconds(target):
+    path, engine = target
+    llm = LLM(str(path), tensor_parallel_size=2, **engine)
+    worker = llm.tp_group.processes[0]
+    killer = threading.Timer(0.3, os.kill, (worker.pid, signal.SIGKILL))
+    died = r"tensor-parallel worker died: rank 1 \(exit code -9, killed by SIGKILL"
+    # on CPU the step that loses the worker raises it; over NCCL that step may end in the backend's own error
+    first_error = WorkerDiedError if engine["device"] == "cpu" else RuntimeError
+    killer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(first_error, match=died if first_error is WorkerDiedError else None):
+            for _ in range(50):  # the kill lands in one of them
+                llm.generate([[5, 6, 7] * 10] * 4, LONG, use_tqdm=False)
+        assert time.monotonic() - start < 30
+        with pytest.raises(WorkerDiedError, match=died):  # and stays reported
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        killer.join()
+        start = time.monotonic()
+        llm.shutdown()
+    assert time.monotonic() - start < SHUTDOWN_LIMIT_S
+
+
+def test_interpreter_exit_without_shutdown_exits_zero_in_seconds(target, tmp_path):
+    script = write_script(
+        tmp_path,
+        target,
+        """
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+        cycle = [llm]
+        cycle.append(cycle)  # still referenced at exit: only the exit hook can stop the workers
+        print("PIDS", *[p.pid for p in llm.tp_group.processes], flush=True)
+        print("END", time.time(), flush=True)
+        """,
+    )
+    proc = run_script(script)
+    exited = time.time()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line[:3] in ("PID", "END"))
+    assert exited - float(lines["END"]) < SHUTDOWN_LIMIT_S
+    assert not [pid for pid in map(int, lines["PIDS"].split()) if pid_running(pid)]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_missing_main_guard_fails_fast_naming_the_guard(target, tmp_path):
+    script = write_script(tmp_path, target, 'print("BUILT", flush=True)', guard=False)
+    start = time.monotonic()
+    proc = run_script(script, timeout=90)
+    assert proc.returncode != 0
+    assert "BUILT" not in proc.stdout
+    assert "tensor-parallel worker rank 1 failed to start" in proc.stderr, proc.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in proc.stderr
+    assert f"re-imported {script}" in proc.stderr
+    assert time.monotonic() - start < 60  # start-up time of two interpreters, not NANOVLLM_TP_TIMEOUT
+
+
+def test_ctrl_c_during_generate_then_generate_again(target, tmp_path):
+    """SIGINT to rank 0 alone (a notebook's interrupt) and to the whole process group (a terminal's Ctrl-C),
+    at several points of a generate: each time the engine comes back and greedy output is unchanged."""
+    script = write_script(
+        tmp_path,
+        target,
+        f"""
+            greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            prompts = {PROMPTS!r}
+            expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            long = SamplingParams(max_tokens=200, ignore_eos=True)
+            for i, delay in enumerate([0.05, 0.2, 0.4, 0.1, 0.3, 0.6]):
+                target = (os.kill, os.getpid()) if i % 2 == 0 else (os.killpg, os.getpgid(0))
+                timer = threading.Timer(delay, target[0], (target[1], signal.SIGINT))
+                timer.start()
+                try:
+                    while True:  # until the interrupt lands (a GPU finishes one generate quickly)
+                        llm.generate([[5, 6, 7] * 10] * 4, long, use_tqdm=False)
+                except KeyboardInterrupt:
+                    pass
+                timer.join()
+                again = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+                print("AGAIN", "same" if again == expected else "different", flush=True)
+            llm.shutdown()
+        """,
+    )
+    # its own process group, so that killpg reaches it and its worker only
+    proc = run_script(script, timeout=150, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("AGAIN same") == 6, proc.stdout + proc.stderr[-3000:]
+
+
+def test_ctrl_c_that_ends_the_script_leaves_no_worker_behind(target, tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the whole process group) in the middle of generation, not caught: the
+    script ends with KeyboardInterrupt and its workers are gone."""
+    script = write_script(
+        tmp_path,
+        target,
+        """
+        print("PIDS", *[p.pid for p in llm.tp_group.processes], flush=True)
+        while True:
+            llm.generate([[5, 6, 7] * 20] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+        """,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=ENV,
+    )
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while not line.startswith("PIDS") and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+        assert line.startswith("PIDS"), proc.stderr.read()[-2000:]
+        workers = [int(pid) for pid in line.split()[1:]]
+        time.sleep(1)  # mid-generation
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+        assert "KeyboardInterrupt" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + SHUTDOWN_LIMIT_S
+    while any(pid_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in workers if pid_running(pid)]
