@@ -154,3 +154,24 @@ def test_ctrl_c_is_held_until_the_held_function_returns():
     finally:
         hold.uninstall()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_ctrl_c_is_held_when_no_retry_thread_can_start(monkeypatch):
+    """At interpreter exit (a shutdown run by a finalizer) no thread starts: the hold still works, and the
+    interrupt is delivered at the next safe point."""
+
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    hold = SigintHold()
+    hold.install()
+    try:
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        hold.hold(sys._getframe())
+        signal.raise_signal(signal.SIGINT)
+        assert hold.pending
+        with pytest.raises(KeyboardInterrupt):
+            hold.deliver_pending(sys._getframe())
+    finally:
+        hold.uninstall()

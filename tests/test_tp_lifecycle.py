@@ -110,6 +110,8 @@ def test_with_block_shuts_down_fast_without_threads_and_restores_torch_threads(t
         assert not [p for p in processes if p.is_alive()]
         assert torch.get_num_threads() == 3
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(RuntimeError, match="the engine was shut down"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:
         torch.set_num_threads(before)
 

@@ -402,7 +402,7 @@ class TensorParallelGroup:
     def check(self) -> None:
         """Raise :class:`WorkerDiedError` if the group cannot run a step."""
         if self.closed:
-            raise RuntimeError("the tensor-parallel group is shut down")
+            raise RuntimeError("the engine was shut down (its tensor-parallel workers are gone): create a new one")
         if self.failure is None:
             for rank, proc in enumerate(self.processes, start=1):
                 if not proc.is_alive():  # the watchdog may not have run yet

@@ -88,7 +88,10 @@ class SigintHold:
         main = threading.main_thread().ident
         self._retry = threading.Timer(self.RETRY_S, self._resend, (main,))
         self._retry.daemon = True
-        self._retry.start()
+        try:
+            self._retry.start()
+        except RuntimeError:  # interpreter shutdown: no new thread; the held function delivers it, or exit does
+            self._retry = None
 
     def _resend(self, main: int) -> None:
         if self.pending and self.installed:
