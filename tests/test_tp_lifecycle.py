@@ -240,16 +240,20 @@ def test_ctrl_c_during_generate_then_generate_again(target, tmp_path):
     assert proc.stdout.count("AGAIN same") == 6, proc.stdout + proc.stderr[-3000:]
 
 
-def test_ctrl_c_that_ends_the_script_leaves_no_worker_behind(target, tmp_path):
+@pytest.mark.parametrize("ending", ["ctrl-c", "rank0-killed"])
+def test_script_that_dies_mid_generate_leaves_no_worker_behind(target, tmp_path, ending):
     """A terminal's Ctrl-C (SIGINT to the whole process group) in the middle of generation, not caught: the
-    script ends with KeyboardInterrupt and its workers are gone."""
+    script ends with KeyboardInterrupt and its workers are gone. Rank 0 killed outright (SIGKILL, nothing
+    runs on its side) while the workers wait for the next step: they notice and exit."""
+    work = "while True:" if ending == "ctrl-c" else "for _ in range(0):"
     script = write_script(
         tmp_path,
         target,
-        """
+        f"""
         print("PIDS", *[p.pid for p in llm.tp_group.processes], flush=True)
-        while True:
+        {work}
             llm.generate([[5, 6, 7] * 20] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+        time.sleep(60)
         """,
     )
     proc = subprocess.Popen(
@@ -267,14 +271,21 @@ def test_ctrl_c_that_ends_the_script_leaves_no_worker_behind(target, tmp_path):
             line = proc.stdout.readline()
         assert line.startswith("PIDS"), proc.stderr.read()[-2000:]
         workers = [int(pid) for pid in line.split()[1:]]
-        time.sleep(1)  # mid-generation
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=30)
-        assert "KeyboardInterrupt" in proc.stderr.read()
+        time.sleep(1)  # mid-generation, or idle after a short one
+        if ending == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=30)
+            assert "KeyboardInterrupt" in proc.stderr.read()
+        else:
+            proc.kill()
+            proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     deadline = time.monotonic() + SHUTDOWN_LIMIT_S
     while any(pid_running(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in workers if pid_running(pid)]
+    running = [pid for pid in workers if pid_running(pid)]
+    for pid in running:
+        os.kill(pid, signal.SIGKILL)
+    assert not running
