@@ -242,6 +242,20 @@ class Scheduler(ABC):
                 return 0
         return n
 
+    def schedule_running(
+        self, out: SchedulerOutput, budget: int, order: Iterable[Sequence] | None = None, chunk_cap: int = 0
+    ) -> int:
+        """Serve the running sequences first: each gets its decode token or the next chunk of its prompt (at most
+        ``chunk_cap`` tokens when > 0), in ``order`` (default: admission order); when the cache is full the last
+        ones in that order not served yet are preempted. Adds to ``out``; returns the budget left."""
+        queue = deque(self.running.values() if order is None else order)
+        while queue and budget > 0 and len(out) < self.max_num_seqs:
+            seq = queue.popleft()
+            if n := self.allocate_or_preempt(seq, min(budget, chunk_cap or budget), queue, out):
+                out.add(seq, n)
+                budget -= n
+        return budget
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the running ``seq``'s blocks and put it back with :meth:`requeue`."""
         del self.running[seq.seq_id]

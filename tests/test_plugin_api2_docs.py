@@ -94,8 +94,8 @@ def first_scheduler_error(scheduler_cls: type) -> str:
 @pytest.mark.parametrize(
     "replacements",
     [
-        pytest.param(  # "Drop the two `budget -= n` lines"
-            [("                budget -= n\n", ""), ("            budget -= n\n", "")], id="drop-budget-updates"
+        pytest.param(  # "Drop the `budget -= n` line"
+            [("            budget -= n\n", "")], id="drop-budget-updates"
         ),
         pytest.param(  # "admit with the block manager directly ... instead of `allocate_chunk`"
             [(

@@ -9,8 +9,6 @@ running sequence back to the head of the queue (its KV is recomputed later).
 
 from __future__ import annotations
 
-from collections import deque
-
 from nanovllm_core import Scheduler, SchedulerOutput
 
 
@@ -31,12 +29,6 @@ class FifoScheduler(Scheduler):
                 self.admit(self.waiting.popleft())
             out.add(seq, num_new)
             budget -= num_new
-        if out.seqs:
-            return out
-
-        candidates = deque(self.running.values())  # the most recently admitted last: preempted first
-        while candidates and len(out) < self.max_num_seqs:
-            seq = candidates.popleft()
-            if self.allocate_or_preempt(seq, 1, candidates, out):
-                out.add(seq, 1)
+        if not out.seqs:  # decode: every running sequence, the most recently admitted preempted first
+            self.schedule_running(out, budget)
         return out

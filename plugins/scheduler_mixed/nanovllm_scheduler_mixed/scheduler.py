@@ -43,19 +43,7 @@ class MixedScheduler(Scheduler):
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         cap = self.long_prefill_token_threshold or budget
-        queue = self._running_most_urgent_first()
-        served = 0
-        while served < len(queue) and budget > 0:
-            seq = queue[served]
-            n = self.allocate_chunk(seq, min(budget, cap))
-            if n:
-                out.add(seq, n)
-                budget -= n
-                served += 1
-            else:  # no block left: the least urgent request not served yet gives its blocks back (seq itself last)
-                victim = queue.pop()
-                self.preempt(victim)
-                out.preempted.append(victim)
+        budget = self.schedule_running(out, budget, self._running_most_urgent_first(), cap)
         if out.preempted:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -107,19 +107,7 @@ class PriorityScheduler(Scheduler):
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         cap = self.long_prefill_token_threshold or budget
-        queue = sorted(self.running.values(), key=self.key)
-        served = 0
-        while served < len(queue) and budget > 0:
-            seq = queue[served]
-            n = self.allocate_chunk(seq, min(budget, cap))
-            if n:
-                out.add(seq, n)
-                budget -= n
-                served += 1
-            else:  # no block left: the least urgent request not served yet gives its blocks back (seq itself last)
-                victim = queue.pop()
-                self.preempt(victim)
-                out.preempted.append(victim)
+        budget = self.schedule_running(out, budget, sorted(self.running.values(), key=self.key), cap)
         while budget > 0:
             seq = self._peek()
             if seq is None or any(seq is p for p in out.preempted):

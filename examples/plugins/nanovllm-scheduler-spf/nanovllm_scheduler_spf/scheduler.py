@@ -76,7 +76,9 @@ class ShortestPromptFirstScheduler(Scheduler):
         if self.chunked is not None and self.chunked.seq_id not in self.running:
             self.chunked = None  # finished or aborted
         out = self._prefill()
-        return out if out.seqs else self._decode()
+        if not out.seqs:  # decode: every running request, the most recently admitted preempted first
+            self.schedule_running(out, self.max_num_batched_tokens)
+        return out
 
     def _prefill(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -103,13 +105,4 @@ class ShortestPromptFirstScheduler(Scheduler):
                 self.chunked = seq
             out.add(seq, n)
             budget -= n
-        return out
-
-    def _decode(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        queue = deque(self.running.values())  # the most recently admitted last: preempted first
-        while queue:
-            seq = queue.popleft()
-            if self.allocate_or_preempt(seq, 1, queue, out):
-                out.add(seq, 1)
         return out
