@@ -393,6 +393,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_flags(bench)
     _add_engine_flags(bench)
     bench.set_defaults(func=cmd_bench)
+    bench_modes = bench.add_subparsers(dest="bench_mode", metavar="serve", help="`bench serve`: load a running server")
+    bench_serve = bench_modes.add_parser(
+        "serve",
+        help="load a running OpenAI-compatible server (nanovllm serve) and report its latencies",
+        description="Serving benchmark (vLLM's benchmark_serving metrics) against a running server.",
+    )
+    _add_serving_flags(bench_serve, bench=True)
+    bench_serve.set_defaults(func=cmd_bench_serve)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve MODEL over an OpenAI-compatible HTTP API",
+        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/metrics. Stops on SIGTERM/SIGINT: in-flight requests get --shutdown-timeout seconds, then exit 0.",
+    )
+    _add_serving_flags(serve, bench=False)
+    _add_engine_flags(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 
@@ -406,6 +424,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from nanovllm_core.benchmark import run_bench
 
     return run_bench(args, _cli_overrides(args))
+
+
+def _add_serving_flags(parser: argparse.ArgumentParser, bench: bool) -> None:
+    if bench:
+        from nanovllm_core.serving.bench import add_bench_serve_arguments as add
+    else:
+        from nanovllm_core.serving.serve import add_serve_arguments as add
+    add(parser)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from nanovllm_core.serving.serve import run_serve
+
+    return run_serve(args, _cli_overrides(args))
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from nanovllm_core.serving.bench import run_bench_serve
+
+    return run_bench_serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:

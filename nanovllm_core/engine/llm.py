@@ -93,6 +93,31 @@ class LLM(LLMEngine):
             text += f", {stats.num_preemptions} preemptions"
         return text
 
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (``[{"role": ..., "content": ...}, ...]``) or a list of them, through the
+        tokenizer's chat template (or ``chat_template``), as vLLM's ``LLM.chat``; one output per conversation.
+
+        Raises InvalidRequestError when the tokenizer has no chat template and none is given.
+        """
+        from nanovllm_core.serving.chat import render_chat
+
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list: one conversation, or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        kwargs = chat_template_kwargs or {}
+        prompts = [
+            render_chat(self.tokenizer, c, add_generation_prompt, chat_template, **kwargs) for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
 
 def _as_prompt_list(prompts: Any) -> list[Any]:
     """One prompt (a string, or a flat list of numbers: token ids) or a list of prompts, as a list of prompts."""

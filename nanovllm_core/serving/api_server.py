@@ -1,0 +1,317 @@
+"""The OpenAI-compatible HTTP server (FastAPI): routes, API-key check, OpenAI-shaped errors, disconnects.
+
+``build_app(engine, settings)`` returns the ASGI app; its lifespan starts the engine's step loop and, at
+shutdown, aborts what is still in flight and stops the loop. Routes: ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nanovllm_core.errors import InvalidRequestError
+from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from nanovllm_core.serving.chat import render_chat
+from nanovllm_core.serving.metrics import CONTENT_TYPE, ServerMetrics
+from nanovllm_core.serving.openai_serving import Job, chat_events, chat_response, completion_events, completion_response
+from nanovllm_core.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+# what a field of a union type accepts, for errors that pydantic reports once per member of the union
+UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
+    "stop": "a string, a list of strings, or null",
+    "content": 'a string, or a list of {"type": "text", "text": ...} parts',
+}
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_queued_requests: int | None = None  # requests without a first token yet, beyond which 503; None: no limit
+    shutdown_timeout: float = 0.0  # seconds the lifespan's shutdown lets in-flight requests finish
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+    body = ErrorResponse(
+        error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "APIError"), param=param, code=status)
+    )
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One readable message (the field, what was wrong, what is allowed) for pydantic's list of errors."""
+    errors = exc.errors()
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        return "the request body must be a JSON object (sent with Content-Type: application/json)", None
+    if not loc:  # a check across fields (model_validator)
+        return str(first["msg"]).removeprefix("Value error, "), None
+    param = loc[0]
+    union_field = next((p for p in loc if p in UNION_FIELDS), None)
+    if union_field is not None and first.get("type") != "missing":
+        return f"{'.'.join(loc[: loc.index(union_field) + 1])}: must be {UNION_FIELDS[union_field]}", param
+    got = f" (got {first['input']!r})" if "input" in first and first.get("type") != "missing" else ""
+    return f"{'.'.join(loc)}: {first['msg']}{got}", param
+
+
+class APIKeyMiddleware:
+    """401 for ``/v1/*`` without ``Authorization: Bearer <key>`` (pure ASGI: streaming and disconnects pass
+    through untouched)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(
+                    401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE; the event generator is closed as soon as the response ends or the client goes away, so that the
+    requests behind it are aborted at once (not when the generator is garbage-collected)."""
+
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send: Callable) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with contextlib.suppress(RuntimeError):  # it may be closing already, from its own exception
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run ``work``; cancel it (which aborts its engine requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return task.result() if not task.cancelled() else None
+
+
+class OpenAIServer:
+    """What the routes do, around one AsyncLLM."""
+
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+
+    def check_model(self, model: str | None) -> None:
+        served = self.settings.served_model_name
+        if model is not None and model != served:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}", "model")
+
+    def check_capacity(self, num_requests: int) -> None:
+        if not self.engine.is_running:
+            raise APIError(503, "the server is shutting down or its engine has stopped")
+        limit = self.settings.max_queued_requests
+        if limit is not None and self.engine.num_queued + num_requests > limit:
+            raise APIError(
+                503,
+                f"the request queue is full ({self.engine.num_queued} requests waiting, --max-queued-requests "
+                f"{limit}); retry later",
+                headers={"Retry-After": "1"},
+            )
+
+    def max_tokens(self, num_prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
+        """The request's max_tokens, checked against max_model_len (None: whatever room the prompt leaves)."""
+        limit = self.engine.max_model_len
+        if num_prompt_tokens >= limit:
+            raise APIError(
+                400,
+                f"this model's maximum context length (max_model_len) is {limit} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens: at most {limit - 1} leave room for one output token",
+                prompt_param,
+            )
+        if requested is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + requested > limit:
+            raise APIError(
+                400,
+                f"this model's maximum context length (max_model_len) is {limit} tokens, but {num_prompt_tokens} "
+                f"prompt tokens + max_tokens {requested} = {num_prompt_tokens + requested}: lower max_tokens "
+                f"to at most {limit - num_prompt_tokens} or shorten the prompt",
+                "max_tokens",
+            )
+        return requested
+
+    async def submit(
+        self, body: SamplingRequest, prompts: list[list[int]], requested: int | None, prompt_param: str, prefix: str
+    ) -> Job:
+        self.check_model(body.model)
+        if body.model_extra:
+            logger.warning("ignoring fields this server does not know: %s", ", ".join(sorted(body.model_extra)))
+        tokens_as_ids = body.return_tokens_as_token_ids
+        max_tokens = min(self.max_tokens(len(ids), requested, prompt_param) for ids in prompts)
+        logprobs = self.logprobs_of(body)
+        prompt_logprobs = getattr(body, "prompt_logprobs", None)
+        params: SamplingParams = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        self.check_capacity(len(prompts))
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(await self.engine.add_request(ids, params, f"{response_id}-{i}"))
+        except BaseException:
+            for stream in streams:
+                self.engine.abort_nowait(stream.request_id)
+            raise
+        model = self.settings.served_model_name
+        return Job(self.engine, response_id, model, streams, body.n, logprobs, body.include_usage, tokens_as_ids)
+
+    @staticmethod
+    def logprobs_of(body: SamplingRequest) -> int | None:
+        if isinstance(body, ChatCompletionRequest):
+            return (body.top_logprobs or 0) if body.logprobs else None
+        return body.logprobs  # type: ignore[attr-defined]
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        prompts = [self.engine.tokenize(p) for p in body.prompts()]
+        job = await self.submit(body, prompts, body.max_tokens, "prompt", "cmpl")
+        if body.stream:
+            return EventStreamResponse(completion_events(job))
+        result = await until_disconnected(request, completion_response(job))
+        return JSONResponse(result.model_dump()) if result is not None else Response(status_code=499)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        try:
+            ids = render_chat(
+                self.engine.tokenizer,
+                body.conversation(),
+                body.add_generation_prompt,
+                **(body.chat_template_kwargs or {}),
+            )
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), "messages") from None
+        job = await self.submit(body, [ids], body.requested_max_tokens, "messages", "chatcmpl")
+        if body.stream:
+            return EventStreamResponse(chat_events(job))
+        result = await until_disconnected(request, chat_response(job))
+        return JSONResponse(result.model_dump()) if result is not None else Response(status_code=499)
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
+    metrics = metrics or ServerMetrics(settings.served_model_name)
+    engine.observer = metrics
+    server = OpenAIServer(engine, settings, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        yield
+        await engine.shutdown(settings.shutdown_timeout)
+
+    app = FastAPI(title="nanovllm", lifespan=lifespan)
+    app.state.server = server
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=settings.served_model_name, root=engine.engine.config.model, max_model_len=engine.max_model_len
+        )
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return error_response(503, "the engine is not running")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        stats = await engine.stats() if engine.is_running else None
+        return Response(metrics.render(stats), media_type=CONTENT_TYPE)
+
+    return app

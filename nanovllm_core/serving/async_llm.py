@@ -1,0 +1,397 @@
+"""AsyncLLM: the engine behind an asyncio API (streams of incremental outputs, abort, stats), for servers.
+
+The engine is not thread-safe, so one background thread owns it and runs the step loop. Every other caller
+talks to it through a command list that the loop drains between steps; the loop hands its results and the
+step's outputs back to the event loop in one ``call_soon_threadsafe`` per iteration, and sleeps on a
+condition while it has nothing to do. Prompts are tokenized on the caller's side with a tokenizer of its own
+(so the step loop does no tokenization and no two threads share one tokenizer object).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.errors import InvalidRequestError, NanoVLLMError
+from nanovllm_core.outputs import RequestOutput
+from nanovllm_core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(NanoVLLMError):
+    """The step loop has stopped (shut down, or an error ended it); no request can be served."""
+
+
+class OutputObserver(Protocol):
+    """Receives request timings as outputs reach the event loop (the server's Prometheus metrics)."""
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def inter_token(self, seconds: float) -> None: ...
+
+    def finished(self, seconds: float, finish_reason: str | None) -> None: ...
+
+
+def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """Two consecutive delta outputs of one request as one (a consumer that fell behind gets one item)."""
+    completions = {c.index: c for c in old.outputs}
+    for c in new.outputs:
+        prev = completions.get(c.index)
+        if prev is None:
+            completions[c.index] = c
+            continue
+        logprobs = getattr(prev, "logprobs", None)
+        if logprobs is not None and getattr(c, "logprobs", None) is not None:
+            logprobs = logprobs + c.logprobs
+        changes: dict[str, Any] = {"text": prev.text + c.text, "token_ids": prev.token_ids + c.token_ids}
+        changes.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        if hasattr(c, "logprobs"):
+            changes["logprobs"] = logprobs
+        if hasattr(c, "cumulative_logprob"):
+            changes["cumulative_logprob"] = c.cumulative_logprob
+        completions[c.index] = dataclasses.replace(prev, **changes)
+    merged = dataclasses.replace(new, outputs=sorted(completions.values(), key=lambda c: c.index))
+    if getattr(old, "prompt_logprobs", None) is not None:
+        merged.prompt_logprobs = old.prompt_logprobs
+    return merged
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; ends after the finished output (or raises)."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, prompt: str | None = None) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt = prompt
+        self.arrival = time.monotonic()
+        self.last_token_time: float | None = None
+        self.finished = False  # the last item was handed to the consumer
+        self.done = False  # the last item arrived (the consumer may not have read it yet)
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(self._pending, BaseException):
+            return  # already failed
+        if isinstance(item, BaseException) or self._pending is None:
+            self._pending = item
+        else:
+            self._pending = merge_delta(self._pending, item)
+        self.done = isinstance(item, BaseException) or item.finished
+        self._ready.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._pending = self._pending, None
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        assert item is not None
+        self.finished = item.finished
+        return item
+
+
+@dataclasses.dataclass
+class _Command:
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future | None
+    request_id: str | None = None  # the request this adds (kept in the loop's table once added)
+    emits: bool = False  # the result is a RequestOutput to hand to its stream (abort)
+
+
+class AsyncLLM:
+    """``async for out in engine.generate(prompt, params, request_id)``: incremental outputs of a request.
+
+    Build it around an engine (``AsyncLLM(LLMEngine(...))``) or from a config (``AsyncLLM.from_config``).
+    The step loop starts with :meth:`start` (or the first request) in the running event loop and stops with
+    :meth:`shutdown`, which aborts whatever is still in flight. ``async with AsyncLLM(...)`` does both.
+    """
+
+    def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self.max_model_len: int = engine.config.max_model_len  # type: ignore[assignment]
+        self.tokenizer = LLMEngine._load_tokenizer(engine.config.tokenizer or engine.config.model)
+        self._streams: dict[str, RequestStream] = {}
+        self._num_queued = 0  # accepted requests without any output yet (waiting or in their first prefill)
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._commands: list[_Command] = []
+        self._stopping = False
+        self._closed = False  # set by the loop when it drained its last commands
+        self._dead: BaseException | None = None
+        self.step_seconds = 0.0  # time spent in engine.step(), for the GIL measurement
+        self.num_steps = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        model: str | None = None,
+        config: str | Path | None = None,
+        *,
+        cli_overrides: dict[str, Any] | None = None,
+        observer: OutputObserver | None = None,
+        **kwargs: Any,
+    ) -> AsyncLLM:
+        return cls(LLMEngine(model, config, cli_overrides=cli_overrides, **kwargs), observer)
+
+    # --- life cycle -------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the step loop in its thread, bound to the running event loop (idempotent)."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="nanovllm-step-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 0.0) -> None:
+        """Stop: wait up to ``timeout`` seconds for in-flight requests, abort the rest, join the loop thread."""
+        deadline = time.monotonic() + timeout
+        while self._streams and self._dead is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            await asyncio.sleep(0)  # let the aborted requests' last outputs reach their streams
+        self.engine.shutdown()
+
+    async def __aenter__(self) -> AsyncLLM:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        """The step loop runs and accepts requests."""
+        return self._thread is not None and self._dead is None and not self._stopping
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_queued(self) -> int:
+        """Accepted requests that have produced no token yet (waiting for a slot, or in their first prefill)."""
+        return self._num_queued
+
+    # --- requests ---------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue one request; its outputs are deltas (``output_kind="delta"``) read from the returned stream.
+
+        Raises InvalidRequestError at once (nothing queued) when the engine rejects the request.
+        """
+        await self.start()
+        self._check_alive()
+        token_ids = self.tokenize(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        params = dataclasses.replace(params, output_kind="delta")
+        stream = RequestStream(request_id, len(token_ids), prompt if isinstance(prompt, str) else None)
+        self._streams[request_id] = stream
+        self._num_queued += 1
+        try:
+            await self._call(lambda engine: engine.add_request(token_ids, params, request_id), request_id=request_id)
+        except BaseException:
+            if self._streams.pop(request_id, None) is stream:
+                self._num_queued -= 1
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's incremental outputs (delta text and token ids); the last one has ``finished``.
+
+        Leaving the loop early (``break``, cancellation, an exception) aborts the request.
+        """
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.done:
+                self.abort_nowait(stream.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (its KV blocks are free when this returns); unknown or finished ids are ignored."""
+        self._check_alive()
+        await self._call(lambda engine: engine.abort_request(request_id), emits=True)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Queue an abort without waiting for it (from ``finally`` blocks and callbacks)."""
+        if self._thread is not None and self._dead is None:
+            self._submit(_Command(lambda engine: engine.abort_request(request_id), None, emits=True))
+
+    async def stats(self) -> Any:
+        """``LLMEngine.stats()``, read between two steps."""
+        self._check_alive()
+        return await self._call(lambda engine: engine.stats())
+
+    # --- plumbing ---------------------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine's step loop has stopped: {self._dead}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down and accepts no more requests")
+
+    async def _call(self, fn: Callable[[LLMEngine], Any], request_id: str | None = None, emits: bool = False) -> Any:
+        assert self._loop is not None
+        future = self._loop.create_future()
+        self._submit(_Command(fn, future, request_id, emits))
+        return await future
+
+    def _submit(self, command: _Command) -> None:
+        with self._cond:
+            if self._closed:  # the loop took its last commands: this one would never run
+                if command.future is not None:
+                    command.future.set_exception(EngineDeadError("the engine has shut down"))
+                return
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        """The step loop (its own thread): drain commands, step while there is work, sleep when idle."""
+        engine = self.engine
+        if engine.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(engine.device)
+        live: set[str] = set()  # requests in the engine, as this thread knows them
+        events: list[tuple[asyncio.Future | None, Any, BaseException | None]] = []  # command results to hand back
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                    stopping = self._closed = self._stopping
+                events = []
+                outputs: list[RequestOutput] = []
+                for command in commands:
+                    try:
+                        result = command.fn(engine)
+                    except Exception as exc:  # noqa: BLE001 - handed to the caller
+                        events.append((command.future, None, exc))
+                        continue
+                    if command.request_id is not None:
+                        live.add(command.request_id)
+                    if command.emits and isinstance(result, RequestOutput):
+                        live.discard(result.request_id)
+                        outputs.append(result)
+                    events.append((command.future, result, None))
+                if events and not stopping:  # answer the callers now, not after the step
+                    self._post(self._deliver, events, [], time.monotonic())
+                    events = []
+                if stopping:
+                    for request_id in list(live):
+                        out = engine.abort_request(request_id)
+                        if out is not None:
+                            outputs.append(out)
+                    self._post(self._deliver, events, outputs, time.monotonic())
+                    return
+                if engine.has_unfinished_requests():
+                    start = time.perf_counter()
+                    step_outputs = engine.step()
+                    self.step_seconds += time.perf_counter() - start
+                    self.num_steps += 1
+                    for out in step_outputs:
+                        if out.finished:
+                            live.discard(out.request_id)
+                    outputs.extend(step_outputs)
+                if events or outputs:
+                    self._post(self._deliver, events, outputs, time.monotonic())
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller learns why
+            logger.exception("the step loop failed; the engine serves no more requests")
+            self._dead = exc
+            with self._cond:
+                self._closed = True
+                commands, self._commands = self._commands, []
+            self._post(self._deliver, events, [], time.monotonic())  # commands this iteration ran before the failure
+            self._post(self._fail_all, exc, [c.future for c in commands])
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+
+    def _deliver(self, events: list, outputs: list[RequestOutput], now: float) -> None:
+        """On the event loop: resolve command futures, then hand each output to its stream."""
+        for future, result, exc in events:
+            if future is not None and not future.done():
+                if exc is not None:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.prompt is None:
+                out.prompt = stream.prompt  # the engine got token ids; the caller gave text
+            self._observe(stream, out, now)
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _observe(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
+        produced = any(c.token_ids for c in out.outputs)
+        if stream.last_token_time is None and (produced or out.finished):
+            self._num_queued -= 1
+        if produced and self.observer is not None:
+            if stream.last_token_time is None:
+                self.observer.first_token(now - stream.arrival)
+            else:
+                self.observer.inter_token(now - stream.last_token_time)
+        if produced or out.finished:
+            stream.last_token_time = now
+        if out.finished and self.observer is not None:
+            reasons = {c.finish_reason for c in out.outputs if c.finish_reason is not None}
+            reason = "abort" if "abort" in reasons else (reasons.pop() if len(reasons) == 1 else "stop")
+            self.observer.finished(now - stream.arrival, reason)
+
+    def _fail_all(self, exc: BaseException, futures: list[asyncio.Future | None]) -> None:
+        error = EngineDeadError(f"the engine's step loop failed: {exc!r}")
+        for future in futures:
+            if future is not None and not future.done():
+                future.set_exception(error)
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
+        self._num_queued = 0

@@ -1,0 +1,290 @@
+"""``nanovllm bench serve``: load a running server through ``/v1/completions`` and report vLLM's serving metrics.
+
+Metrics (as vLLM's ``benchmark_serving``): request throughput, output and total token throughput, and the
+mean / median / p90 / p99 of TTFT (time to first token), TPOT (time per output token after the first),
+ITL (time between two streamed chunks) and end-to-end latency, in milliseconds.
+
+Workloads (token-id prompts, ``ignore_eos`` so every request produces exactly its drawn length):
+- ``nano``: nano-vllm's benchmark: ``--num-prompts`` (256) requests, ``random.seed(0)``, prompts of
+  ``randint(100, 1024)`` token ids ``randint(0, 10000)``, outputs of ``randint(100, 1024)`` tokens,
+  temperature 0.6 (the offline ``nanovllm bench`` workload, request for request).
+- ``sharegpt-synth``: a synthetic ShareGPT-like length mix: prompt lengths LogNormal(ln 120, 1.1) and output
+  lengths LogNormal(ln 140, 0.8), rounded and clipped to [4, 1024] (means about 220 and 190 tokens, a long
+  tail, like the ShareGPT V3 conversations vLLM samples); token ids uniform in ``[0, --vocab-size)``.
+
+Arrivals are a Poisson process at ``--request-rate`` requests/s (``inf``: all at once); ``--rates 1,2,inf``
+runs the workload once per rate for a latency-vs-rate curve (``benchmarks/plot_serving.py`` draws it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanovllm_core.errors import ConfigError
+
+SYNTH_PROMPT = (math.log(120), 1.1)
+SYNTH_OUTPUT = (math.log(140), 0.8)
+SYNTH_RANGE = (4, 1024)
+
+
+@dataclass
+class BenchRequest:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def nano_workload(num_prompts: int, max_input_len: int, max_output_len: int) -> list[BenchRequest]:
+    from nanovllm_core.benchmark import workload
+
+    prompts, max_tokens = workload(num_prompts, max_input_len, max_output_len)
+    return [BenchRequest(p, m) for p, m in zip(prompts, max_tokens)]
+
+
+def synthetic_sharegpt(num_prompts: int, vocab_size: int, seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    low, high = SYNTH_RANGE
+
+    def draw(mu_sigma: tuple[float, float]) -> int:
+        return min(high, max(low, round(rng.lognormvariate(*mu_sigma))))
+
+    requests = []
+    for _ in range(num_prompts):
+        prompt_len, output_len = draw(SYNTH_PROMPT), draw(SYNTH_OUTPUT)
+        requests.append(BenchRequest([rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
+    return requests
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile with linear interpolation (numpy's default)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    done = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    input_tokens = sum(r.prompt_tokens for r in done)
+    summary: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+    }
+    series = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2el": [r.latency for r in done],
+    }
+    for name, values in series.items():
+        ms = [v * 1000 for v in values]
+        summary[f"mean_{name}_ms"] = statistics.fmean(ms) if ms else 0.0
+        summary[f"median_{name}_ms"] = percentile(ms, 50)
+        summary[f"p90_{name}_ms"] = percentile(ms, 90)
+        summary[f"p99_{name}_ms"] = percentile(ms, 99)
+    return summary
+
+
+async def send(client: Any, url: str, body: dict[str, Any], headers: dict[str, str]) -> RequestResult:
+    """One streamed completion; times each SSE chunk as it arrives."""
+    result = RequestResult(prompt_tokens=len(body["prompt"]))
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk["choices"]:
+                    continue
+                if result.ttft == 0.0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+        result.latency = time.perf_counter() - start
+        result.ok = result.output_tokens > 0
+        if not result.ok:
+            result.error = "the stream ended without a usage chunk"
+    except Exception as exc:  # noqa: BLE001 - reported per request
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_once(
+    base_url: str,
+    model: str | None,
+    requests: list[BenchRequest],
+    request_rate: float,
+    max_concurrency: int | None,
+    seed: int,
+    temperature: float,
+    api_key: str | None,
+    warmup: int = 0,
+) -> dict[str, Any]:
+    import httpx
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max_concurrency or len(requests) + warmup, max_keepalive_connections=None)
+
+    def body(req: BenchRequest) -> dict[str, Any]:
+        return {
+            **({"model": model} if model else {}),
+            "prompt": req.prompt,
+            "max_tokens": req.max_tokens,
+            "temperature": temperature,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
+        if warmup:
+            # the first prompts with every token id shifted by one (no prefix-cache hit on the timed run; ids stay
+            # below the workload's largest), 8 tokens each
+            bound = max(max(r.prompt) for r in requests) + 1
+            shifted = [BenchRequest([(t + 1) % bound for t in r.prompt], 8) for r in requests[:warmup]]
+            warm = await asyncio.gather(*(send(client, url, body(r), headers) for r in shifted))
+            if not all(r.ok for r in warm):
+                raise ConfigError(f"warm-up request failed: {next(r.error for r in warm if not r.ok)}")
+        gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        rng = random.Random(seed)
+
+        async def one(req: BenchRequest) -> RequestResult:
+            if gate is None:
+                return await send(client, url, body(req), headers)
+            async with gate:
+                return await send(client, url, body(req), headers)
+
+        tasks = []
+        start = time.perf_counter()
+        for i, req in enumerate(requests):
+            if i and math.isfinite(request_rate):
+                await asyncio.sleep(rng.expovariate(request_rate))
+            tasks.append(asyncio.ensure_future(one(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    summary = summarize(results, duration)
+    summary.update(request_rate=request_rate, max_concurrency=max_concurrency, num_prompts=len(requests))
+    return summary
+
+
+def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
+    parser.add_argument("--served-model-name", dest="served_model", help="model name to send (default: none)")
+    parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--dataset", choices=["nano", "sharegpt-synth"], default="nano")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: inf)")
+    parser.add_argument("--rates", help="comma-separated request rates, one run each (e.g. 2,4,8,inf)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    parser.add_argument("--max-input-len", type=int, default=1024, help="nano workload: longest prompt")
+    parser.add_argument("--max-output-len", type=int, default=1024, help="nano workload: longest output")
+    parser.add_argument("--vocab-size", type=int, default=10000, help="sharegpt-synth: token ids are below this")
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic lengths and the arrivals")
+    parser.add_argument("--warmup", type=int, default=32, help="warm-up requests before timing (0: none)")
+    parser.add_argument("--result-file", help="write the results as JSON here")
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ConfigError(f"--rates {text!r}: comma-separated numbers or inf, e.g. 2,4,8,inf") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise ConfigError(f"--rates {text!r}: every rate must be > 0 (inf: all at once)")
+    return rates
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1:
+        raise ConfigError(f"--num-prompts {args.num_prompts}: at least 1")
+    if args.dataset == "nano":
+        requests = nano_workload(args.num_prompts, args.max_input_len, args.max_output_len)
+    else:
+        requests = synthetic_sharegpt(args.num_prompts, args.vocab_size, args.seed)
+    rates = parse_rates(args.rates) if args.rates else parse_rates(str(args.request_rate))
+    runs = []
+    for i, rate in enumerate(rates):
+        summary = asyncio.run(
+            run_once(
+                args.base_url,
+                args.served_model,
+                requests,
+                rate,
+                args.max_concurrency,
+                args.seed,
+                args.temperature,
+                args.api_key,
+                warmup=min(args.warmup, len(requests)) if i == 0 else 0,
+            )
+        )
+        summary["dataset"] = args.dataset
+        runs.append(summary)
+        print_summary(summary)
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=2))
+    return 0 if all(run["failed"] == 0 for run in runs) else 1
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    rate = "inf" if math.isinf(s["request_rate"]) else f"{s['request_rate']:g}"
+    lines = [
+        f"--- {s['dataset']}: {s['num_prompts']} requests at rate {rate}/s: {s['completed']} completed, "
+        f"{s['failed']} failed in {s['duration']:.2f} s",
+        f"request throughput {s['request_throughput']:.2f} req/s, output {s['output_throughput']:,.0f} tok/s, "
+        f"total {s['total_token_throughput']:,.0f} tok/s",
+    ]
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        lines.append(
+            f"{name.upper():>5} ms: mean {s[f'mean_{name}_ms']:9.2f}  p50 {s[f'median_{name}_ms']:9.2f}  "
+            f"p90 {s[f'p90_{name}_ms']:9.2f}  p99 {s[f'p99_{name}_ms']:9.2f}"
+        )
+    for error in s["errors"]:
+        lines.append(f"error: {error}")
+    print("\n".join(lines), file=sys.stdout, flush=True)

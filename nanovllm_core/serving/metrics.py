@@ -1,0 +1,100 @@
+"""``GET /metrics``: the server's Prometheus metrics (text format, vLLM's names under ``nanovllm:``).
+
+Engine state (running / waiting requests, KV-cache usage, prefix-cache hits, token and preemption counters)
+is read from ``LLMEngine.stats()`` at scrape time; request latencies (time to first token, inter-token
+latency, end to end) are observed by the async front-end as outputs arrive, and finished requests are
+counted by finish reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+
+
+class EngineStatsCollector(Collector):
+    """Yields the engine's gauges and counters from the last ``stats()`` snapshot."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: Any = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:
+            return
+        label = [self.model_name]
+        gauges = [
+            ("num_requests_running", "Requests with sequences in the running batch.", s.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", s.kv_cache_usage),
+            ("num_kv_blocks", "KV-cache blocks in total.", s.num_kv_blocks),
+            ("num_free_kv_blocks", "KV-cache blocks free.", s.num_free_kv_blocks),
+            ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.", s.prefix_cache_hit_rate),
+        ]
+        for name, doc, value in gauges:
+            metric = GaugeMetricFamily(f"nanovllm:{name}", doc, labels=["model_name"])
+            metric.add_metric(label, value)
+            yield metric
+        counters = [
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            ("num_preemptions", "Sequences preempted (their KV is recomputed later).", s.num_preemptions),
+            ("prompt_tokens", "Prompt tokens computed.", s.num_prompt_tokens),
+            ("generation_tokens", "Tokens generated.", s.num_generation_tokens),
+        ]
+        for name, doc, value in counters:
+            metric = CounterMetricFamily(f"nanovllm:{name}", doc, labels=["model_name"])
+            metric.add_metric(label, value)
+            yield metric
+
+
+class ServerMetrics:
+    """One registry per server (so several servers in one process, as in tests, do not collide)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.engine = EngineStatsCollector(model_name)
+        self.registry.register(self.engine)
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"nanovllm:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(
+                model_name
+            )
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two outputs of a request.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last output.", E2E_BUCKETS)
+        self.finished_requests = Counter(
+            "nanovllm:request_success",
+            "Finished requests by finish reason (stop, length, abort).",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.model_name = model_name
+
+    # OutputObserver
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def finished(self, seconds: float, finish_reason: str | None) -> None:
+        self.e2e.observe(seconds)
+        self.finished_requests.labels(self.model_name, finish_reason or "unknown").inc()
+
+    def render(self, stats: Any) -> bytes:
+        """The text exposition with the engine's ``stats`` snapshot."""
+        self.engine.stats = stats
+        return generate_latest(self.registry)

@@ -1,0 +1,278 @@
+"""Engine outputs to OpenAI responses: whole (non-streaming) bodies and SSE events, with logprobs and usage.
+
+A request of ``k`` prompts with ``n`` samples each is ``k`` engine requests; choice ``i * n + j`` is sample
+``j`` of prompt ``i`` (the OpenAI numbering). Every stream ends with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanovllm_core.outputs import CompletionOutput, RequestOutput
+from nanovllm_core.serving.async_llm import AsyncLLM, RequestStream
+from nanovllm_core.serving.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+@dataclass
+class Job:
+    """One API request as the engine sees it: its streams (one per prompt) and how to render the answer."""
+
+    engine: AsyncLLM
+    response_id: str
+    model: str
+    streams: list[RequestStream]
+    n: int
+    logprobs: int | None  # top logprobs per token; None: no logprobs
+    include_usage: bool = False
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    completion_tokens: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.completion_tokens = [0] * (len(self.streams) * self.n)
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(s.num_prompt_tokens for s in self.streams)
+        completion = sum(self.completion_tokens)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def abort_unfinished(self) -> None:
+        for stream in self.streams:
+            if not stream.done:
+                self.engine.abort_nowait(stream.request_id)
+
+    @contextlib.asynccontextmanager
+    async def reading(self) -> AsyncIterator[AsyncIterator[tuple[int, CompletionOutput]]]:
+        """``async with job.reading() as outputs``: (choice index, delta completion) as they come, from all
+        prompts. Leaving early (a disconnect, a cancellation, an error) aborts the unfinished requests."""
+        outputs = self._outputs()
+        try:
+            yield outputs
+        finally:
+            await outputs.aclose()
+            self.abort_unfinished()
+
+    async def _outputs(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        async with contextlib.aclosing(merge_streams(self.streams)) as merged:
+            async for i, out in merged:
+                for c in out.outputs:
+                    index = i * self.n + c.index
+                    self.completion_tokens[index] += len(c.token_ids)
+                    yield index, c
+
+    def token_text(self, token_id: int, decoded: str | None) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return decoded if decoded is not None else self.engine.tokenizer.decode([token_id])
+
+    def top(self, position: dict[int, Any]) -> list[tuple[int, Any]]:
+        return sorted(position.items(), key=lambda item: -item[1].logprob)[: self.logprobs]
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the reader
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+# --- completions ---------------------------------------------------------------------------------------
+
+
+class CompletionLogprobsBuilder:
+    """The legacy ``logprobs`` object of one choice: tokens, their logprobs, the top ones, text offsets."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.offset = 0
+
+    def build(self, c: CompletionOutput) -> CompletionLogprobs | None:
+        if self.job.logprobs is None or c.logprobs is None:
+            return None
+        result = CompletionLogprobs()
+        for token_id, position in zip(c.token_ids, c.logprobs):
+            own = position.get(token_id)
+            text = self.job.token_text(token_id, own.decoded_token if own else None)
+            result.tokens.append(text)
+            result.token_logprobs.append(own.logprob if own else None)
+            # keyed by text, as OpenAI's legacy format: of tokens with the same text the likeliest is kept
+            top: dict[str, float] = {}
+            for t, lp in self.job.top(position):
+                top.setdefault(self.job.token_text(t, lp.decoded_token), lp.logprob)
+            top.setdefault(text, own.logprob if own else float("-inf"))  # the sampled token is always listed
+            result.top_logprobs.append(top)
+            result.text_offset.append(self.offset)
+            self.offset += len(text)
+        return result
+
+
+async def completion_response(job: Job) -> CompletionResponse:
+    texts: dict[int, list[str]] = {}
+    choices: dict[int, CompletionChoice] = {}
+    builders: dict[int, CompletionLogprobsBuilder] = {}
+    async with job.reading() as outputs:
+        async for index, c in outputs:
+            choice = choices.setdefault(index, CompletionChoice(index=index, text=""))
+            texts.setdefault(index, []).append(c.text)
+            builder = builders.setdefault(index, CompletionLogprobsBuilder(job))
+            delta = builder.build(c)
+            if delta is not None:
+                if choice.logprobs is None:
+                    choice.logprobs = delta
+                else:
+                    for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+                        getattr(choice.logprobs, name).extend(getattr(delta, name))
+            choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+    for index, choice in choices.items():
+        choice.text = "".join(texts[index])
+    ordered = [choices[i] for i in sorted(choices)]
+    return CompletionResponse(id=job.response_id, model=job.model, choices=ordered, usage=job.usage())
+
+
+async def completion_events(job: Job) -> AsyncIterator[str]:
+    builders: dict[int, CompletionLogprobsBuilder] = {}
+    try:
+        async with job.reading() as outputs:
+            async for index, c in outputs:
+                if not (c.text or c.token_ids or c.finish_reason):
+                    continue
+                builder = builders.setdefault(index, CompletionLogprobsBuilder(job))
+                choice = CompletionChoice(
+                    index=index,
+                    text=c.text,
+                    logprobs=builder.build(c),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                yield sse(CompletionResponse(id=job.response_id, model=job.model, choices=[choice]).model_dump_json())
+        if job.include_usage:
+            yield sse(
+                CompletionResponse(id=job.response_id, model=job.model, choices=[], usage=job.usage()).model_dump_json()
+            )
+    except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream
+        yield sse(stream_error(exc))
+    yield DONE
+
+
+# --- chat ----------------------------------------------------------------------------------------------
+
+
+def chat_logprobs(job: Job, c: CompletionOutput) -> ChoiceLogprobs | None:
+    if job.logprobs is None or c.logprobs is None:
+        return None
+    content = []
+    for token_id, position in zip(c.token_ids, c.logprobs):
+        own = position.get(token_id)
+        text = job.token_text(token_id, own.decoded_token if own else None)
+        top = [
+            TopLogprob(token=(t := job.token_text(tid, lp.decoded_token)), logprob=lp.logprob, bytes=list(t.encode()))
+            for tid, lp in job.top(position)
+        ]
+        logprob = own.logprob if own else float("-inf")
+        content.append(TokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()), top_logprobs=top))
+    return ChoiceLogprobs(content=content)
+
+
+async def chat_response(job: Job) -> ChatCompletionResponse:
+    choices: dict[int, ChatChoice] = {}
+    texts: dict[int, list[str]] = {}
+    async with job.reading() as outputs:
+        async for index, c in outputs:
+            choice = choices.setdefault(index, ChatChoice(index=index, message=AssistantMessage(content="")))
+            texts.setdefault(index, []).append(c.text)
+            delta = chat_logprobs(job, c)
+            if delta is not None:
+                if choice.logprobs is None:
+                    choice.logprobs = delta
+                else:
+                    choice.logprobs.content.extend(delta.content or [])  # type: ignore[union-attr]
+            choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+    for index, choice in choices.items():
+        choice.message.content = "".join(texts[index])
+    ordered = [choices[i] for i in sorted(choices)]
+    return ChatCompletionResponse(id=job.response_id, model=job.model, choices=ordered, usage=job.usage())
+
+
+async def chat_events(job: Job) -> AsyncIterator[str]:
+    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        return sse(
+            ChatCompletionChunk(id=job.response_id, model=job.model, choices=choices, usage=usage).model_dump_json()
+        )
+
+    try:
+        # OpenAI's first chunk of each choice carries the role
+        num_choices = len(job.streams) * job.n
+        yield chunk(
+            [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(num_choices)]
+        )
+        async with job.reading() as outputs:
+            async for index, c in outputs:
+                if not (c.text or c.token_ids or c.finish_reason):
+                    continue
+                choice = ChatStreamChoice(
+                    index=index,
+                    delta=DeltaMessage(content=c.text),
+                    logprobs=chat_logprobs(job, c),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                yield chunk([choice])
+        if job.include_usage:
+            yield chunk([], job.usage())
+    except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream
+        yield sse(stream_error(exc))
+    yield DONE
+
+
+def stream_error(exc: Exception) -> str:
+    """An error inside a stream that already began (the engine stopped): OpenAI's error shape as an event."""
+    return json.dumps({"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}})

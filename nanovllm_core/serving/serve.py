@@ -1,0 +1,79 @@
+"""``nanovllm serve MODEL``: load the engine, then serve the OpenAI API with uvicorn until SIGTERM / SIGINT.
+
+On a signal the server stops accepting connections, lets in-flight requests finish for up to
+``--shutdown-timeout`` seconds, aborts the rest, stops the engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from nanovllm_core.errors import ConfigError
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_path", nargs="?", metavar="MODEL", help="checkpoint folder (or `model` in --config)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("NANOVLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOVLLM_API_KEY; unset: no key)",
+    )
+    parser.add_argument("--served-model-name", help="the model name clients send (default: the MODEL argument)")
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="answer 503 (Retry-After) when this many requests are waiting for their first token (default: no limit)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are aborted",
+    )
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    import uvicorn
+
+    from nanovllm_core.serving.api_server import ServerSettings, build_app
+    from nanovllm_core.serving.async_llm import AsyncLLM
+
+    if args.model_path:
+        overrides["model"] = args.model_path
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        raise ConfigError(f"--max-queued-requests {args.max_queued_requests}: at least 1 (leave it out for no limit)")
+    if args.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout {args.shutdown_timeout}: 0 seconds or more")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = AsyncLLM.from_config(config=args.config, cli_overrides=overrides)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or args.model_path or engine.engine.config.model,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+    )
+    app = build_app(engine, settings)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_keep_alive=5,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down; with the default handlers still in
+    # place that would kill the process (exit status -15) after a clean shutdown. Ours make it a no-op.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    print("nanovllm serve: shut down cleanly", file=sys.stderr)
+    return 0

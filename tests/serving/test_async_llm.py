@@ -1,0 +1,206 @@
+"""AsyncLLM without HTTP: incremental outputs, abort (blocks back), shutdown, rejected requests, an idle loop that
+sleeps, a failing step loop, and merging the deltas a slow consumer has not read yet."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from serving_helpers import ENGINE
+
+from nanovllm_core import InvalidRequestError, LLMEngine, SamplingParams
+from nanovllm_core.outputs import CompletionOutput, RequestOutput
+from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream, merge_delta
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path) -> LLMEngine:
+    return LLMEngine(str(tiny_path), **ENGINE)
+
+
+def run(engine: LLMEngine, body) -> object:
+    """Run ``body(async_llm)`` in a fresh event loop with a fresh AsyncLLM around the shared engine."""
+
+    async def main():
+        async with AsyncLLM(engine) as llm:
+            return await asyncio.wait_for(body(llm), 60)
+
+    return asyncio.run(main())
+
+
+def all_free(stats) -> bool:
+    return stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == stats.num_waiting == 0
+
+
+def test_generate_yields_deltas_that_add_up_to_offline(engine, greedy):
+    async def body(llm):
+        return [out async for out in llm.generate("Hello world!", GREEDY)]
+
+    outs = run(engine, body)
+    assert len(outs) > 1 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    text = "".join(o.outputs[0].text for o in outs)
+    ids = [t for o in outs for t in o.outputs[0].token_ids]
+    assert (text, ids) == greedy("Hello world!", 10)
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert all(o.prompt == "Hello world!" for o in outs)
+
+
+def test_concurrent_requests(engine, greedy):
+    prompts = ["The quick brown fox", [3, 4, 5, 6], "To be or not to be", [40, 41]]
+
+    async def one(llm, prompt, i):
+        outs = [out async for out in llm.generate(prompt, GREEDY, request_id=f"r{i}")]
+        return "".join(o.outputs[0].text for o in outs), [t for o in outs for t in o.outputs[0].token_ids]
+
+    async def body(llm):
+        return await asyncio.gather(*(one(llm, p, i) for i, p in enumerate(prompts)))
+
+    assert run(engine, body) == [greedy(p, 10) for p in prompts]
+
+
+def test_abort_frees_blocks_and_ends_the_stream(engine):
+    async def body(llm):
+        stream = await llm.add_request("Hello", LONG, "long")
+        first = await stream.__anext__()
+        assert not first.finished
+        await llm.abort("long")
+        stats = await llm.stats()  # the abort ran before this snapshot
+        rest = [out async for out in stream]
+        return stats, rest
+
+    stats, rest = run(engine, body)
+    assert all_free(stats)
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(o.outputs[0].token_ids) for o in rest) < 400
+
+
+def test_leaving_generate_early_aborts(engine):
+    async def body(llm):
+        async for _ in llm.generate("Hello", LONG):
+            break
+        for _ in range(100):
+            stats = await llm.stats()
+            if all_free(stats):
+                return stats, llm.num_unfinished
+            await asyncio.sleep(0.01)
+        return stats, llm.num_unfinished
+
+    stats, unfinished = run(engine, body)
+    assert all_free(stats) and unfinished == 0
+    assert stats.num_generation_tokens < 400 + engine.stats().num_generation_tokens  # not run to the end
+
+
+def test_rejected_request_raises_and_leaves_nothing(engine):
+    async def body(llm):
+        with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+            await llm.add_request([1, 10**7], GREEDY)
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
+            await llm.add_request([1] * ENGINE["max_model_len"], GREEDY)
+        stream = await llm.add_request("Hello", LONG, "dup")
+        with pytest.raises(InvalidRequestError, match="already in use"):
+            await llm.add_request("Hello", GREEDY, "dup")
+        await llm.abort("dup")
+        [out async for out in stream]
+        return llm.num_unfinished, llm.num_queued, await llm.stats()
+
+    unfinished, queued, stats = run(engine, body)
+    assert unfinished == queued == 0 and all_free(stats)
+
+
+def test_shutdown_aborts_in_flight_and_stops_the_loop(engine):
+    async def main():
+        llm = AsyncLLM(engine)
+        stream = await llm.add_request("Hello", LONG)
+        await stream.__anext__()
+        await llm.shutdown()
+        rest = [out async for out in stream]
+        assert rest[-1].outputs[0].finish_reason == "abort"
+        assert not llm._thread.is_alive() and not llm.is_running
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await llm.add_request("Hello", GREEDY)
+
+    asyncio.run(main())
+    assert not engine.has_unfinished_requests() and all_free(engine.stats())
+
+
+def test_shutdown_waits_for_in_flight_requests_up_to_the_timeout(engine):
+    async def main():
+        llm = AsyncLLM(engine)
+        stream = await llm.add_request("Hello", GREEDY)
+        await llm.shutdown(timeout=30)
+        return [out async for out in stream]
+
+    outs = asyncio.run(main())
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 10
+
+
+def test_idle_loop_sleeps(engine):
+    async def body(llm):
+        [out async for out in llm.generate("Hello", GREEDY)]
+        await asyncio.sleep(0.5)  # let the engine's worker threads settle
+        cpu = time.process_time()
+        await asyncio.sleep(0.5)
+        return time.process_time() - cpu
+
+    assert run(engine, body) < 0.15  # a spinning loop would burn about 0.5 s of CPU here
+
+
+def test_failing_step_loop_fails_its_requests(engine, monkeypatch):
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+
+    async def main():
+        llm = AsyncLLM(engine)
+        await llm.start()
+        with pytest.raises(EngineDeadError, match="device lost"):
+            async for _ in llm.generate("Hello", GREEDY, request_id="doomed"):
+                pass
+        assert not llm.is_running
+        with pytest.raises(EngineDeadError, match="stopped"):
+            await llm.add_request("Hello", GREEDY)
+
+    asyncio.run(main())
+    monkeypatch.undo()
+    engine.abort_request("doomed")  # the dead loop left it in the engine
+    assert all_free(engine.stats())
+
+
+def delta(index: int, text: str, ids: list[int], finish: str | None = None) -> RequestOutput:
+    return RequestOutput("r", None, [1], [CompletionOutput(index, text, ids, finish)], finished=finish is not None)
+
+
+@given(st.lists(st.tuples(st.integers(0, 1), st.text(max_size=3), st.lists(st.integers(0, 9), max_size=3)), max_size=8))
+def test_unread_deltas_merge_into_one(pieces):
+    async def main():
+        stream = RequestStream("r", 1)
+        for index, text, ids in pieces:
+            stream.put(delta(index, text, ids))
+        stream.put(delta(0, "!", [7], "stop"))
+        return [out async for out in stream]
+
+    outs = asyncio.run(main())
+    assert len(outs) == 1 and outs[0].finished
+    merged = {c.index: c for c in outs[0].outputs}
+    for index in (0, 1):
+        expected = [p for p in pieces if p[0] == index] + ([(0, "!", [7])] if index == 0 else [])
+        if expected:
+            assert merged[index].text == "".join(p[1] for p in expected)
+            assert merged[index].token_ids == [t for p in expected for t in p[2]]
+    assert merged[0].finish_reason == "stop"
+
+
+def test_merge_keeps_logprobs_in_order():
+    a = RequestOutput("r", None, [1], [CompletionOutput(0, "a", [1], logprobs=[{1: 0.0}])], finished=False)
+    b = RequestOutput("r", None, [1], [CompletionOutput(0, "b", [2], "length", logprobs=[{2: -1.0}])], finished=True)
+    merged = merge_delta(a, b)
+    assert merged.outputs[0].logprobs == [{1: 0.0}, {2: -1.0}] and merged.finished
+    assert merged.outputs[0].text == "ab" and merged.outputs[0].finish_reason == "length"

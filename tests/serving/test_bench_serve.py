@@ -1,0 +1,81 @@
+"""``nanovllm bench serve`` against a live server (a tiny model whose vocabulary holds the workload's token ids):
+both workloads, the metrics it reports, the --rates mode, and its input checks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from serving_helpers import start_server
+
+from nanovllm_core.benchmark import workload
+from nanovllm_core.cli import main
+from nanovllm_core.serving.api_server import ServerSettings
+from nanovllm_core.serving.bench import SYNTH_RANGE, nano_workload, percentile, synthetic_sharegpt
+from nanovllm_core.testing import write_tiny_checkpoint
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@pytest.fixture(scope="module")
+def bench_server(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("bench-tiny"), "qwen3", vocab_size=10240, hidden_size=32)
+    thread = start_server(path, ServerSettings(served_model_name="bench"), max_model_len=512)
+    yield thread
+    thread.stop()
+
+
+def test_nano_workload_through_the_server(bench_server, tmp_path):
+    result_file = tmp_path / "result.json"
+    argv = ["bench", "serve", "--base-url", bench_server.url, "--served-model-name", "bench", "--dataset", "nano"]
+    argv += ["--num-prompts", "4", "--max-input-len", "100", "--max-output-len", "100", "--warmup", "2"]
+    assert main([*argv, "--result-file", str(result_file)]) == 0
+    result = json.loads(result_file.read_text())
+    assert result["completed"] == 4 and result["failed"] == 0 and math.isinf(result["request_rate"])
+    assert result["total_input_tokens"] == 400 and result["total_output_tokens"] == 400  # randint(100, 100)
+    assert result["output_throughput"] == pytest.approx(400 / result["duration"])
+    for name in METRICS:
+        assert 0 < result[f"median_{name}_ms"] <= result[f"p90_{name}_ms"] <= result[f"p99_{name}_ms"]
+    assert result["mean_ttft_ms"] < result["mean_e2el_ms"]
+    stats = bench_server.wait_idle()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_rates_mode_writes_one_run_per_rate(bench_server, tmp_path, capsys):
+    result_file = tmp_path / "rates.json"
+    argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset", "sharegpt-synth", "--num-prompts", "5"]
+    argv += ["--rates", "50,inf", "--warmup", "0", "--max-concurrency", "3", "--result-file", str(result_file)]
+    assert main(argv) == 0
+    runs = json.loads(result_file.read_text())["runs"]
+    assert [r["request_rate"] for r in runs] == [50, math.inf]
+    assert all(r["completed"] == 5 and r["max_concurrency"] == 3 for r in runs)
+    expected = sum(r.max_tokens for r in synthetic_sharegpt(5, 10000, 0))
+    assert all(r["total_output_tokens"] == expected for r in runs)
+    assert "request throughput" in capsys.readouterr().out
+
+
+def test_failed_requests_make_the_exit_status_1(bench_server, capsys):
+    # token ids beyond the server's vocabulary: every request is rejected with a 400
+    argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset", "sharegpt-synth", "--num-prompts", "2"]
+    assert main([*argv, "--vocab-size", "100000", "--seed", "3", "--warmup", "0"]) == 1
+    assert "HTTP 400" in capsys.readouterr().out
+
+
+def test_workloads():
+    prompts, max_tokens = workload(8, 1024, 1024)
+    assert [(r.prompt, r.max_tokens) for r in nano_workload(8, 1024, 1024)] == list(zip(prompts, max_tokens))
+    synth = synthetic_sharegpt(2000, 10000, 0)
+    assert synth == synthetic_sharegpt(2000, 10000, 0)  # seeded
+    lo, hi = SYNTH_RANGE
+    assert all(lo <= len(r.prompt) <= hi and lo <= r.max_tokens <= hi for r in synth)
+    assert 180 < sum(len(r.prompt) for r in synth) / 2000 < 260  # means stated in the docs: about 220 and 190
+    assert 160 < sum(r.max_tokens for r in synth) / 2000 < 220
+
+
+def test_percentile_and_bad_rates(capsys):
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5 and percentile([], 50) == 0.0
+    assert percentile(list(range(101)), 90) == 90
+    assert main(["bench", "serve", "--rates", "2,fast"]) == 2
+    assert "--rates" in capsys.readouterr().err
+    assert main(["bench", "serve", "--num-prompts", "0"]) == 2

@@ -1,0 +1,33 @@
+"""The command line: ``nanovllm serve`` takes every engine flag, ``nanovllm bench`` keeps working beside its
+``serve`` mode, and bad serving flags fail before any model loads."""
+
+from __future__ import annotations
+
+from nanovllm_core.cli import _cli_overrides, build_parser, cmd_bench, cmd_bench_serve, cmd_serve, main
+
+
+def test_serve_parses_server_and_engine_flags():
+    args = build_parser().parse_args(
+        ["serve", "/m", "--port", "0", "--api-key", "k", "--max-queued-requests", "3", "--max-num-seqs", "4"]
+        + ["--served-model-name", "mine", "--scheduler", "fifo", "--no-enable-prefix-caching", "--config", "c.toml"]
+    )
+    assert args.func is cmd_serve and args.model_path == "/m" and args.port == 0 and args.api_key == "k"
+    assert args.max_queued_requests == 3 and args.served_model_name == "mine" and args.config == "c.toml"
+    assert args.host == "127.0.0.1" and args.shutdown_timeout == 10.0
+    overrides = _cli_overrides(args)
+    assert overrides["max_num_seqs"] == 4 and overrides["enable_prefix_caching"] is False
+    assert overrides["plugins"] == {"scheduler": "fifo"}
+
+
+def test_bench_and_bench_serve():
+    parser = build_parser()
+    assert parser.parse_args(["bench", "--num-seqs", "3"]).func is cmd_bench
+    args = parser.parse_args(["bench", "serve", "--request-rate", "4", "--dataset", "sharegpt-synth"])
+    assert args.func is cmd_bench_serve and args.request_rate == 4 and args.dataset == "sharegpt-synth"
+
+
+def test_bad_serving_flags_fail_before_loading(capsys):
+    assert main(["serve", "/does/not/exist", "--max-queued-requests", "0"]) == 2
+    assert "--max-queued-requests 0" in capsys.readouterr().err
+    assert main(["serve", "/does/not/exist", "--shutdown-timeout", "-1"]) == 2
+    assert "--shutdown-timeout" in capsys.readouterr().err

@@ -1,0 +1,82 @@
+"""``nanovllm serve`` as a real process: SIGTERM lets the in-flight request finish and exits 0; SIGINT past the
+shutdown deadline aborts it and still exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(tiny_path, port: int, shutdown_timeout: float) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "nanovllm_core.cli", "serve", str(tiny_path), "--port", str(port)]
+    cmd += ["--device", "cpu", "--max-model-len", "512", "--kvcache-block-size", "16", "--num-kvcache-blocks", "64"]
+    cmd += ["--shutdown-timeout", str(shutdown_timeout), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, proc.communicate()[0]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.1)
+
+
+def stream_after_signal(port: int, proc: subprocess.Popen, sig: int, max_tokens: int) -> tuple[list[dict], bool]:
+    """Start a stream, send ``sig`` once it has its first token, read what follows; (chunks, ended with DONE)."""
+    body = {"prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    chunks, done = [], False
+    try:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) == 1:
+                    proc.send_signal(sig)
+    except httpx.RemoteProtocolError:
+        pass  # the server closed the connection mid-stream (aborted at the deadline)
+    return chunks, done
+
+
+@pytest.mark.parametrize(
+    ("sig", "shutdown_timeout", "max_tokens", "finishes"),
+    [(signal.SIGTERM, 30, 40, True), (signal.SIGINT, 0.5, 480, False)],
+    ids=["sigterm-drains", "sigint-aborts-at-deadline"],
+)
+def test_signal_shuts_down_cleanly(tiny_path, sig, shutdown_timeout, max_tokens, finishes):
+    port = free_port()
+    proc = start(tiny_path, port, shutdown_timeout)
+    try:
+        chunks, done = stream_after_signal(port, proc, sig, max_tokens)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert "shut down cleanly" in output
+    finish_reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    if finishes:
+        assert done and finish_reasons[-1] == "length"
+    else:  # cut off: fewer chunks than tokens asked for, and no "length" finish
+        assert len(finish_reasons) < max_tokens and "length" not in finish_reasons
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
