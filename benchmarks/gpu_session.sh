@@ -7,7 +7,8 @@ set -u
 export PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python -m pip install -q --no-deps --no-build-isolation --no-index -e . -e plugins/scheduler_fifo \
-  -e plugins/attention_flash -e plugins/models_qwen3 > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+  -e plugins/attention_flash -e plugins/models_qwen3 -e plugins/scheduler_mixed -e plugins/scheduler_priority \
+  > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee -a "$OUT/gpu.txt"
 step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log, print its tail
   local name=$1 limit=$2; shift 2
@@ -19,7 +20,58 @@ bench() {  # bench NAME ARGS...: the nano-vllm workload through `nanovllm bench`
   local name=$1; shift
   step "bench_$name" "${BENCH_LIMIT:-200}" python -m nanovllm_core.cli bench --json "$OUT/bench_$name.json" "$@"
 }
+ckpt() {  # the random-weight Qwen3-0.6B checkpoint `nanovllm bench` writes (made here if no bench ran yet)
+  python -c "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-0.6b', torch.bfloat16))"
+}
+serve_start() {  # serve_start NAME ARGS...: `nanovllm serve` on 127.0.0.1:8000 in the background, up when /health answers
+  local name=$1; shift
+  python -m nanovllm_core.cli serve "$(ckpt)" --port 8000 --attention triton "$@" > "$OUT/serve_$name.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 1 240); do
+    python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=1)" 2>/dev/null && return 0
+    sleep 0.5
+  done
+  echo "server $name did not come up"; tail -20 "$OUT/serve_$name.log"; kill $SERVER; return 1
+}
+serve_stop() { kill -TERM "$SERVER"; wait "$SERVER"; echo "== server exit $? (SIGTERM)"; }
+serve_bench() {  # serve_bench NAME ARGS...: `nanovllm bench serve` against the running server
+  local name=$1; shift
+  step "serve_$name" "${BENCH_LIMIT:-200}" python -m nanovllm_core.cli bench serve --result-file "$OUT/serve_$name.json" "$@"
+}
+pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth 1 -type f ! -name logs.tgz -delete); }
 case "${1:?phase}" in
+  r2-a)  # round 2: plugin API 2 on the GPU: GPU tests, first and steady runs, fp8 KV cache, then the previous engine
+    step gpu_tests 230 python -m pytest tests/test_gpu_engine.py tests/test_logprobs.py tests/test_sampling_kernel.py \
+      plugins/models_qwen3/tests/test_qk_norm_rope.py plugins/attention_flash/tests -m gpu -q -x -s \
+      -k "not flash_attn and not tp2 and not flash"
+    TAIL=8 bench triton --attention triton --runs 3 --warmup-prompts 1
+    TAIL=4 bench triton_fp8 --attention triton --kv-cache-dtype fp8
+    if [ -d .bench-old ]; then  # the engine before this round, same machine, back to back
+      python -m pip install -q --no-deps --no-build-isolation --no-index -e .bench-old -e .bench-old/plugins/scheduler_fifo \
+        -e .bench-old/plugins/attention_flash -e .bench-old/plugins/models_qwen3 >> "$OUT/pip.log" 2>&1
+      (cd .bench-old && TAIL=4 bench old_triton --attention triton)
+    fi
+    pack
+    ;;
+  r2-serve)  # the server: all at once (against r2-a's offline run), then latency against rate for each policy
+    serve_start fifo
+    TAIL=14 serve_bench fifo_nano --dataset nano --request-rate inf
+    TAIL=14 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 400 --request-rate inf
+    sat=$(python -c "import json; d = json.load(open('$OUT/serve_fifo_sat.json')); print(d['request_throughput'])")
+    rates=$(python -c "print(','.join(f'{f * $sat:.1f}' for f in (0.3, 0.5, 0.7, 0.9)))")
+    echo "== saturation $sat req/s; rates $rates"
+    TAIL=40 serve_bench fifo_rates --dataset sharegpt-synth --num-prompts 400 --rates "$rates"
+    serve_stop
+    for policy in mixed priority; do
+      serve_start "$policy" --scheduler "$policy"
+      extra=(); [ "$policy" = priority ] && extra=(--priorities 0,1)
+      [ "$policy" = priority ] && TAIL=14 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 \
+        --request-rate 2 --priorities 0,1
+      TAIL=40 serve_bench "${policy}_rates" --dataset sharegpt-synth --num-prompts 400 --rates "$rates" "${extra[@]}"
+      serve_stop
+    done
+    pack
+    ;;
   overlap-a)  # async scheduling + fused qk-norm/rope + sampling kernel: bench, GPU tests, bench without overlap
     TAIL=25 bench triton --attention triton --profile
     step gpu_tests_core 150 python -m pytest tests/test_gpu_engine.py plugins/models_qwen3/tests/test_qk_norm_rope.py \

@@ -41,6 +41,7 @@ SYNTH_RANGE = (4, 1024)
 class BenchRequest:
     prompt: list[int]
     max_tokens: int
+    priority: int | None = None  # sent as vLLM's extra field ``priority`` (lower is more urgent)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    priority: int | None = None
 
 
 def nano_workload(num_prompts: int, max_input_len: int, max_output_len: int) -> list[BenchRequest]:
@@ -87,6 +89,17 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """vLLM's metrics over ``results``; with several priority classes, each class's under ``by_priority``."""
+    summary = _summarize(results, duration)
+    classes = sorted({r.priority for r in results if r.priority is not None})
+    if len(classes) > 1:
+        summary["by_priority"] = {
+            str(p): _summarize([r for r in results if r.priority == p], duration) for p in classes
+        }
+    return summary
+
+
+def _summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
     input_tokens = sum(r.prompt_tokens for r in done)
@@ -118,7 +131,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
 
 async def send(client: Any, url: str, body: dict[str, Any], headers: dict[str, str]) -> RequestResult:
     """One streamed completion; times each SSE chunk as it arrives."""
-    result = RequestResult(prompt_tokens=len(body["prompt"]))
+    result = RequestResult(prompt_tokens=len(body["prompt"]), priority=body.get("priority"))
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
@@ -180,6 +193,7 @@ async def run_once(
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **({"priority": req.priority} if req.priority is not None else {}),
         }
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
@@ -229,6 +243,11 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic lengths and the arrivals")
     parser.add_argument("--warmup", type=int, default=32, help="warm-up requests before timing (0: none)")
     parser.add_argument("--result-file", help="write the results as JSON here")
+    parser.add_argument(
+        "--priorities",
+        help="comma-separated priority classes given to the requests in turn (e.g. 0,1: every other request is "
+        "urgent); the summary then reports each class too",
+    )
 
 
 def parse_rates(text: str) -> list[float]:
@@ -248,6 +267,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         requests = nano_workload(args.num_prompts, args.max_input_len, args.max_output_len)
     else:
         requests = synthetic_sharegpt(args.num_prompts, args.vocab_size, args.seed)
+    if args.priorities:
+        try:
+            classes = [int(p) for p in args.priorities.split(",")]
+        except ValueError:
+            raise ConfigError(f"--priorities {args.priorities!r}: comma-separated integers, e.g. 0,1") from None
+        for i, req in enumerate(requests):
+            req.priority = classes[i % len(classes)]
     rates = parse_rates(args.rates) if args.rates else parse_rates(str(args.request_rate))
     runs = []
     for i, rate in enumerate(rates):
@@ -284,6 +310,11 @@ def print_summary(s: dict[str, Any]) -> None:
         lines.append(
             f"{name.upper():>5} ms: mean {s[f'mean_{name}_ms']:9.2f}  p50 {s[f'median_{name}_ms']:9.2f}  "
             f"p90 {s[f'p90_{name}_ms']:9.2f}  p99 {s[f'p99_{name}_ms']:9.2f}"
+        )
+    for priority, c in s.get("by_priority", {}).items():
+        lines.append(
+            f"priority {priority}: {c['completed']} requests, TTFT ms p50 {c['median_ttft_ms']:.2f} p99 "
+            f"{c['p99_ttft_ms']:.2f}, ITL ms p50 {c['median_itl_ms']:.2f} p99 {c['p99_itl_ms']:.2f}"
         )
     for error in s["errors"]:
         lines.append(f"error: {error}")

@@ -55,6 +55,19 @@ def test_rates_mode_writes_one_run_per_rate(bench_server, tmp_path, capsys):
     assert "request throughput" in capsys.readouterr().out
 
 
+def test_priority_classes_are_sent_and_reported_each(bench_server, tmp_path, capsys):
+    result_file = tmp_path / "classes.json"
+    argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset", "sharegpt-synth", "--num-prompts", "6"]
+    argv += ["--warmup", "0", "--priorities", "0,1", "--result-file", str(result_file)]
+    assert main(argv) == 0
+    result = json.loads(result_file.read_text())
+    assert sorted(result["by_priority"]) == ["0", "1"]
+    assert [result["by_priority"][p]["completed"] for p in ("0", "1")] == [3, 3]
+    assert "priority 1: 3 requests" in capsys.readouterr().out
+    assert main([*argv[:-4], "--priorities", "high,low"]) != 0
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
 def test_failed_requests_make_the_exit_status_1(bench_server, capsys):
     # token ids beyond the server's vocabulary: every request is rejected with a 400
     argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset", "sharegpt-synth", "--num-prompts", "2"]
