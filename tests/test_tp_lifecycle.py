@@ -151,6 +151,34 @@ def test_stopped_worker_does_not_stall_shutdown(target):
     assert not worker.is_alive()
 
 
+def test_shutdown_while_another_thread_generates(target, capfd):
+    """A server's shape: one thread steps the engine, another shuts it down. Shutdown is bounded, the workers
+    go quietly, and the stepping thread gets a clear error instead of hanging."""
+    path, engine = target
+    llm = LLM(str(path), tensor_parallel_size=2, **engine)
+    workers = llm.tp_group.processes
+    errors: list[BaseException] = []
+
+    def generate_until_stopped() -> None:
+        try:
+            while True:
+                llm.generate([[5, 6, 7] * 10] * 4, LONG, use_tqdm=False)
+        except Exception as exc:  # noqa: BLE001 - what the test looks at
+            errors.append(exc)
+
+    stepper = threading.Thread(target=generate_until_stopped)
+    stepper.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - start < SHUTDOWN_LIMIT_S
+    stepper.join(SHUTDOWN_LIMIT_S)
+    assert not stepper.is_alive()
+    assert errors and "the engine was shut down" in str(errors[0]), errors
+    assert not [p for p in workers if p.is_alive()]
+    assert "Traceback" not in capfd.readouterr().err  # a worker cut off mid-step by the shutdown is no failure
+
+
 def test_worker_killed_mid_generate_is_reported_in_seconds(target):
     path, engine = target
     llm = LLM(str(path), tensor_parallel_size=2, **engine)

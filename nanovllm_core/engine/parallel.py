@@ -186,9 +186,10 @@ def worker_main(
     except _ParentGone:
         code = 1
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, which raises it there
-        ring.report(reader, FAILED, f"{type(exc).__name__}: {exc}")
-        traceback.print_exc()
-        code = 1
+        if not ring.closing:  # else rank 0 left mid-step (shut down from another thread): nothing went wrong here
+            ring.report(reader, FAILED, f"{type(exc).__name__}: {exc}")
+            traceback.print_exc()
+            code = 1
     finally:
         try:
             leave_distributed(spec.device_type)
@@ -303,6 +304,7 @@ class TensorParallelGroup:
         self._sigint = SigintHold()
         self._wake_r, self._wake_w = os.pipe()
         self._watchdog: threading.Thread | None = None
+        self._send_lock = threading.Lock()  # one writer in the ring: a step, or the exit from another thread
         try:
             if spec.device_type == "cpu":
                 torch.set_num_threads(cpu_threads_per_rank(world_size))
@@ -423,7 +425,8 @@ class TensorParallelGroup:
         self._sigint.deliver_pending(caller)  # a Ctrl-C held since the last step: now, before this one starts
         self._sigint.hold(caller)
         self.check()
-        self._send(("step", host))
+        with self._send_lock:
+            self._send(("step", host))
 
     def _send(self, message: tuple[str, Any], timeout: float | None = None) -> bool:
         if self.ring is not None:
@@ -443,6 +446,8 @@ class TensorParallelGroup:
         self._sigint.hold(sys._getframe())
         healthy = self.failure is None and all(p.is_alive() for p in self.processes)
         self.closed = True
+        if self.ring is not None:
+            self.ring.mark_closing()
         try:
             told = self._say_exit(healthy)
             leave_distributed(self.device_type)
@@ -455,7 +460,6 @@ class TensorParallelGroup:
             os.close(self._wake_w)
             if self.ring is not None:
                 self.ring.close(unlink=True)
-            set_peer_failure_check(None)
             torch.set_num_threads(self._threads)
             self._sigint.uninstall()
             if _current is not None and _current() is self:
@@ -464,6 +468,8 @@ class TensorParallelGroup:
     def _say_exit(self, healthy: bool) -> bool:
         """Tell the workers to leave; True if the message went out. Through the ring even when a worker died
         (the others still read it); over gloo (torchrun) only when every rank is there to receive it."""
+        if not self._send_lock.acquire(timeout=1.0):  # a thread stuck in a send (shutdown from another thread)
+            return False
         try:
             if self.ring is not None:
                 return self.ring.send(pickle.dumps(("exit", None)), timeout=0.5)
@@ -473,6 +479,8 @@ class TensorParallelGroup:
                 return True
         except Exception:  # noqa: BLE001 - a peer is gone: the workers are stopped regardless
             logger.debug("the tensor-parallel exit message failed", exc_info=True)
+        finally:
+            self._send_lock.release()
         return False
 
     def _stop_workers(self, grace_s: float) -> None:

@@ -15,7 +15,8 @@ Each reader also has a report area (a state word and a short text) for telling t
 started, failed and why.
 
 Layout: little-endian uint64 words, per reader ``read``, ``state``, ``text length``, ``sleeping``, then per
-slot ``seq``, ``length``, ``last``; byte regions follow (one report text per reader, then the slots' data).
+slot ``seq``, ``length``, ``last``, then the writer's ``closing`` flag; byte regions follow (one report text
+per reader, then the slots' data).
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class BroadcastRing:
         self.name = shm.name
         self.num_readers, self.num_slots, self.slot_bytes = num_readers, num_slots, slot_bytes
         self.reader = reader  # None for the writer
-        num_words = num_readers * _READER_WORDS + num_slots * _SLOT_WORDS
+        num_words = num_readers * _READER_WORDS + num_slots * _SLOT_WORDS + 1  # + the writer's 'closing' word
+        self._closing_word = num_words - 1
         self._words = shm.buf[: num_words * 8].cast("Q")
         self._bytes = shm.buf[num_words * 8 :]
         self._data_off = num_readers * REPORT_BYTES
@@ -123,7 +125,7 @@ class BroadcastRing:
 
     @staticmethod
     def segment_bytes(num_readers: int, num_slots: int, slot_bytes: int) -> int:
-        words = num_readers * _READER_WORDS + num_slots * _SLOT_WORDS
+        words = num_readers * _READER_WORDS + num_slots * _SLOT_WORDS + 1
         return words * 8 + num_readers * REPORT_BYTES + num_slots * slot_bytes
 
     def _reader_word(self, reader: int, field: int) -> int:
@@ -253,6 +255,15 @@ class BroadcastRing:
                     os.read(fd, 4096)
         finally:
             self._words[flag] = 0
+
+    @property
+    def closing(self) -> bool:
+        """The writer is going away (set with :meth:`mark_closing`): a reader's failure from now on is expected."""
+        return bool(self._words[self._closing_word])
+
+    def mark_closing(self) -> None:
+        self._words[self._closing_word] = 1
+        _fence()
 
     # --- reports (reader -> writer) ---------------------------------------------------------------------
 
