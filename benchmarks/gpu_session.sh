@@ -42,8 +42,8 @@ pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth
 case "${1:?phase}" in
   r2-a)  # round 2: plugin API 2 on the GPU: GPU tests, first and steady runs, fp8 KV cache, then the previous engine
     step gpu_tests 230 python -m pytest tests/test_gpu_engine.py tests/test_logprobs.py tests/test_sampling_kernel.py \
-      plugins/models_qwen3/tests/test_qk_norm_rope.py plugins/attention_flash/tests -m gpu -q -x -s \
-      -k "not flash_attn and not tp2 and not flash"
+      plugins/models_qwen3/tests/test_qk_norm_rope.py -m gpu -q -x -s -k "not flash_attn and not tp2"
+    step kernel_tests 200 python -m pytest plugins/attention_flash/tests -m gpu -q -x -s -k "not flash_attn"
     TAIL=8 bench triton --attention triton --runs 3 --warmup-prompts 1
     TAIL=4 bench triton_fp8 --attention triton --kv-cache-dtype fp8
     if [ -d .bench-old ]; then  # the engine before this round, same machine, back to back
@@ -54,6 +54,7 @@ case "${1:?phase}" in
     pack
     ;;
   r2-serve)  # the server: all at once (against r2-a's offline run), then latency against rate for each policy
+    TAIL=6 step kernel_tests 170 python -m pytest plugins/attention_flash/tests -m gpu -q -x -k "not flash_attn"
     serve_start fifo
     TAIL=14 serve_bench fifo_nano --dataset nano --request-rate inf
     TAIL=14 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 400 --request-rate inf
