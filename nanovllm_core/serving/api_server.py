@@ -298,9 +298,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(
-            id=settings.served_model_name, root=engine.engine.config.model, max_model_len=engine.max_model_len
-        )
+        card = ModelCard(id=settings.served_model_name, root=engine.config.model, max_model_len=engine.max_model_len)
         return ModelList(data=[card])
 
     @app.get("/health")
@@ -312,6 +310,6 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     @app.get("/metrics")
     async def prometheus() -> Response:
         stats = await engine.stats() if engine.is_running else None
-        return Response(metrics.render(stats), media_type=CONTENT_TYPE)
+        return Response(metrics.render(stats, engine), media_type=CONTENT_TYPE)
 
     return app

@@ -1,9 +1,9 @@
 """AsyncLLM: the engine behind an asyncio API (streams of incremental outputs, abort, stats), for servers.
 
-The engine is not thread-safe, so one background thread owns it and runs the step loop. Every other caller
-talks to it through a command list that the loop drains between steps; the loop hands its results and the
-step's outputs back to the event loop in one ``call_soon_threadsafe`` per iteration, and sleeps on a
-condition while it has nothing to do. Prompts are tokenized on the caller's side with a tokenizer of its own
+The engine is not thread-safe, so one step loop owns it (:mod:`nanovllm_core.serving.step_loop`: a background
+thread, or a process of its own). Callers talk to it through commands that the loop drains between steps; the
+loop hands its results and each step's outputs back to the event loop in one ``call_soon_threadsafe`` each,
+and sleeps while it has nothing to do. Prompts are tokenized on the caller's side with a tokenizer of its own
 (so the step loop does no tokenization and no two threads share one tokenizer object).
 """
 
@@ -13,16 +13,17 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError, NanoVLLMError
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.serving.step_loop import EngineProcess, EngineThread, LoopAccount
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +69,10 @@ def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
 class RequestStream:
     """The outputs of one request, as an async iterator; ends after the finished output (or raises)."""
 
-    def __init__(self, request_id: str, num_prompt_tokens: int, prompt: str | None = None) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], prompt: str | None = None) -> None:
         self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
         self.prompt = prompt
         self.arrival = time.monotonic()
         self.last_token_time: float | None = None
@@ -106,39 +108,33 @@ class RequestStream:
         return item
 
 
-@dataclasses.dataclass
-class _Command:
-    fn: Callable[[LLMEngine], Any]
-    future: asyncio.Future | None
-    request_id: str | None = None  # the request this adds (kept in the loop's table once added)
-    emits: bool = False  # the result is a RequestOutput to hand to its stream (abort)
-
-
 class AsyncLLM:
     """``async for out in engine.generate(prompt, params, request_id)``: incremental outputs of a request.
 
-    Build it around an engine (``AsyncLLM(LLMEngine(...))``) or from a config (``AsyncLLM.from_config``).
+    Build it around an engine (``AsyncLLM(LLMEngine(...))``: the step loop runs in a thread of this process) or
+    from a config (``AsyncLLM.from_config(model, ..., engine_process=True)`` runs it in a process of its own).
     The step loop starts with :meth:`start` (or the first request) in the running event loop and stops with
     :meth:`shutdown`, which aborts whatever is still in flight. ``async with AsyncLLM(...)`` does both.
     """
 
-    def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None) -> None:
-        self.engine = engine
+    def __init__(self, core: LLMEngine | EngineThread | EngineProcess, observer: OutputObserver | None = None) -> None:
+        self.core = EngineThread(core) if isinstance(core, LLMEngine) else core
+        self.engine: LLMEngine | None = getattr(self.core, "engine", None)  # None when it runs in its own process
+        self.config: EngineConfig = self.core.config
         self.observer = observer
-        self.max_model_len: int = engine.config.max_model_len  # type: ignore[assignment]
-        self.tokenizer = LLMEngine._load_tokenizer(engine.config.tokenizer or engine.config.model)
+        self.max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
+        self.tokenizer = LLMEngine._load_tokenizer(self.config.tokenizer or self.config.model)
         self._streams: dict[str, RequestStream] = {}
         self._num_queued = 0  # accepted requests without any output yet (waiting or in their first prefill)
         self._ids = itertools.count()
+        self._call_ids = itertools.count()
+        self._calls: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._cond = threading.Condition()
-        self._commands: list[_Command] = []
-        self._stopping = False
-        self._closed = False  # set by the loop when it drained its last commands
+        self._started = False
+        self._closed = False  # stop was sent: nothing more is accepted
         self._dead: BaseException | None = None
-        self.step_seconds = 0.0  # time spent in engine.step(), for the GIL measurement
-        self.num_steps = 0
+        # the step loop's own account (steps, time inside step(), its thread's CPU time), for /metrics
+        self.account = LoopAccount()
 
     @classmethod
     def from_config(
@@ -148,32 +144,35 @@ class AsyncLLM:
         *,
         cli_overrides: dict[str, Any] | None = None,
         observer: OutputObserver | None = None,
+        engine_process: bool = False,
         **kwargs: Any,
     ) -> AsyncLLM:
+        if engine_process:
+            return cls(EngineProcess(model, config, cli_overrides, **kwargs), observer)
         return cls(LLMEngine(model, config, cli_overrides=cli_overrides, **kwargs), observer)
 
     # --- life cycle -------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the step loop in its thread, bound to the running event loop (idempotent)."""
-        if self._thread is not None:
+        """Start the step loop, bound to the running event loop (idempotent)."""
+        if self._started:
             return
+        self._started = True
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="nanovllm-step-loop", daemon=True)
-        self._thread.start()
+        self.core.start(self._emit_threadsafe, self._fail_threadsafe)
 
     async def shutdown(self, timeout: float = 0.0) -> None:
-        """Stop: wait up to ``timeout`` seconds for in-flight requests, abort the rest, join the loop thread."""
+        """Stop: wait up to ``timeout`` seconds for in-flight requests, abort the rest, stop the step loop."""
         deadline = time.monotonic() + timeout
         while self._streams and self._dead is None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        if self._started and not self._closed:
+            self._closed = True
+            if self._dead is None:
+                self.core.submit([(None, "stop", ())])
+            await asyncio.to_thread(self.core.join)
             await asyncio.sleep(0)  # let the aborted requests' last outputs reach their streams
-        self.engine.shutdown()
+        self._closed = True
 
     async def __aenter__(self) -> AsyncLLM:
         await self.start()
@@ -185,7 +184,7 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         """The step loop runs and accepts requests."""
-        return self._thread is not None and self._dead is None and not self._stopping
+        return self._started and self._dead is None and not self._closed
 
     @property
     def num_unfinished(self) -> int:
@@ -220,11 +219,11 @@ class AsyncLLM:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         params = dataclasses.replace(params, output_kind="delta")
-        stream = RequestStream(request_id, len(token_ids), prompt if isinstance(prompt, str) else None)
+        stream = RequestStream(request_id, token_ids, prompt if isinstance(prompt, str) else None)
         self._streams[request_id] = stream
         self._num_queued += 1
         try:
-            await self._call(lambda engine: engine.add_request(token_ids, params, request_id), request_id=request_id)
+            await self._call("add", (token_ids, params, request_id))
         except BaseException:
             if self._streams.pop(request_id, None) is stream:
                 self._num_queued -= 1
@@ -249,100 +248,43 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         """Abort a request (its KV blocks are free when this returns); unknown or finished ids are ignored."""
         self._check_alive()
-        await self._call(lambda engine: engine.abort_request(request_id), emits=True)
+        await self._call("abort", (request_id,))
 
     def abort_nowait(self, request_id: str) -> None:
         """Queue an abort without waiting for it (from ``finally`` blocks and callbacks)."""
-        if self._thread is not None and self._dead is None:
-            self._submit(_Command(lambda engine: engine.abort_request(request_id), None, emits=True))
+        if self.is_running:
+            self.core.submit([(None, "abort", (request_id,))])
 
     async def stats(self) -> Any:
         """``LLMEngine.stats()``, read between two steps."""
         self._check_alive()
-        return await self._call(lambda engine: engine.stats())
+        return await self._call("stats", ())
 
     # --- plumbing ---------------------------------------------------------------------------------------
 
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine's step loop has stopped: {self._dead}")
-        if self._stopping:
+        if self._closed:
             raise EngineDeadError("the engine is shutting down and accepts no more requests")
 
-    async def _call(self, fn: Callable[[LLMEngine], Any], request_id: str | None = None, emits: bool = False) -> Any:
+    async def _call(self, kind: str, args: tuple) -> Any:
         assert self._loop is not None
+        call_id = next(self._call_ids)
         future = self._loop.create_future()
-        self._submit(_Command(fn, future, request_id, emits))
-        return await future
-
-    def _submit(self, command: _Command) -> None:
-        with self._cond:
-            if self._closed:  # the loop took its last commands: this one would never run
-                if command.future is not None:
-                    command.future.set_exception(EngineDeadError("the engine has shut down"))
-                return
-            self._commands.append(command)
-            self._cond.notify()
-
-    def _run(self) -> None:
-        """The step loop (its own thread): drain commands, step while there is work, sleep when idle."""
-        engine = self.engine
-        if engine.device.type == "cuda":
-            import torch
-
-            torch.cuda.set_device(engine.device)
-        live: set[str] = set()  # requests in the engine, as this thread knows them
-        events: list[tuple[asyncio.Future | None, Any, BaseException | None]] = []  # command results to hand back
+        self._calls[call_id] = future
         try:
-            while True:
-                with self._cond:
-                    while not self._commands and not self._stopping and not engine.has_unfinished_requests():
-                        self._cond.wait()
-                    commands, self._commands = self._commands, []
-                    stopping = self._closed = self._stopping
-                events = []
-                outputs: list[RequestOutput] = []
-                for command in commands:
-                    try:
-                        result = command.fn(engine)
-                    except Exception as exc:  # noqa: BLE001 - handed to the caller
-                        events.append((command.future, None, exc))
-                        continue
-                    if command.request_id is not None:
-                        live.add(command.request_id)
-                    if command.emits and isinstance(result, RequestOutput):
-                        live.discard(result.request_id)
-                        outputs.append(result)
-                    events.append((command.future, result, None))
-                if events and not stopping:  # answer the callers now, not after the step
-                    self._post(self._deliver, events, [], time.monotonic())
-                    events = []
-                if stopping:
-                    for request_id in list(live):
-                        out = engine.abort_request(request_id)
-                        if out is not None:
-                            outputs.append(out)
-                    self._post(self._deliver, events, outputs, time.monotonic())
-                    return
-                if engine.has_unfinished_requests():
-                    start = time.perf_counter()
-                    step_outputs = engine.step()
-                    self.step_seconds += time.perf_counter() - start
-                    self.num_steps += 1
-                    for out in step_outputs:
-                        if out.finished:
-                            live.discard(out.request_id)
-                    outputs.extend(step_outputs)
-                if events or outputs:
-                    self._post(self._deliver, events, outputs, time.monotonic())
-        except BaseException as exc:  # noqa: BLE001 - every waiting caller learns why
-            logger.exception("the step loop failed; the engine serves no more requests")
-            self._dead = exc
-            with self._cond:
-                self._closed = True
-                commands, self._commands = self._commands, []
-            self._post(self._deliver, events, [], time.monotonic())  # commands this iteration ran before the failure
-            self._post(self._fail_all, exc, [c.future for c in commands])
+            self.core.submit([(call_id, kind, args)])
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _emit_threadsafe(self, results: list, outputs: list[RequestOutput], now: float, account: LoopAccount) -> None:
+        self._post(self._deliver, results, outputs, now, account)
+
+    def _fail_threadsafe(self, exc: BaseException) -> None:
+        logger.error("the step loop failed; the engine serves no more requests: %r", exc)
+        self._post(self._fail_all, exc)
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
@@ -351,9 +293,11 @@ class AsyncLLM:
         except RuntimeError:  # the event loop is closed: nobody is left to tell
             pass
 
-    def _deliver(self, events: list, outputs: list[RequestOutput], now: float) -> None:
-        """On the event loop: resolve command futures, then hand each output to its stream."""
-        for future, result, exc in events:
+    def _deliver(self, results: list, outputs: list[RequestOutput], now: float, account: LoopAccount) -> None:
+        """On the event loop: resolve the commands' futures, then hand each output to its stream."""
+        self.account = account
+        for call_id, result, exc in results:
+            future = self._calls.get(call_id) if call_id is not None else None
             if future is not None and not future.done():
                 if exc is not None:
                     future.set_exception(exc)
@@ -365,6 +309,8 @@ class AsyncLLM:
                 continue
             if out.prompt is None:
                 out.prompt = stream.prompt  # the engine got token ids; the caller gave text
+            if not out.prompt_token_ids:
+                out.prompt_token_ids = stream.prompt_token_ids  # not sent back by an engine process
             self._observe(stream, out, now)
             stream.put(out)
             if out.finished:
@@ -386,10 +332,11 @@ class AsyncLLM:
             reason = "abort" if "abort" in reasons else (reasons.pop() if len(reasons) == 1 else "stop")
             self.observer.finished(now - stream.arrival, reason)
 
-    def _fail_all(self, exc: BaseException, futures: list[asyncio.Future | None]) -> None:
+    def _fail_all(self, exc: BaseException) -> None:
+        self._dead = exc
         error = EngineDeadError(f"the engine's step loop failed: {exc!r}")
-        for future in futures:
-            if future is not None and not future.done():
+        for future in self._calls.values():
+            if not future.done():
                 future.set_exception(error)
         for stream in self._streams.values():
             stream.put(error)

@@ -1,7 +1,8 @@
 """``GET /metrics``: the server's Prometheus metrics (text format, vLLM's names under ``nanovllm:``).
 
 Engine state (running / waiting requests, KV-cache usage, prefix-cache hits, token and preemption counters)
-is read from ``LLMEngine.stats()`` at scrape time; request latencies (time to first token, inter-token
+is read from ``LLMEngine.stats()`` at scrape time, with the step loop's own account (steps, time inside
+``step()``, the loop thread's CPU time) and the process's CPU time; request latencies (time to first token, inter-token
 latency, end to end) are observed by the async front-end as outputs arrive, and finished requests are
 counted by finish reason.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -27,6 +28,7 @@ class EngineStatsCollector(Collector):
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.stats: Any = None
+        self.loop: Any = None  # the AsyncLLM, for its step loop's own account
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats
@@ -52,6 +54,16 @@ class EngineStatsCollector(Collector):
             ("prompt_tokens", "Prompt tokens computed.", s.num_prompt_tokens),
             ("generation_tokens", "Tokens generated.", s.num_generation_tokens),
         ]
+        if self.loop is not None:
+            counters += [
+                ("step_loop_steps", "Engine steps run by the step loop.", self.loop.account.steps),
+                (
+                    "step_loop_busy_seconds",
+                    "Wall time the step loop spent inside engine.step().",
+                    self.loop.account.step_seconds,
+                ),
+                ("step_loop_cpu_seconds", "CPU time of the step-loop thread.", self.loop.account.cpu_seconds),
+            ]
         for name, doc, value in counters:
             metric = CounterMetricFamily(f"nanovllm:{name}", doc, labels=["model_name"])
             metric.add_metric(label, value)
@@ -65,6 +77,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.engine = EngineStatsCollector(model_name)
         self.registry.register(self.engine)
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total and friends (Linux)
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
@@ -94,7 +107,7 @@ class ServerMetrics:
         self.e2e.observe(seconds)
         self.finished_requests.labels(self.model_name, finish_reason or "unknown").inc()
 
-    def render(self, stats: Any) -> bytes:
-        """The text exposition with the engine's ``stats`` snapshot."""
-        self.engine.stats = stats
+    def render(self, stats: Any, loop: Any = None) -> bytes:
+        """The text exposition with the engine's ``stats`` snapshot and the step loop (an AsyncLLM)'s counters."""
+        self.engine.stats, self.engine.loop = stats, loop
         return generate_latest(self.registry)

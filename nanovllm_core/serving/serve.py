@@ -38,6 +38,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are aborted",
     )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the engine's step loop in a process of its own (no GIL shared with HTTP work) instead of a "
+        "thread of the server (default: thread; see docs/serving.md for the measurements)",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -54,9 +61,9 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout {args.shutdown_timeout}: 0 seconds or more")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = AsyncLLM.from_config(config=args.config, cli_overrides=overrides)
+    engine = AsyncLLM.from_config(config=args.config, cli_overrides=overrides, engine_process=args.engine_process)
     settings = ServerSettings(
-        served_model_name=args.served_model_name or args.model_path or engine.engine.config.model,
+        served_model_name=args.served_model_name or args.model_path or engine.config.model,
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
     )

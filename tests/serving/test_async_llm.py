@@ -121,7 +121,7 @@ def test_shutdown_aborts_in_flight_and_stops_the_loop(engine):
         await llm.shutdown()
         rest = [out async for out in stream]
         assert rest[-1].outputs[0].finish_reason == "abort"
-        assert not llm._thread.is_alive() and not llm.is_running
+        assert not llm.core.alive and not llm.is_running
         with pytest.raises(EngineDeadError, match="shutting down"):
             await llm.add_request("Hello", GREEDY)
 
@@ -181,7 +181,7 @@ def delta(index: int, text: str, ids: list[int], finish: str | None = None) -> R
 @given(st.lists(st.tuples(st.integers(0, 1), st.text(max_size=3), st.lists(st.integers(0, 9), max_size=3)), max_size=8))
 def test_unread_deltas_merge_into_one(pieces):
     async def main():
-        stream = RequestStream("r", 1)
+        stream = RequestStream("r", [1])
         for index, text, ids in pieces:
             stream.put(delta(index, text, ids))
         stream.put(delta(0, "!", [7], "stop"))

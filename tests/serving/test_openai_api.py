@@ -281,6 +281,9 @@ def test_metrics(server, client):
         "nanovllm:inter_token_latency_seconds_bucket",
         "nanovllm:e2e_request_latency_seconds_count",
         "nanovllm:request_success_total",
+        "nanovllm:step_loop_busy_seconds_total",
+        "nanovllm:step_loop_cpu_seconds_total",
+        "process_cpu_seconds_total",
     ):
         assert name in text, name
     values = {
@@ -290,4 +293,6 @@ def test_metrics(server, client):
     }
     assert values["nanovllm:generation_tokens_total"] >= 3
     assert values["nanovllm:e2e_request_latency_seconds_count"] >= 1
+    assert values["nanovllm:step_loop_steps_total"] >= 3 and values["nanovllm:step_loop_busy_seconds_total"] > 0
+    assert 0 < values["nanovllm:step_loop_cpu_seconds_total"]
     assert 'finished_reason="length"' in text

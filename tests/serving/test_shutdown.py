@@ -20,8 +20,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(tiny_path, port: int, shutdown_timeout: float) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "nanovllm_core.cli", "serve", str(tiny_path), "--port", str(port)]
+def start(tiny_path, port: int, shutdown_timeout: float, *flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "nanovllm_core.cli", "serve", str(tiny_path), "--port", str(port), *flags]
     cmd += ["--device", "cpu", "--max-model-len", "512", "--kvcache-block-size", "16", "--num-kvcache-blocks", "64"]
     cmd += ["--shutdown-timeout", str(shutdown_timeout), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -58,13 +58,17 @@ def stream_after_signal(port: int, proc: subprocess.Popen, sig: int, max_tokens:
 
 
 @pytest.mark.parametrize(
-    ("sig", "shutdown_timeout", "max_tokens", "finishes"),
-    [(signal.SIGTERM, 30, 40, True), (signal.SIGINT, 0.5, 480, False)],
-    ids=["sigterm-drains", "sigint-aborts-at-deadline"],
+    ("sig", "shutdown_timeout", "max_tokens", "finishes", "flags"),
+    [
+        (signal.SIGTERM, 30, 40, True, ()),
+        (signal.SIGINT, 0.5, 480, False, ()),
+        (signal.SIGTERM, 0.5, 480, False, ("--engine-process",)),
+    ],
+    ids=["sigterm-drains", "sigint-aborts-at-deadline", "engine-process-sigterm-aborts"],
 )
-def test_signal_shuts_down_cleanly(tiny_path, sig, shutdown_timeout, max_tokens, finishes):
+def test_signal_shuts_down_cleanly(tiny_path, sig, shutdown_timeout, max_tokens, finishes, flags):
     port = free_port()
-    proc = start(tiny_path, port, shutdown_timeout)
+    proc = start(tiny_path, port, shutdown_timeout, *flags)
     try:
         chunks, done = stream_after_signal(port, proc, sig, max_tokens)
         output, _ = proc.communicate(timeout=60)

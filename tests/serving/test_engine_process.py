@@ -1,0 +1,83 @@
+"""The step loop in a process of its own (``engine_process=True`` / ``nanovllm serve --engine-process``): the same
+outputs, aborts, stats and errors across the pipe; a server on it; a dead engine process fails its requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from serving_helpers import ENGINE, ServerThread
+
+from nanovllm_core import ConfigError, InvalidRequestError, SamplingParams
+from nanovllm_core.serving.api_server import ServerSettings, build_app
+from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def process_server(tiny_path):
+    engine = AsyncLLM.from_config(str(tiny_path), engine_process=True, **ENGINE)
+    thread = ServerThread(build_app(engine, ServerSettings(served_model_name="p")), engine).start()
+    yield thread
+    thread.stop()
+    assert not engine.core.alive and engine.core.process.exitcode == 0
+
+
+def test_outputs_aborts_and_errors_across_the_pipe(process_server, greedy):
+    llm = process_server.engine
+    assert llm.engine is None and llm.config.max_model_len == ENGINE["max_model_len"]
+
+    async def body():
+        outs = [out async for out in llm.generate("Hello world!", GREEDY)]
+        long = await llm.add_request("Hello", LONG, "long")
+        await long.__anext__()
+        await llm.abort("long")
+        stats = await llm.stats()
+        rest = [out async for out in long]
+        with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+            await llm.add_request([1, 10**7], GREEDY)
+        return outs, stats, rest
+
+    outs, stats, rest = process_server.call(body())
+    assert "".join(o.outputs[0].text for o in outs) == greedy("Hello world!", 10)[0]
+    assert outs[-1].prompt == "Hello world!" and outs[-1].prompt_token_ids == llm.tokenize("Hello world!")
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0
+    assert rest[-1].outputs[0].finish_reason == "abort"
+    assert llm.account.steps > 0 and llm.account.step_seconds > 0
+
+
+def test_http_on_an_engine_process(process_server, greedy):
+    body = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    out = httpx.post(process_server.url + "/v1/completions", json=body, timeout=60).json()
+    assert out["choices"][0]["text"] == greedy("The quick brown fox", 8)[0]
+    with httpx.stream(
+        "POST", process_server.url + "/v1/completions", json={**body, "max_tokens": 400, "stream": True}
+    ) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    stats = process_server.wait_idle()  # the disconnect aborted it in the engine process
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_generation_tokens < 400 + 18
+
+
+def test_bad_config_fails_at_construction(tiny_path):
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        AsyncLLM.from_config(str(tiny_path), engine_process=True, **{**ENGINE, "max_num_seqs": 0})
+
+
+def test_a_dead_engine_process_fails_its_requests(tiny_path):
+    async def main():
+        llm = AsyncLLM.from_config(str(tiny_path), engine_process=True, **ENGINE)
+        stream = await llm.add_request("Hello", LONG)
+        await stream.__anext__()
+        llm.core.process.kill()
+        with pytest.raises(EngineDeadError, match="engine process exited"):
+            async for _ in stream:
+                pass
+        assert not llm.is_running
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("Hello", GREEDY)
+        await llm.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
