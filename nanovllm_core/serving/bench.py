@@ -261,6 +261,9 @@ def parse_rates(text: str) -> list[float]:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
+    from nanovllm_core.serving.serve import require_serve_extra
+
+    require_serve_extra(("httpx",))  # the client needs only that part of the extra
     if args.num_prompts < 1:
         raise ConfigError(f"--num-prompts {args.num_prompts}: at least 1")
     if args.dataset == "nano":

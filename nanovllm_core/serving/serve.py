@@ -48,7 +48,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
+
+
+def require_serve_extra(modules: tuple[str, ...] = SERVE_MODULES) -> None:
+    """A clear error when (the needed part of) the ``[serve]`` extra is not installed."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(
+            f"serving needs the [serve] extra (missing: {', '.join(missing)}): pip install 'nanovllm-core[serve]'"
+        )
+
+
 def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    require_serve_extra()
     import uvicorn
 
     from nanovllm_core.serving.api_server import ServerSettings, build_app

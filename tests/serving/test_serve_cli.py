@@ -31,3 +31,13 @@ def test_bad_serving_flags_fail_before_loading(capsys):
     assert "--max-queued-requests 0" in capsys.readouterr().err
     assert main(["serve", "/does/not/exist", "--shutdown-timeout", "-1"]) == 2
     assert "--shutdown-timeout" in capsys.readouterr().err
+
+
+def test_missing_serve_extra_is_a_clear_error(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
+    assert main(["serve", "/does/not/exist"]) == 2
+    err = capsys.readouterr().err
+    assert "missing: fastapi" in err and "pip install 'nanovllm-core[serve]'" in err
