@@ -12,7 +12,10 @@ every request still in the engine and ends the loop.
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import multiprocessing
+import operator
 import signal
 import threading
 import time
@@ -23,7 +26,7 @@ from typing import Any
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
-from nanovllm_core.outputs import RequestOutput
+from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 Command = tuple[int | None, str, tuple]
 Result = tuple[int | None, Any, BaseException | None]
@@ -37,6 +40,37 @@ class LoopAccount:
 
 
 Emit = Callable[[list[Result], list[RequestOutput], float, LoopAccount], None]
+
+_REQUEST_FIELDS = [f.name for f in dataclasses.fields(RequestOutput) if f.init]
+_OUTPUTS_AT, _METRICS_AT = _REQUEST_FIELDS.index("outputs"), _REQUEST_FIELDS.index("metrics")
+_PROMPT_IDS_AT = _REQUEST_FIELDS.index("prompt_token_ids")
+_request_values = operator.attrgetter(*_REQUEST_FIELDS)
+_completion_values = operator.attrgetter(*(f.name for f in dataclasses.fields(CompletionOutput) if f.init))
+_metrics_values = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestMetrics) if f.init))
+
+
+def pack_outputs(outputs: list[RequestOutput]) -> list[list]:
+    """Outputs as nested tuples and lists of plain values for the pipe: pickled in under half the time of the
+    dataclasses (every step sends one per running request). Prompt token ids stay behind: the front-end has them."""
+    rows = []
+    for out in outputs:
+        row = list(_request_values(out))
+        row[_PROMPT_IDS_AT] = []
+        row[_OUTPUTS_AT] = [_completion_values(c) for c in out.outputs]
+        if out.metrics is not None:
+            row[_METRICS_AT] = _metrics_values(out.metrics)
+        rows.append(row)
+    return rows
+
+
+def unpack_outputs(rows: list[list]) -> list[RequestOutput]:
+    outputs = []
+    for row in rows:
+        row[_OUTPUTS_AT] = [CompletionOutput(*c) for c in row[_OUTPUTS_AT]]
+        if row[_METRICS_AT] is not None:
+            row[_METRICS_AT] = RequestMetrics(*row[_METRICS_AT])
+        outputs.append(RequestOutput(*row))
+    return outputs
 
 
 def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Command]], emit: Emit) -> None:
@@ -104,11 +138,12 @@ class EngineThread:
 
     def start(self, emit: Emit, fail: Callable[[BaseException], None]) -> None:
         def run() -> None:
-            if self.engine.device.type == "cuda":
-                import torch
-
-                torch.cuda.set_device(self.engine.device)
             try:
+                device = self.engine.device
+                if device.type == "cuda":  # the model's device ("cuda" alone: the one current at start-up)
+                    import torch
+
+                    torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
                 run_step_loop(self.engine, self._next_commands, emit)
             except BaseException as exc:  # noqa: BLE001 - every waiting caller learns why
                 fail(exc)
@@ -157,24 +192,31 @@ def engine_process_main(
 
     def next_commands(block: bool) -> list[Command]:
         batch: list[Command] = []
-        if block or commands.poll():
-            batch.extend(commands.recv())
-        while commands.poll():
-            batch.extend(commands.recv())
+        try:
+            if block or commands.poll():
+                batch.extend(commands.recv())
+            while commands.poll():
+                batch.extend(commands.recv())
+        except (EOFError, OSError):  # the front-end is gone (or exiting): abort everything and end
+            batch.append((None, "stop", ()))
         return batch
 
+    def send(message: tuple) -> None:
+        try:
+            outputs.send(message)
+        except (BrokenPipeError, OSError):  # the front-end is gone: nobody is left to tell
+            pass
+
     def emit(results: list[Result], outs: list[RequestOutput], now: float, account: LoopAccount) -> None:
-        for out in outs:  # the front-end keeps every prompt: do not pickle them again each step
-            out.prompt_token_ids = []
-        outputs.send(("out", results, outs, now, account))
+        send(("out", results, pack_outputs(outs), now, account))
 
     try:
         run_step_loop(engine, next_commands, emit)
     except BaseException as exc:  # noqa: BLE001
-        outputs.send(("failed", exc))
+        send(("failed", exc))
     finally:
         engine.shutdown()
-        outputs.send(("closed",))
+        send(("closed",))
 
 
 class EngineProcess:
@@ -194,9 +236,11 @@ class EngineProcess:
             target=engine_process_main,
             args=(model, config, cli_overrides, kwargs, commands_out, outputs_in),
             name="nanovllm-engine",
-            daemon=True,
+            daemon=False,  # a daemonic process may not start the tensor-parallel workers
         )
         self.process.start()
+        # at interpreter exit multiprocessing joins the process: closing the commands pipe first ends its loop
+        atexit.register(self._commands.close)
         commands_out.close()
         outputs_in.close()
         try:
@@ -221,7 +265,8 @@ class EngineProcess:
                     fail(RuntimeError(f"the engine process exited (status {self.process.exitcode})"))
                     return
                 if message[0] == "out":
-                    emit(*message[1:])
+                    _, results, rows, now, account = message
+                    emit(results, unpack_outputs(rows), now, account)
                 elif message[0] == "failed":
                     fail(message[1])
                 else:  # closed
@@ -237,6 +282,7 @@ class EngineProcess:
         if self._reader is not None:
             self._reader.join()
         self.process.join(timeout=60)
+        atexit.unregister(self._commands.close)
         if self.process.is_alive():
             self.process.kill()
 

@@ -4,6 +4,9 @@ outputs, aborts, stats and errors across the pipe; a server on it; a dead engine
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -81,3 +84,57 @@ def test_a_dead_engine_process_fails_its_requests(tiny_path):
         await llm.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+EXIT_SCRIPT = """
+import asyncio, sys
+from nanovllm_core import SamplingParams
+from nanovllm_core.serving import AsyncLLM
+
+async def main():
+    llm = AsyncLLM.from_config(sys.argv[1], engine_process=True, device="cpu", max_model_len=512)
+    stream = await llm.add_request("Hello", SamplingParams(max_tokens=400, ignore_eos=True))
+    await stream.__anext__()
+    print(llm.core.process.pid, flush=True)  # leaves with a request in flight and no shutdown()
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_interpreter_exit_without_shutdown_ends_the_engine_process(tiny_path, tmp_path):
+    script = tmp_path / "leave.py"
+    script.write_text(EXIT_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tiny_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    child = int(done.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # gone, not left behind
+
+
+def test_outputs_survive_the_pipe_encoding():
+    import pickle
+
+    from nanovllm_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from nanovllm_core.serving.step_loop import pack_outputs, unpack_outputs
+
+    lp = [{5: Logprob(-0.1, 1, "a"), 7: Logprob(-2.5, 2, "b")}]
+    outs = [
+        RequestOutput(
+            "a",
+            "text",
+            [1, 2],
+            [CompletionOutput(0, "x", [5], "stop", 5, -0.1, lp)],
+            True,
+            1,
+            None,
+            RequestMetrics(1.0, 2.0, 3.0, 4.0, 5.0, 2, 1, 1),
+            [None, {2: Logprob(-1.0, 1, "y")}],
+        ),
+        RequestOutput("b", None, [3], [CompletionOutput(1, "", [], None)], False),
+    ]
+    back = unpack_outputs(pickle.loads(pickle.dumps(pack_outputs(outs))))
+    for before, after in zip(outs, back):
+        assert after.prompt_token_ids == []  # left behind: the front-end has them
+        after.prompt_token_ids = before.prompt_token_ids
+        assert after == before
