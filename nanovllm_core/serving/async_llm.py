@@ -50,18 +50,15 @@ def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         if prev is None:
             completions[c.index] = c
             continue
-        logprobs = getattr(prev, "logprobs", None)
-        if logprobs is not None and getattr(c, "logprobs", None) is not None:
-            logprobs = logprobs + c.logprobs
-        changes: dict[str, Any] = {"text": prev.text + c.text, "token_ids": prev.token_ids + c.token_ids}
-        changes.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        if hasattr(c, "logprobs"):
-            changes["logprobs"] = logprobs
-        if hasattr(c, "cumulative_logprob"):
-            changes["cumulative_logprob"] = c.cumulative_logprob
-        completions[c.index] = dataclasses.replace(prev, **changes)
+        both = prev.logprobs is not None and c.logprobs is not None
+        completions[c.index] = dataclasses.replace(
+            c,
+            text=prev.text + c.text,
+            token_ids=prev.token_ids + c.token_ids,
+            logprobs=prev.logprobs + c.logprobs if both else (c.logprobs or prev.logprobs),  # type: ignore[operator]
+        )
     merged = dataclasses.replace(new, outputs=sorted(completions.values(), key=lambda c: c.index))
-    if getattr(old, "prompt_logprobs", None) is not None:
+    if old.prompt_logprobs is not None:  # sent once, with the first output
         merged.prompt_logprobs = old.prompt_logprobs
     return merged
 
@@ -166,13 +163,12 @@ class AsyncLLM:
         deadline = time.monotonic() + timeout
         while self._streams and self._dead is None and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        if self._started and not self._closed:
+        if not self._closed:  # (a loop that never started still has an engine, or an engine process, to end)
             self._closed = True
             if self._dead is None:
                 self.core.submit([(None, "stop", ())])
             await asyncio.to_thread(self.core.join)
             await asyncio.sleep(0)  # let the aborted requests' last outputs reach their streams
-        self._closed = True
 
     async def __aenter__(self) -> AsyncLLM:
         await self.start()

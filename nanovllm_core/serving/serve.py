@@ -41,9 +41,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run the engine's step loop in a process of its own (no GIL shared with HTTP work) instead of a "
-        "thread of the server (default: thread; see docs/serving.md for the measurements)",
+        default=True,
+        help="run the engine's step loop in a process of its own, so that it shares no GIL with the HTTP work "
+        "(default; --no-engine-process: a thread of the server; docs/serving.md has the measurements)",
     )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 

@@ -64,6 +64,12 @@ def test_http_on_an_engine_process(process_server, greedy):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_generation_tokens < 400 + 18
 
 
+def test_shutdown_before_start_ends_the_engine_process(tiny_path):
+    llm = AsyncLLM.from_config(str(tiny_path), engine_process=True, **ENGINE)
+    asyncio.run(llm.shutdown())
+    assert not llm.core.alive and llm.core.process.exitcode == 0 and not llm.is_running
+
+
 def test_bad_config_fails_at_construction(tiny_path):
     with pytest.raises(ConfigError, match="max_num_seqs"):
         AsyncLLM.from_config(str(tiny_path), engine_process=True, **{**ENGINE, "max_num_seqs": 0})

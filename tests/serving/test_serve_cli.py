@@ -13,7 +13,8 @@ def test_serve_parses_server_and_engine_flags():
     )
     assert args.func is cmd_serve and args.model_path == "/m" and args.port == 0 and args.api_key == "k"
     assert args.max_queued_requests == 3 and args.served_model_name == "mine" and args.config == "c.toml"
-    assert args.host == "127.0.0.1" and args.shutdown_timeout == 10.0
+    assert args.host == "127.0.0.1" and args.shutdown_timeout == 10.0 and args.engine_process is True
+    assert build_parser().parse_args(["serve", "/m", "--no-engine-process"]).engine_process is False
     overrides = _cli_overrides(args)
     assert overrides["max_num_seqs"] == 4 and overrides["enable_prefix_caching"] is False
     assert overrides["plugins"] == {"scheduler": "fifo"}

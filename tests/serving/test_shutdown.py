@@ -62,9 +62,9 @@ def stream_after_signal(port: int, proc: subprocess.Popen, sig: int, max_tokens:
     [
         (signal.SIGTERM, 30, 40, True, ()),
         (signal.SIGINT, 0.5, 480, False, ()),
-        (signal.SIGTERM, 0.5, 480, False, ("--engine-process",)),
+        (signal.SIGTERM, 0.5, 480, False, ("--no-engine-process",)),
     ],
-    ids=["sigterm-drains", "sigint-aborts-at-deadline", "engine-process-sigterm-aborts"],
+    ids=["sigterm-drains", "sigint-aborts-at-deadline", "thread-sigterm-aborts"],
 )
 def test_signal_shuts_down_cleanly(tiny_path, sig, shutdown_timeout, max_tokens, finishes, flags):
     port = free_port()
