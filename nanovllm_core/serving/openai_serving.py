@@ -26,6 +26,7 @@ from nanovllm_core.serving.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprob,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -50,10 +51,25 @@ class Job:
     logprobs: int | None  # top logprobs per token; None: no logprobs
     include_usage: bool = False
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    prompt_logprobs_sent: set[int] = field(default_factory=set)
     completion_tokens: list[int] = field(default_factory=list)
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # prompt index -> the engine's prompt logprobs
 
     def __post_init__(self) -> None:
         self.completion_tokens = [0] * (len(self.streams) * self.n)
+
+    def take_prompt_logprobs(self, index: int) -> list[dict[int, PromptLogprob] | None] | None:
+        """The prompt logprobs of choice ``index``'s prompt, once per choice (its first chunk carries them)."""
+        if index in self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent.add(index)
+        raw = self.prompt_logprobs.get(index // self.n)
+        if raw is None:
+            return None
+        return [
+            None if position is None else {t: PromptLogprob(**vars(lp)) for t, lp in position.items()}
+            for position in raw
+        ]
 
     def usage(self) -> UsageInfo:
         prompt = sum(s.num_prompt_tokens for s in self.streams)
@@ -79,6 +95,8 @@ class Job:
     async def _outputs(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
         async with contextlib.aclosing(merge_streams(self.streams)) as merged:
             async for i, out in merged:
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs.setdefault(i, out.prompt_logprobs)
                 for c in out.outputs:
                     index = i * self.n + c.index
                     self.completion_tokens[index] += len(c.token_ids)
@@ -161,7 +179,9 @@ async def completion_response(job: Job) -> CompletionResponse:
     builders: dict[int, CompletionLogprobsBuilder] = {}
     async with job.reading() as outputs:
         async for index, c in outputs:
-            choice = choices.setdefault(index, CompletionChoice(index=index, text=""))
+            if index not in choices:
+                choices[index] = CompletionChoice(index=index, text="", prompt_logprobs=job.take_prompt_logprobs(index))
+            choice = choices[index]
             texts.setdefault(index, []).append(c.text)
             builder = builders.setdefault(index, CompletionLogprobsBuilder(job))
             delta = builder.build(c)
@@ -192,6 +212,7 @@ async def completion_events(job: Job) -> AsyncIterator[str]:
                     logprobs=builder.build(c),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    prompt_logprobs=job.take_prompt_logprobs(index),
                 )
                 yield sse(CompletionResponse(id=job.response_id, model=job.model, choices=[choice]).model_dump_json())
         if job.include_usage:

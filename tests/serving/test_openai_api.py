@@ -3,6 +3,7 @@ usage, and the errors (401, 400 naming the field, 404, prompt over max_model_len
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -296,3 +297,23 @@ def test_metrics(server, client):
     assert values["nanovllm:step_loop_steps_total"] >= 3 and values["nanovllm:step_loop_busy_seconds_total"] > 0
     assert 0 < values["nanovllm:step_loop_cpu_seconds_total"]
     assert 'finished_reason="length"' in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs(server, offline, stream):
+    ids = offline.tokenizer.encode(PROMPT)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "prompt_logprobs": 2, "n": 2, "stream": stream}
+    response = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    if stream:
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+        with_prompt = [c for c in choices if c["prompt_logprobs"] is not None]
+        assert sorted(c["index"] for c in with_prompt) == [0, 1]  # once per choice, in its first chunk
+    else:
+        with_prompt = response.json()["choices"]
+    for choice in with_prompt:
+        positions = choice["prompt_logprobs"]
+        assert len(positions) == len(ids) and positions[0] is None
+        for token, position in zip(ids[1:], positions[1:]):
+            assert str(token) in position and 2 <= len(position) <= 3  # the prompt's token and the top 2
+            assert all(entry["logprob"] <= 0 for entry in position.values())
