@@ -54,7 +54,7 @@ case "${1:?phase}" in
     pack
     ;;
   r2-serve)  # the server: all at once (against r2-a's offline run), then latency against rate for each policy
-    TAIL=6 step kernel_tests 170 python -m pytest plugins/attention_flash/tests -m gpu -q -x -k "not flash_attn"
+    TAIL=8 step kernel_tests 170 python -m pytest plugins/attention_flash/tests -m gpu -q -k "not flash_attn"
     serve_start fifo
     TAIL=14 serve_bench fifo_nano --dataset nano --request-rate inf
     TAIL=14 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 400 --request-rate inf
