@@ -152,19 +152,7 @@ def make_case(
     q = torch.randn((num_tokens, num_heads, head_dim), generator=gen, device=dev).to(dtype)
     k = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen, device=dev).to(dtype)
     v = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen, device=dev).to(dtype)
-    batch = AttentionBatch(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-        max_query_len=max([*query_lens, 1 if num_pad_rows else 0]),
-        max_seq_len=max([*seq_lens, 0]),
-        num_seqs=len(seq_lens),
-        num_tokens=num_tokens,
-        block_size=block_size,
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-    )
+    batch = AttentionBatch.build(qsl, seq_lens, tables, slots, block_size, dev)
     return PagedCase(
         batch=batch,
         q=q,
@@ -186,19 +174,7 @@ def reference(case: PagedCase, torch_backend_cls: type[AttentionBackend]) -> tor
         qsl = case.batch.query_start_loc_cpu
         n = len(real)
         assert real == list(range(n)), "padding rows must come last"
-        sub = AttentionBatch(
-            query_start_loc=case.batch.query_start_loc[: n + 1],
-            seq_lens=case.batch.seq_lens[:n],
-            block_tables=case.batch.block_tables[:n],
-            slot_mapping=case.batch.slot_mapping[: qsl[n]],
-            max_query_len=max(case.query_lens[:n]),
-            max_seq_len=max(case.batch.seq_lens_cpu[:n]),
-            num_seqs=n,
-            num_tokens=qsl[n],
-            block_size=case.batch.block_size,
-            query_start_loc_cpu=qsl[: n + 1],
-            seq_lens_cpu=case.batch.seq_lens_cpu[:n],
-        )
+        sub = case.batch.head(n)
         backend = exact.backend(torch_backend_cls)
         cache = exact.kv_cache.clone()
         out[: qsl[n]] = backend.forward(exact.q[: qsl[n]], exact.k[: qsl[n]], exact.v[: qsl[n]], cache, sub)
