@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.distributed import all_reduce
 from nanovllm_core.engine.cuda_graph import CudaGraphDecoder
 from nanovllm_core.engine.options import instantiate
 from nanovllm_core.errors import ConfigError
@@ -447,7 +448,7 @@ class ModelRunner:
         num_blocks = self.config.num_kvcache_blocks or self._num_blocks_from_memory()
         if dist.is_initialized():  # every rank must hold the same number of blocks
             count = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
-            dist.all_reduce(count, op=dist.ReduceOp.MIN)
+            all_reduce(count, op=dist.ReduceOp.MIN)  # a rank that failed to start is named, not a raw gloo error
             num_blocks = int(count.item())
         if num_blocks < 1:
             raise ConfigError("the KV cache would hold no block; set num_kvcache_blocks or give it more memory")
