@@ -41,7 +41,7 @@ serve_bench() {  # serve_bench NAME ARGS...: `nanovllm bench serve` against the 
 pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth 1 -type f ! -name logs.tgz -delete); }
 case "${1:?phase}" in
   r2-a)  # round 2: plugin API 2 on the GPU: GPU tests, first and steady runs, fp8 KV cache, then the previous engine
-    step gpu_tests 230 python -m pytest tests/test_gpu_engine.py tests/test_logprobs.py tests/test_sampling_kernel.py \
+    step gpu_tests 230 python -m pytest tests/gpu/test_gpu_engine.py tests/engine/test_logprobs.py tests/unit/test_sampling_kernel.py \
       plugins/models_qwen3/tests/test_qk_norm_rope.py -m gpu -q -x -s -k "not flash_attn and not tp2"
     step kernel_tests 200 python -m pytest plugins/attention_flash/tests -m gpu -q -x -s -k "not flash_attn"
     TAIL=8 bench triton --attention triton --runs 3 --warmup-prompts 1
@@ -75,14 +75,14 @@ case "${1:?phase}" in
     ;;
   overlap-a)  # async scheduling + fused qk-norm/rope + sampling kernel: bench, GPU tests, bench without overlap
     TAIL=25 bench triton --attention triton --profile
-    step gpu_tests_core 150 python -m pytest tests/test_gpu_engine.py plugins/models_qwen3/tests/test_qk_norm_rope.py \
-      tests/test_sampling_kernel.py -m gpu -q -x -k "not flash_attn"
+    step gpu_tests_core 150 python -m pytest tests/gpu/test_gpu_engine.py plugins/models_qwen3/tests/test_qk_norm_rope.py \
+      tests/unit/test_sampling_kernel.py -m gpu -q -x -k "not flash_attn"
     step kernel_tests_triton 120 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "triton"
     TAIL=5 bench triton_sync --attention triton --async-scheduling off
     ;;
   final2-a)  # this session's final figures (with flash-attn's first half alongside)
-    step gpu_tests_core 150 python -m pytest tests/test_gpu_engine.py plugins/models_qwen3/tests/test_qk_norm_rope.py \
-      tests/test_sampling_kernel.py -m gpu -q -s -k "not flash_attn"
+    step gpu_tests_core 150 python -m pytest tests/gpu/test_gpu_engine.py plugins/models_qwen3/tests/test_qk_norm_rope.py \
+      tests/unit/test_sampling_kernel.py -m gpu -q -s -k "not flash_attn"
     step kernel_tests_triton 120 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "triton"
     TAIL=25 bench triton --attention triton --profile
     TAIL=4 bench triton_sync --attention triton --async-scheduling off
@@ -92,7 +92,7 @@ case "${1:?phase}" in
     ;;
   final2-b)
     TAIL=30 step kernel_bench 200 python plugins/attention_flash/bench_kernels.py --out "$OUT/kernels.md"
-    step engine_tests_flash 120 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "flash_attn"
+    step engine_tests_flash 120 python -m pytest tests/gpu/test_gpu_engine.py -m gpu -q -s -k "flash_attn"
     TAIL=4 bench flash_attn --attention flash_attn
     TAIL=4 bench flash_attn_sync --attention flash_attn --async-scheduling off
     step kernel_tests_flash 150 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "flash"
@@ -104,7 +104,7 @@ case "${1:?phase}" in
     TAIL=4 bench triton --attention triton
     ;;
   tp2)  # two H200s (kind nvidia-h200-x2): NCCL TP=2 parity, the workload at TP=2 and TP=1
-    step gpu_tests_tp2 200 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "tp2"
+    step gpu_tests_tp2 200 python -m pytest tests/gpu/test_gpu_engine.py -m gpu -q -s -k "tp2"
     TAIL=4 bench tp2 --attention triton --tensor-parallel-size 2
     TAIL=4 bench tp1 --attention triton
     rm -f "$OUT/pip.log"
@@ -112,12 +112,12 @@ case "${1:?phase}" in
   overlap-b)  # flash-attn-4 beside it: prefill tile sweep, kernel table, parity, bench
     python -c "import flash_attn.cute; print('flash-attn-4 imports')"
     TAIL=70 step kernel_sweep 240 python plugins/attention_flash/bench_kernels.py --sweep prefill --backends triton,flash_attn --out "$OUT/sweep.md"
-    step engine_tests_flash 120 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "flash_attn"
+    step engine_tests_flash 120 python -m pytest tests/gpu/test_gpu_engine.py -m gpu -q -s -k "flash_attn"
     TAIL=6 bench flash_attn --attention flash_attn
     ;;
   triton)
     step kernel_tests_triton 150 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "triton"
-    step engine_tests 150 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "not flash_attn"
+    step engine_tests 150 python -m pytest tests/gpu/test_gpu_engine.py -m gpu -q -s -k "not flash_attn"
     bench triton --attention triton
     TAIL=4 bench triton_eager --attention triton --enforce-eager
     ;;
@@ -129,7 +129,7 @@ case "${1:?phase}" in
     TAIL=6 bench flash_attn --attention flash_attn
     ;;
   compiled)  # after fusing the small ops with torch.compile
-    step engine_tests 200 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "not flash_attn"
+    step engine_tests 200 python -m pytest tests/gpu/test_gpu_engine.py -m gpu -q -s -k "not flash_attn"
     TAIL=25 bench triton --attention triton --profile
     TAIL=25 bench triton_uncompiled --attention triton --no-compile-small-ops --profile
     ;;
@@ -138,6 +138,6 @@ case "${1:?phase}" in
     bench flash_attn --attention flash_attn
     step kernel_bench 200 python plugins/attention_flash/bench_kernels.py --out "$OUT/kernels.md"
     step kernel_tests_flash 150 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -x -q -k "flash"
-    step engine_tests_flash 100 python -m pytest tests/test_gpu_engine.py -m gpu -q -s -k "flash_attn"
+    step engine_tests_flash 100 python -m pytest tests/gpu/test_gpu_engine.py -m gpu -q -s -k "flash_attn"
     ;;
 esac

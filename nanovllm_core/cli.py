@@ -280,7 +280,7 @@ def config_reference() -> str:
         "# Configuration reference",
         "",
         "<!-- Generated from nanovllm_core.config by `nanovllm config --reference > docs/config.md`. Do not edit:"
-        " tests/test_cli.py fails when this file is out of date. -->",
+        " tests/unit/test_cli.py fails when this file is out of date. -->",
         "",
         "The engine reads one configuration, validated by the pydantic model `nanovllm_core.EngineConfig`, from",
         "four layers; a later layer overrides an earlier one key by key (the `[plugins]` table merges key by key):",

@@ -7,7 +7,7 @@ the previous step's sampled tensor, stops found one step late, sequences leaving
 from __future__ import annotations
 
 import pytest
-from test_parity import GREEDY, MAX_NEW, PROMPTS, make_prompts
+from engine_helpers import GREEDY, MAX_NEW, PROMPTS, make_prompts
 
 from nanovllm_core import LLM, PLACEHOLDER_TOKEN, SamplingParams
 from nanovllm_core.errors import ConfigError

@@ -19,7 +19,7 @@ from nanovllm_core.errors import SchedulerError
 from nanovllm_core.plugins import get_registry
 from nanovllm_core.testing.conformance import SchedulerConformance
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 HOOKS = ROOT / "examples" / "hooks"
 TUTORIAL_SCHEDULER = ROOT / "examples/tutorial/nanovllm-scheduler-decode-first/nanovllm_decode_first/scheduler.py"

@@ -1,8 +1,10 @@
+"""The engine config on its own: precedence of its sources, strict validation, errors that name the field."""
+
 from __future__ import annotations
 
 import pytest
 
-from nanovllm_core import LLM, ConfigError, EngineConfig, UnknownPluginError
+from nanovllm_core import ConfigError, EngineConfig
 
 
 def write(tmp_path, text):
@@ -71,44 +73,3 @@ def test_strict_in_files_too(tmp_path):
 def test_what_strict_still_accepts(tmp_path):
     config = EngineConfig.load(None, {"model": tmp_path, "gpu_memory_utilization": 1, "seed": 2**64 - 1})
     assert config.model == str(tmp_path) and config.gpu_memory_utilization == 1.0 and config.seed == 2**64 - 1
-
-
-def test_unknown_plugin_lists_installed(qwen3_path):
-    with pytest.raises(UnknownPluginError, match="no scheduler named 'lifo'.*installed: fifo"):
-        LLM(str(qwen3_path), plugins={"scheduler": "lifo"})
-    with pytest.raises(UnknownPluginError, match="no attention named 'flash9'.*torch"):
-        LLM(str(qwen3_path), plugins={"attention": "flash9"})
-
-
-def test_config_file_selects_plugins_and_limits(tmp_path, qwen3_path):
-    path = write(
-        tmp_path,
-        f'model = "{qwen3_path}"\nmax_model_len = 128\nnum_kvcache_blocks = 20\n'
-        'kvcache_block_size = 32\n[plugins]\nattention = "torch"\n',
-    )
-    llm = LLM(config=path, max_num_seqs=4)
-    assert llm.config.max_num_seqs == 4 and llm.config.max_model_len == 128
-    assert llm.block_manager.num_blocks == 20 and llm.block_manager.block_size == 32
-    assert llm.attention_backend_name == "torch"
-
-
-def test_unknown_plugin_option_is_a_config_error(qwen3_path):
-    with pytest.raises(ConfigError, match="block_manager_options.*not accepted by PrefixCachingBlockManager"):
-        LLM(str(qwen3_path), num_kvcache_blocks=8, plugins={"block_manager_options": {"colour": "red"}})
-
-
-def test_max_model_len_above_model_limit(qwen3_path):
-    with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
-        LLM(str(qwen3_path), max_model_len=100000)
-
-
-def test_unknown_attention_option_is_a_config_error(qwen3_path):
-    with pytest.raises(ConfigError, match=r"attention_options \['tile'\] not accepted by TorchAttentionBackend"):
-        LLM(str(qwen3_path), num_kvcache_blocks=8, plugins={"attention": "torch", "attention_options": {"tile": 4}})
-
-
-def test_flash_attn_backend_rejects_options_before_loading_anything():
-    from nanovllm_attention_flash import FlashAttnBackend
-
-    with pytest.raises(ConfigError, match=r"attention_options \['tile'\] not accepted by FlashAttnBackend"):
-        FlashAttnBackend(2, 1, 64, 0.125, 16, None, None, tile=4)

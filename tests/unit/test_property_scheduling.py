@@ -3,18 +3,16 @@
 The simulated engine (the real engine core, the installed fifo policy and prefix_cache block manager, a fake
 model whose next token depends on the whole context) checks after every step that each context is really in
 the KV cache, that used blocks are exactly the live block tables, and at the end that every output equals the
-prompt's completion run alone (one-at-a-time parity) and that every block is free. A smaller real-engine
-property compares the tiny model's greedy outputs under pressure with the same prompts run one at a time.
+prompt's completion run alone (one-at-a-time parity) and that every block is free. The same property on the
+real engine and the tiny model: engine/test_property_engine.py.
 """
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
 
-from nanovllm_core import LLM, SamplingParams
 from nanovllm_core.testing.simulated import SimulatedEngine
 
 BS = 16
@@ -61,25 +59,3 @@ def test_random_mixes_keep_the_invariants(events, num_blocks, budget, max_num_se
     sim.assert_outputs_exact()
     sim.assert_all_blocks_free()
     assert sim.core.stats().num_running == sim.core.stats().num_waiting == 0
-
-
-@pytest.fixture(scope="module")
-def engines(qwen3_path):
-    pressured = LLM(str(qwen3_path), kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=9,
-                    max_num_seqs=4, max_num_batched_tokens=40, async_scheduling="on")
-    roomy = LLM(str(qwen3_path), kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)
-    return pressured, roomy
-
-
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(requests=st.lists(st.tuples(family, st.integers(0, 2), st.integers(1, 30), st.integers(1, 12)),
-                         min_size=2, max_size=6))
-def test_greedy_under_pressure_equals_one_at_a_time(engines, requests):
-    pressured, roomy = engines
-    prompts = [[3 + t % 380 for t in prompt_of(f, b, t, i)] for i, (f, b, t, _) in enumerate(requests)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for *_, m in requests]
-    together = pressured.generate(prompts, params, use_tqdm=False)
-    alone = [roomy.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
-    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
-    stats = pressured.stats()
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks

@@ -1,32 +1,18 @@
 """The conformance kit catches broken plugins: each check is run against a plugin with one deliberate bug.
 
-The in-tree plugins passing the same checks (``plugins/*/tests/test_conformance_*.py``) are the other half.
+Schedulers and block managers here (the simulated engine: no model or attention plugin needed); attention
+backends and models in test_conformance_kit_attention.py and test_conformance_kit_model.py. The in-tree plugins
+passing the same checks (``plugins/*/tests/test_conformance_*.py``) are the other half.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
-import torch
-from nanovllm_attention_flash import TorchAttentionBackend
-from nanovllm_models_qwen3 import Qwen3ForCausalLM
+from kit_helpers import KitFailure, PreemptionKeepsComputedTokens
 from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
 
-from nanovllm_core import ModelLoadError, Scheduler, SchedulerOutput
-from nanovllm_core.errors import SchedulerError
-from nanovllm_core.testing.conformance import (
-    AttentionBackendConformance,
-    BlockManagerConformance,
-    ModelConformance,
-    SchedulerConformance,
-    shared_tiny_checkpoint,
-)
-
-KitFailure = (AssertionError, pytest.fail.Exception, SchedulerError)
-
+from nanovllm_core import Scheduler, SchedulerOutput
+from nanovllm_core.testing.conformance import BlockManagerConformance, SchedulerConformance
 
 # --- schedulers with one bug each -------------------------------------------------------------------
 
@@ -57,15 +43,6 @@ class FinishKeepsBlocks(FifoScheduler):
             super().finish(seq)
         finally:
             self.block_manager.free = free
-
-
-class PreemptionKeepsComputedTokens(FifoScheduler):
-    """Frees a preempted sequence's blocks but still believes its KV is cached."""
-
-    def preempt(self, seq) -> None:
-        computed = seq.num_computed_tokens
-        super().preempt(seq)
-        seq.num_computed_tokens = computed
 
 
 class NeverCachesBlocks(FifoScheduler):
@@ -181,94 +158,6 @@ def block_manager_kit(cls: type) -> BlockManagerConformance:
 def test_block_manager_kit_catches(broken: type, check: str, message: str) -> None:
     with pytest.raises(KitFailure, match=message):
         getattr(block_manager_kit(broken), check)()
-
-
-# --- attention backends with one bug each -----------------------------------------------------------
-
-
-class ScaleOffByOnePercent(TorchAttentionBackend):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.scale *= 1.01
-
-
-class ForgetsToStore(TorchAttentionBackend):
-    def forward(self, q, k, v, kv_cache, metadata):
-        return super().forward(q, k, v, kv_cache.clone(), metadata)
-
-
-class IgnoresGqaGrouping(TorchAttentionBackend):
-    """Maps query head h to kv head h % num_kv_heads instead of h // group: right only for MHA."""
-
-    def forward(self, q, k, v, kv_cache, metadata):
-        group = self.num_heads // self.num_kv_heads
-        order = torch.arange(self.num_heads).view(self.num_kv_heads, group).t().reshape(-1)
-        return super().forward(q[:, order], k, v, kv_cache, metadata)[:, order.argsort()]
-
-
-@pytest.mark.parametrize(
-    "broken, heads",
-    [(ScaleOffByOnePercent, (4, 4)), (ForgetsToStore, (4, 4)), (IgnoresGqaGrouping, (8, 2))],
-)
-def test_attention_kit_catches(broken: type, heads: tuple[int, int]) -> None:
-    kit = type("Kit", (AttentionBackendConformance,), {"backend_cls": broken, "head_dim": 32})()
-    with pytest.raises(KitFailure, match="sequence"):
-        kit.test_ragged_batches_match_dense_attention(*heads)
-
-
-def test_attention_kit_passes_mha_for_the_gqa_bug() -> None:
-    """The GQA bug is invisible with one query head per kv head, which is why the kit checks both."""
-    kit = type("Kit", (AttentionBackendConformance,), {"backend_cls": IgnoresGqaGrouping, "head_dim": 32})()
-    kit.test_ragged_batches_match_dense_attention(4, 4)
-
-
-# --- models with one bug each -----------------------------------------------------------------------
-
-
-class RollsLogits(Qwen3ForCausalLM):
-    def compute_logits(self, hidden_states):
-        return super().compute_logits(hidden_states).roll(1, dims=-1)
-
-
-class LenientLoader(Qwen3ForCausalLM):
-    def load_weights(self, weights) -> None:
-        try:
-            super().load_weights(weights)
-        except ModelLoadError:
-            pass
-
-
-@pytest.fixture(scope="module")
-def renamed_checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    """A tiny Qwen3 whose config.json names the architecture ``BrokenQwen3``, so the broken class can take it."""
-
-    def make(architecture: str) -> Path:
-        path = tmp_path_factory.mktemp(architecture)
-        shutil.copytree(shared_tiny_checkpoint(tmp_path_factory), path, dirs_exist_ok=True)
-        config = json.loads((path / "config.json").read_text())
-        config["architectures"] = [architecture]
-        (path / "config.json").write_text(json.dumps(config))
-        return path
-
-    return make
-
-
-def test_model_kit_catches_wrong_logits(renamed_checkpoint) -> None:
-    kit = type("Kit", (ModelConformance,), {"model_cls": RollsLogits, "architecture": "RollsLogits"})()
-    with pytest.raises(AssertionError, match="first difference"):
-        kit.test_greedy_matches_transformers(renamed_checkpoint("RollsLogits"))
-
-
-def test_model_kit_catches_a_loader_that_accepts_missing_weights(tmp_path_factory) -> None:
-    kit = type("Kit", (ModelConformance,), {"model_cls": LenientLoader})()
-    with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
-        kit.test_load_weights_rejects_an_incomplete_checkpoint(shared_tiny_checkpoint(tmp_path_factory))
-
-
-def test_model_kit_catches_an_architecture_name_mismatch(tmp_path_factory) -> None:
-    kit = type("Kit", (ModelConformance,), {"model_cls": RollsLogits})()
-    with pytest.raises(AssertionError, match="architectures"):
-        kit.test_checkpoint_names_the_architecture(shared_tiny_checkpoint(tmp_path_factory))
 
 
 def test_scheduler_kit_needs_no_model_or_attention_plugin_and_says_what_a_skipped_check_needs(tmp_path) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from kit_helpers import KitFailure, PreemptionKeepsComputedTokens
 from nanovllm_scheduler_fifo import FifoScheduler
-from test_conformance_kit import KitFailure, PreemptionKeepsComputedTokens
 
 from nanovllm_core import Scheduler, SchedulerOutput
 from nanovllm_core.testing.conformance import SchedulerConformance

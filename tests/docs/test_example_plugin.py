@@ -28,7 +28,7 @@ from nanovllm_core.cli import main
 from nanovllm_core.plugins import get_registry, reset_registry
 from nanovllm_core.testing.conformance import shared_tiny_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "plugins" / "nanovllm-scheduler-spf"
 TUTORIAL_DOC = ROOT / "docs" / "tutorial-scheduler-plugin.md"
 TUTORIAL_CODE = ROOT / "examples" / "tutorial" / "nanovllm-scheduler-decode-first"

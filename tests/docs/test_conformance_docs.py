@@ -16,7 +16,7 @@ import pytest
 from nanovllm_core import register_plugin, unregister_plugin
 from nanovllm_core.plugins import get_registry
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HOOKS = ROOT / "examples" / "hooks"
 PLUGINS_DOC = ROOT / "docs" / "plugins.md"
 BLOCK = re.compile(r'^```\w+ title="([^"]+)"\n(.*?)^```$', re.M | re.S)
