@@ -256,6 +256,20 @@ class Scheduler(ABC):
                 budget -= n
         return budget
 
+    def schedule_waiting(self, out: SchedulerOutput, budget: int, chunk_cap: int = 0) -> int:
+        """Admit sequences from the head of ``waiting`` (a deque: the default queue), each with its first prompt
+        chunk (at most ``chunk_cap`` tokens when > 0), while seats (``max_num_seqs``), budget and blocks last.
+        Adds to ``out``; returns the budget left."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            n = self.allocate_chunk(self.waiting[0], min(budget, chunk_cap or budget))
+            if not n:
+                break
+            seq = self.waiting.popleft()
+            self.admit(seq)
+            out.add(seq, n)
+            budget -= n
+        return budget
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the running ``seq``'s blocks and put it back with :meth:`requeue`."""
         del self.running[seq.seq_id]

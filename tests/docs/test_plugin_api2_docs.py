@@ -94,14 +94,21 @@ def first_scheduler_error(scheduler_cls: type) -> str:
 @pytest.mark.parametrize(
     "replacements",
     [
-        pytest.param(  # "Drop the `budget -= n` line"
-            [("            budget -= n\n", "")], id="drop-budget-updates"
+        pytest.param(  # "Keep the budget that schedule_running returns out of step 2"
+            [("        budget = self.schedule_running(out, budget)\n", "        self.schedule_running(out, budget)\n")],
+            id="drop-budget-update",
         ),
-        pytest.param(  # "admit with the block manager directly ... instead of `allocate_chunk`"
+        pytest.param(  # "admit by hand with the block manager directly ... instead of `schedule_waiting`"
             [(
-                "            n = self.allocate_chunk(self.waiting[0], budget)\n",
-                "            n = min(self.waiting[0].num_uncomputed_tokens, budget)\n"
-                "            n = n if self.block_manager.allocate(self.waiting[0], n) else 0\n",
+                "            self.schedule_waiting(out, budget)\n",
+                "            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:\n"
+                "                n = min(self.waiting[0].num_uncomputed_tokens, budget)\n"
+                "                if not self.block_manager.allocate(self.waiting[0], n):\n"
+                "                    break\n"
+                "                seq = self.waiting.popleft()\n"
+                "                self.admit(seq)\n"
+                "                out.add(seq, n)\n"
+                "                budget -= n\n",
             )],
             id="allocate-instead-of-allocate-chunk",
         ),

@@ -44,16 +44,8 @@ class MixedScheduler(Scheduler):
         budget = self.max_num_batched_tokens
         cap = self.long_prefill_token_threshold or budget
         budget = self.schedule_running(out, budget, self._running_most_urgent_first(), cap)
-        if out.preempted:
-            return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            n = self.allocate_chunk(self.waiting[0], min(budget, cap))
-            if not n:
-                break
-            seq = self.waiting.popleft()
-            self.admit(seq)
-            out.add(seq, n)
-            budget -= n
+        if not out.preempted:  # a step that preempted admits nothing: the cache is full
+            self.schedule_waiting(out, budget, cap)
         return out
 
     def _running_most_urgent_first(self) -> list[Sequence]:

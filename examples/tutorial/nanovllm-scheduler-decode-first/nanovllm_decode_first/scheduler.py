@@ -11,13 +11,8 @@ class DecodeFirstScheduler(Scheduler):
         # 1. Running requests, oldest first: one decode token each, or the next chunk of their prompt; when the
         #    cache is full the newest ones are preempted.
         budget = self.schedule_running(out, budget)
-        # 2. Waiting requests, in arrival order, while seats, tokens and blocks last.
-        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            n = self.allocate_chunk(self.waiting[0], budget)
-            if not n:
-                break
-            seq = self.waiting.popleft()
-            self.admit(seq)
-            out.add(seq, n)
-            budget -= n
+        # 2. Waiting requests, in arrival order, one prompt chunk each while seats, tokens and blocks last; none
+        #    after a preemption (the cache is full).
+        if not out.preempted:
+            self.schedule_waiting(out, budget)
         return out
