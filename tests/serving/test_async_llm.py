@@ -174,6 +174,33 @@ def test_failing_step_loop_fails_its_requests(engine, monkeypatch):
     assert all_free(engine.stats())
 
 
+def test_a_step_loop_that_cannot_start_fails_its_requests(engine, monkeypatch):
+    """The loop thread's set-up (binding the engine's CUDA device) failing is reported, not a silent dead thread
+    behind a healthy-looking server (seen on the H200: ``torch.cuda.set_device("cuda")`` raised)."""
+    import torch
+
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))
+
+    def no_device(device):
+        raise ValueError(f"cannot bind {device!r}")
+
+    monkeypatch.setattr(torch.cuda, "set_device", no_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    async def main():
+        llm = AsyncLLM(engine)
+        await llm.start()
+        with pytest.raises(EngineDeadError, match="cannot bind"):
+            async for _ in llm.generate("Hello", GREEDY, request_id="never"):
+                pass
+        assert not llm.is_running
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    monkeypatch.undo()
+    engine.abort_request("never")
+    assert all_free(engine.stats())
+
+
 def delta(index: int, text: str, ids: list[int], finish: str | None = None) -> RequestOutput:
     return RequestOutput("r", None, [1], [CompletionOutput(index, text, ids, finish)], finished=finish is not None)
 
