@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.detokenizer import IncrementalDetokenizer
+from nanovllm_core.engine.detokenizer import IncrementalDetokenizer, decoder_of
 from nanovllm_core.errors import InvalidRequestError, SchedulerError
 from nanovllm_core.interfaces import Scheduler, SchedulerOutput
 from nanovllm_core.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
@@ -120,6 +120,7 @@ class EngineCore:
         self.step_runner = runner
         self.scheduler_name = scheduler_name
         self.tokenizer = tokenizer
+        self._decode = decoder_of(tokenizer) if tokenizer is not None else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.async_scheduling = async_scheduling
@@ -192,7 +193,7 @@ class EngineCore:
         request = Request(request_id, text, token_ids, params, hold_siblings=self.config.enable_prefix_caching)
         if params.output_kind != "final":
             request.streams = [
-                IncrementalDetokenizer(self.tokenizer, len(token_ids), params.skip_special_tokens) for _ in request.seqs
+                IncrementalDetokenizer(self._decode, len(token_ids), params.skip_special_tokens) for _ in request.seqs
             ]
         return request
 
@@ -452,13 +453,13 @@ class EngineCore:
         if params.stop_token_ids and token in params.stop_token_ids:
             seq.stop_reason = token
             return "stop"
-        if params.stop_strings and self.tokenizer is not None:
+        if params.stop_strings and self._decode is not None:
             # Only the newest tokens can complete a stop string that was not there a step ago, so decode a tail
             # long enough to hold the longest one (every token decodes to at least one character, except pieces
             # of a multi-byte character: hence the margin) instead of the whole completion each step.
             window = max(map(len, params.stop_strings)) + 8
             tail = seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - window) :]
-            text = self.tokenizer.decode(tail, skip_special_tokens=params.skip_special_tokens)
+            text = self._decode(tail, params.skip_special_tokens)
             for stop in params.stop_strings:
                 if stop in text:
                     seq.stop_reason = stop
@@ -482,10 +483,10 @@ class EngineCore:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _final_text(self, seq: Sequence) -> str:
-        if self.tokenizer is None:
+        if self._decode is None:
             return ""
         params = seq.sampling_params
-        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
+        text = self._decode(seq.completion_token_ids, params.skip_special_tokens)
         if isinstance(seq.stop_reason, str):
             cut = text.find(seq.stop_reason)
             if cut >= 0:
@@ -507,25 +508,25 @@ class EngineCore:
                 if params.stop_strings and not params.include_stop_str_in_output:
                     # hold back what could still turn out to be the start of a stop string
                     text = text[: max(request.sent_text[i], len(text) - max(map(len, params.stop_strings)) + 1)]
-            token_ids = seq.completion_token_ids
             logprobs = request.logprobs[i] if request.logprobs is not None else None
-            if delta and not final:
-                text, token_ids = text[request.sent_text[i] :], token_ids[request.sent_tokens[i] :]
+            if delta:  # only what was not sent yet (slices of what is new, not copies of everything)
+                sent = request.sent_tokens[i]
+                token_ids = seq.token_ids[seq.num_prompt_tokens + sent :]
+                text = text[request.sent_text[i] :]
                 if logprobs is not None:
-                    logprobs = logprobs[request.sent_tokens[i] :]
-                request.sent_text[i] += len(text)
-                request.sent_tokens[i] += len(token_ids)
-            elif delta:  # the final output of a streamed request: what was not sent yet
-                text, token_ids = text[request.sent_text[i] :], token_ids[request.sent_tokens[i] :]
-                if logprobs is not None:
-                    logprobs = logprobs[request.sent_tokens[i] :]
+                    logprobs = logprobs[sent:]
+                if not final:
+                    request.sent_text[i] += len(text)
+                    request.sent_tokens[i] += len(token_ids)
+            else:
+                token_ids = seq.completion_token_ids
             cumulative = None
             if logprobs is not None and request.logprobs is not None:
                 cumulative = sum(
                     p[t].logprob for p, t in zip(request.logprobs[i], seq.completion_token_ids) if p and t in p
                 )
             completions.append(
-                CompletionOutput(i, text, list(token_ids), seq.finish_reason, seq.stop_reason, cumulative, logprobs)
+                CompletionOutput(i, text, token_ids, seq.finish_reason, seq.stop_reason, cumulative, logprobs)
             )
         first = request.seqs[0]
         return RequestOutput(

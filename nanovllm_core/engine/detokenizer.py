@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+Decode = Callable[[list[int], bool], str]
+
+
+def decoder_of(tokenizer: Any) -> Decode:
+    """``decode(token_ids, skip_special_tokens)`` for ``tokenizer``: straight to the Rust ``tokenizers`` decoder
+    when the result is the same as ``tokenizer.decode`` (a fast tokenizer that does not clean up tokenization
+    spaces). ``transformers``' own ``decode`` first walks the id list in Python, which costs more than the decode
+    itself, and streamed outputs decode every running request every step."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 class IncrementalDetokenizer:
@@ -14,19 +28,19 @@ class IncrementalDetokenizer:
     the same text as decoding the completion at once for the byte-level and word-level tokenizers in use.
     """
 
-    def __init__(self, tokenizer: Any, start: int, skip_special_tokens: bool) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, decode: Decode | None, start: int, skip_special_tokens: bool) -> None:
+        self.decode = decode
         self.skip_special_tokens = skip_special_tokens
         self.prefix_offset = start
         self.read_offset = start
         self.text = ""
 
     def update(self, token_ids: list[int]) -> None:
-        if self.tokenizer is None or len(token_ids) <= self.read_offset:
+        if self.decode is None or len(token_ids) <= self.read_offset:
             return
-        decode = self.tokenizer.decode
-        prefix = decode(token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special_tokens)
-        full = decode(token_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
+        decode, skip = self.decode, self.skip_special_tokens
+        prefix = decode(token_ids[self.prefix_offset : self.read_offset], skip)
+        full = decode(token_ids[self.prefix_offset :], skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix) :]
             self.prefix_offset = self.read_offset
