@@ -59,6 +59,9 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument(
+        "--stream", action="store_true", help="every request streams (output_kind='delta', the tiny test tokenizer)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = EngineConfig(
@@ -70,11 +73,20 @@ def main() -> None:
     )
     bm = PrefixCachingBlockManager(args.num_seqs * 16, args.block_size)
     runner = StubRunner(args.block_size, args.num_seqs)
-    core = EngineCore(config, FifoScheduler(config, bm), runner, scheduler_name="fifo", eos_token_ids={0})
+    tokenizer, vocab, kind = None, 10000, "final"
+    if args.stream:
+        from nanovllm_core.testing import build_tokenizer
+
+        tokenizer, kind = build_tokenizer(), "delta"
+        vocab = tokenizer.vocab_size - 1
+        runner.tokens = [t % vocab + 1 for t in runner.tokens]
+    core = EngineCore(
+        config, FifoScheduler(config, bm), runner, scheduler_name="fifo", tokenizer=tokenizer, eos_token_ids={0}
+    )
     rng = random.Random(0)
     for _ in range(args.num_seqs):
-        prompt = [rng.randint(1, 10000) for _ in range(rng.randint(100, 1024))]
-        core.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2048))
+        prompt = [rng.randint(1, vocab) for _ in range(rng.randint(100, 1024))]
+        core.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2048, output_kind=kind))
     while core.scheduler.num_waiting:  # prefill everything
         core.step()
     timings = {"engine + scheduler": [], "runner host work": [], "total": []}
