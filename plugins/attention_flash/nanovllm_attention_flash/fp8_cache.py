@@ -95,10 +95,15 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[..., head_dim]`` -> (e4m3 values ``[..., head_dim]``, float32 scales ``[...]``), one scale per row.
 
     An all-zero row gets scale 0 (and reads back as zeros). The Triton store kernel computes bit-identical
-    values and scales (same IEEE divisions, round to nearest even).
+    values and scales (same IEEE divisions, round to nearest even), on every device.
     """
     x = x.float()
-    scale = x.abs().amax(-1) / FP8_MAX
+    amax = x.abs().amax(-1)
+    # Divide by a tensor, not by the Python float: CUDA PyTorch turns `tensor / cpu_scalar` into a multiplication
+    # by the float32 reciprocal (1/448 is inexact), which rounds ~60% of scales one float32 ulp away from
+    # amax / 448, and the values at exact e4m3 midpoints (frequent: bf16 inputs, scales that divide them
+    # exactly) then round the other way: ~0.1% of the bytes one e4m3 step off the Triton kernel's.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     divisor = torch.where(scale > 0, scale, 1.0)
     return (x / divisor.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 

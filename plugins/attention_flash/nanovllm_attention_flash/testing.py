@@ -14,7 +14,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from nanovllm_attention_flash.fp8_cache import SCALE_BYTES, is_fp8_cache, to_fp8_cache
+from nanovllm_attention_flash.fp8_cache import (
+    FP8_MAX,
+    SCALE_BYTES,
+    fp8_views,
+    is_fp8_cache,
+    store_fp8,
+    to_fp8_cache,
+)
 from nanovllm_core import AttentionBackend, AttentionBatch
 
 
@@ -86,6 +93,21 @@ class PagedCase:
         """The same step on an FP8 cache (``kv_cache_dtype = "fp8"``): the cached context (and the NaN fill of
         unused slots) quantised with ``fp8_cache.to_fp8_cache``."""
         return replace(self, kv_cache=to_fp8_cache(self.kv_cache))
+
+    def prestored(self) -> PagedCase:
+        """The same step with its new keys/values already in (a copy of) the cache, written by the reference
+        store (``fp8_cache.store_fp8`` for an FP8 cache), and every slot ``-1``: ``forward`` of any backend
+        then stores nothing and only reads the cache, so two backends are compared on the same cache bytes."""
+        cache = self.kv_cache.clone()
+        slots = self.batch.slot_mapping
+        if is_fp8_cache(cache):
+            store_fp8(self.k, self.v, fp8_views(cache, self.batch.block_size, self.num_kv_heads, self.head_dim), slots)
+        else:
+            valid = slots >= 0
+            cache[0].view(-1, self.num_kv_heads, self.head_dim)[slots[valid]] = self.k[valid].to(cache.dtype)
+            cache[1].view(-1, self.num_kv_heads, self.head_dim)[slots[valid]] = self.v[valid].to(cache.dtype)
+        batch = replace(self.batch, slot_mapping=torch.full_like(slots, -1))
+        return replace(self, kv_cache=cache, batch=batch)
 
 
 def make_case(
@@ -179,6 +201,39 @@ def reference(case: PagedCase, torch_backend_cls: type[AttentionBackend]) -> tor
         cache = exact.kv_cache.clone()
         out[: qsl[n]] = backend.forward(exact.q[: qsl[n]], exact.k[: qsl[n]], exact.v[: qsl[n]], cache, sub)
     return out
+
+
+def e4m3_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What ``fp8_cache.quantize_fp8(x)`` must return, computed exactly in float64 on the CPU without any float8
+    conversion: ``(values as float32, scales, ties)``, ``ties`` marking the values that sat exactly halfway
+    between two e4m3 numbers (rounded to the even one).
+
+    ``scale`` is ``amax / 448`` correctly rounded to float32 and the scaled value ``x / scale`` too (a float64
+    quotient of float32 numbers rounded to float32 is the correctly rounded float32 quotient: 53 >= 2 * 24 + 2);
+    then round to nearest even on e4m3's grid: step ``2**(e - 3)`` for ``2**e <= |y| < 2**(e + 1)``, ``2**-9``
+    below ``2**-6`` (subnormals).
+    """
+    x64 = x.detach().double().cpu()
+    scale = (x64.abs().amax(-1) / FP8_MAX).float()
+    divisor = torch.where(scale > 0, scale, 1.0).double().unsqueeze(-1)
+    y = (x64 / divisor).float().double().clamp(-FP8_MAX, FP8_MAX)
+    _, exponent = torch.frexp(y)  # |y| = m * 2**exponent, 0.5 <= m < 1
+    step = torch.ldexp(torch.ones_like(y), (exponent - 1).clamp_min(-6) - 3)
+    steps = y / step  # exact: a power-of-two division
+    ties = steps - steps.floor() == 0.5
+    return (torch.round(steps) * step).float(), scale, ties  # torch.round: half to even, keeps -0.0
+
+
+def bf16_rows(num_rows: int, head_dim: int, seed: int) -> torch.Tensor:
+    """float32 rows holding bfloat16 values (what the model hands the cache) of magnitudes 2**-20 to 2**12, an
+    all-zero row and signed zeros. With 8-bit inputs about 0.5% of the scaled values land exactly halfway between
+    two e4m3 numbers, so a scale one float32 ulp off moves some of them one e4m3 step."""
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = torch.ldexp(torch.ones(num_rows, 1), torch.randint(-20, 13, (num_rows, 1), generator=gen))
+    x = (torch.randn(num_rows, head_dim, generator=gen) * magnitude).bfloat16().float()
+    x[0] = 0.0
+    x[1, :4] = torch.tensor([0.0, -0.0, 2.0**-100, -(2.0**-100)])  # signed zeros and values that round to them
+    return x
 
 
 def record_tma_use(monkeypatch) -> list[bool]:

@@ -15,7 +15,7 @@ from nanovllm_attention_flash.fp8_cache import (
     quantize_fp8,
     store_fp8,
 )
-from nanovllm_attention_flash.testing import make_case, reference
+from nanovllm_attention_flash.testing import bf16_rows, e4m3_reference, make_case, reference
 
 from nanovllm_core import LLM, AttentionBackend, ConfigError, SamplingParams
 from nanovllm_core.engine.model_runner import ModelRunner
@@ -58,6 +58,50 @@ def test_quantize_error_is_within_half_an_e4m3_step() -> None:
     assert (err <= e4m3_half_step(y)).all()
     rel = ((values.float() * scales.unsqueeze(-1) - x).norm() / x.norm()).item()
     assert 0.005 < rel < 0.04, rel  # about 2.5% for Gaussian rows
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+        ),
+    ],
+)
+def test_quantize_is_correctly_rounded_on_every_device(device: str) -> None:
+    """``quantize_fp8`` equals the exact float64 reference bit for bit on the CPU and on CUDA: the scale is
+    ``amax / 448`` correctly rounded, ties round to even. (CUDA PyTorch computes ``tensor / 448.0`` as a
+    multiplication by float32(1/448); this data tells that scale apart, as checked last.)"""
+    x = bf16_rows(2048, 128, seed=3)
+    values, scales = quantize_fp8(x.to(device))
+    ref_values, ref_scales, ties = e4m3_reference(x)
+    assert 0.002 < ties.float().mean().item() < 0.02, "the data should put values exactly on midpoints"
+    assert torch.equal(scales.cpu(), ref_scales)
+    read = values.cpu().float()
+    assert torch.equal(read, ref_values) and torch.equal(read.signbit(), ref_values.signbit())
+    nonzero = ref_scales > 0
+    reciprocal_scale = x[nonzero].abs().amax(-1, keepdim=True) * torch.tensor(1 / FP8_MAX)
+    moved = (x[nonzero] / reciprocal_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() != ref_values[nonzero]
+    assert moved.sum() > 50, "amax * float32(1/448) should round some values differently"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float32-cache", "fp8-cache"])
+def test_prestored_case_reads_what_forward_would_store(fp8: bool) -> None:
+    """``PagedCase.prestored``: the step's keys/values in the cache, every slot -1; the torch backend's output on
+    it equals its output on the original step (which stores them itself)."""
+    case = make_case(*KINDS["mixed"][:2], num_heads=4, num_kv_heads=2, seed=5)
+    case = case.fp8() if fp8 else case
+    stored = case.prestored()
+    assert stored.batch.slot_mapping.eq(-1).all() and case.batch.slot_mapping.ge(0).all()
+    after_forward = case.kv_cache.clone()
+    backend = case.backend(TorchAttentionBackend)
+    out = case.run(backend, after_forward)
+    assert torch.equal(stored.kv_cache.view(torch.uint8), after_forward.view(torch.uint8))
+    unchanged = stored.kv_cache.clone()
+    assert torch.equal(stored.run(backend, unchanged), out)
+    assert torch.equal(unchanged.view(torch.uint8), stored.kv_cache.view(torch.uint8)), "slots -1 store nothing"
 
 
 def test_zero_row_reads_back_as_zeros() -> None:

@@ -3,9 +3,11 @@
 Ragged batches with shuffled block tables: decode (with CUDA-graph padding rows), plain prefill, prefix-cache
 hits, chunked prefill over a cached context and mixed batches; GQA ratios 1/2/4/8, block sizes 16/64/128/256,
 head sizes 64/128/256, bfloat16 and float16; the triton backend with its default options and with the prefill
-kernel's TMA variant (``prefill_use_tma``); the triton backend on an FP8 cache (``kv_cache_dtype = "fp8"``)
-against the torch backend on the same FP8 cache. Also: decode captured in a CUDA graph and replayed on new data,
-and ``TritonAttentionBackend.warmup`` leaving no kernel variant to compile.
+kernel's TMA variant (``prefill_use_tma``). FP8 cache (``kv_cache_dtype = "fp8"``), in two separate checks: the
+store kernel's e4m3 bytes and scales equal the torch reference's (``fp8_cache.store_fp8``, on CUDA and on the
+CPU) bit for bit, and the triton attention kernels reading the same FP8 cache (the step's keys/values stored by
+the reference) match the torch backend reading it at the 16-bit tolerance. Also: decode captured in a CUDA graph
+and replayed on new data, and ``TritonAttentionBackend.warmup`` leaving no kernel variant to compile.
 A timing table (median of 10 runs of ``forward``, store included) is printed at the end (``-s`` shows it).
 
 Run: ``python -m pytest plugins/attention_flash/tests -m gpu -x -q -s``
@@ -22,7 +24,8 @@ import pytest
 import torch
 from nanovllm_attention_flash import FlashAttnBackend, TorchAttentionBackend, TritonAttentionBackend
 from nanovllm_attention_flash import triton_kernels as tk
-from nanovllm_attention_flash.testing import PagedCase, make_case, reference
+from nanovllm_attention_flash.fp8_cache import fp8_views, store_fp8
+from nanovllm_attention_flash.testing import PagedCase, bf16_rows, e4m3_reference, make_case, reference
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,7 +38,7 @@ VARIANTS = {
     "triton": (TritonAttentionBackend, {}),
     "triton_tma": (TritonAttentionBackend, {"prefill_use_tma": True}),  # prefill K/V through TMA descriptors
     "flash_attn": (FlashAttnBackend, {}),
-    # FP8 cache: against the torch backend reading the same e4m3 values and scales
+    # FP8 cache: the attention kernels against the torch backend reading the same e4m3 values and scales
     "triton_fp8": (TritonAttentionBackend, {}),
     "triton_fp8_tma": (TritonAttentionBackend, {"prefill_use_tma": True}),
 }
@@ -148,9 +151,13 @@ def test_matches_torch_backend(c, name: str) -> None:
         pytest.skip("decode steps do not run the prefill kernel")
     skip_unless_available(cls, dtype, d, bs)
     case = build(c, seed=zlib.crc32(case_id(c).encode()) % 1000, name=name)
+    timed = case
     if name in FP8_VARIANTS:
         skip_unless_fp8(cls)
-        case = case.fp8()
+        # the attention kernels alone, on the reference's FP8 cache with the step's keys/values in it (the store
+        # kernel has its own exact check, test_fp8_store_kernel_matches_torch_bit_for_bit); timed with the store
+        timed = case.fp8()
+        case = timed.prestored()
     backend = case.backend(cls, **options)
     out = case.run(backend)
     torch.cuda.synchronize()
@@ -158,12 +165,56 @@ def test_matches_torch_backend(c, name: str) -> None:
     assert torch.isfinite(out).all(), "non-finite output"
     ref = reference(case, TorchAttentionBackend)
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
-    cache = case.kv_cache.clone()
-    metadata = backend.build_metadata(case.batch)
+    cache = timed.kv_cache.clone()
+    metadata = backend.build_metadata(timed.batch)
     TIMINGS.append((case_id(c), name, median_us(lambda: backend.forward(case.q, case.k, case.v, cache, metadata))))
     if name == "triton" and bs == 256 and h == 16:  # the torch backend is slow: time it on one row of cases
         torch_backend = case.backend(TorchAttentionBackend)
         TIMINGS.append((case_id(c), "torch", median_us(lambda: case.run(torch_backend, cache), reps=3)))
+
+
+@pytest.mark.parametrize("c", CASES, ids=[case_id(c) for c in CASES])
+def test_fp8_store_kernel_matches_torch_bit_for_bit(c) -> None:
+    """The triton store kernel quantises each step's new keys/values into the same bytes (e4m3 values, float32
+    scales, the untouched NaN-filled slots) as ``fp8_cache.store_fp8`` on CUDA and on the CPU."""
+    kind, h, kvh, d, bs, dtype = c
+    skip_unless_available(TritonAttentionBackend, dtype, d, bs)
+    skip_unless_fp8(TritonAttentionBackend)
+    case = build(c, seed=zlib.crc32(case_id(c).encode()) % 1000, name="triton_fp8").fp8()
+    ours = case.kv_cache.clone()
+    views = fp8_views(ours, bs, kvh, d)
+    slots = case.batch.slot_mapping
+    tk.store_kv_fp8(case.k, case.v, views.values[0], views.values[1], views.scales[0], views.scales[1], slots)
+    expected = case.prestored().kv_cache
+    on_cpu = case.kv_cache.cpu()
+    store_fp8(case.k.cpu(), case.v.cpu(), fp8_views(on_cpu, bs, kvh, d), slots.cpu())
+    assert torch.equal(expected.cpu(), on_cpu), "store_fp8 differs between CUDA and the CPU"
+    differ = (ours != expected).sum().item()
+    assert differ == 0, f"{differ} of {ours.numel()} cache bytes differ from the torch reference's"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_store_kernel_rounds_like_the_exact_reference(dtype: torch.dtype) -> None:
+    """Rows with many values exactly halfway between two e4m3 numbers (``testing.bf16_rows``), magnitudes from
+    subnormal to large: the kernel's and CUDA ``store_fp8``'s values and scales equal the exact float64 reference
+    (ties to even, signed zeros kept)."""
+    skip_unless_fp8(TritonAttentionBackend)
+    rows = bf16_rows(2 * 512 * 8, 128, seed=6).view(2, 512, 8, 128)
+    k, v = rows.to(dtype).cuda()
+    ref_values, ref_scales, ties = e4m3_reference(rows.to(dtype))
+    assert ties.any()
+    slots = torch.arange(512, device="cuda")
+    for store in ("triton", "torch"):
+        cache = torch.zeros((2, 4 * 128 * 8 * (128 + 4)), dtype=torch.uint8, device="cuda")
+        views = fp8_views(cache, 128, 8, 128)
+        if store == "triton":
+            tk.store_kv_fp8(k, v, views.values[0], views.values[1], views.scales[0], views.scales[1], slots)
+        else:
+            store_fp8(k, v, views, slots)
+        values = views.values.flatten(1, 2).float().cpu()
+        assert torch.equal(values, ref_values), store
+        assert torch.equal(values.signbit(), ref_values.signbit()), store
+        assert torch.equal(views.scales.transpose(2, 3).flatten(1, 2).cpu(), ref_scales), store
 
 
 @pytest.mark.parametrize("num_kv_splits", [1, 4, 64])

@@ -18,7 +18,14 @@ pytest.importorskip("triton")
 from nanovllm_attention_flash import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
 from nanovllm_attention_flash import triton_kernels as tk  # noqa: E402
 from nanovllm_attention_flash.fp8_cache import fp8_cache_shape, fp8_views, store_fp8  # noqa: E402
-from nanovllm_attention_flash.testing import PagedCase, make_case, record_tma_use, reference  # noqa: E402
+from nanovllm_attention_flash.testing import (  # noqa: E402
+    PagedCase,
+    bf16_rows,
+    e4m3_reference,
+    make_case,
+    record_tma_use,
+    reference,
+)
 
 KINDS = {
     "decode": ([1] * 5, [1, 15, 16, 40, 77]),
@@ -90,6 +97,21 @@ def test_fp8_store_kernel_is_bit_exact() -> None:
     expected = torch.zeros_like(ours)
     store_fp8(k, v, fp8_views(expected, 16, 3, 64), slots)
     assert torch.equal(ours, expected)
+
+
+def test_fp8_store_kernel_rounds_like_the_exact_reference() -> None:
+    """bfloat16 rows with many values exactly halfway between two e4m3 numbers (``testing.bf16_rows``): the
+    kernel's values and scales equal the exact float64 reference (ties to even, signed zeros kept)."""
+    rows = bf16_rows(2 * 32 * 2, 64, seed=4)  # (key, value) x 32 tokens x 2 KV heads
+    k, v = rows.view(2, 32, 2, 64)
+    cache = torch.zeros(fp8_cache_shape(2, 16, 2, 64), dtype=torch.uint8)
+    views = fp8_views(cache, 16, 2, 64)
+    tk.store_kv_fp8(k, v, views.values[0], views.values[1], views.scales[0], views.scales[1], torch.arange(32))
+    ref_values, ref_scales, ties = e4m3_reference(rows.view(2, 32, 2, 64))
+    assert ties.any()
+    values = views.values.flatten(1, 2).float()  # [2, 32 tokens, 2 heads, 64]
+    assert torch.equal(values, ref_values) and torch.equal(values.signbit(), ref_values.signbit())
+    assert torch.equal(views.scales.transpose(2, 3).flatten(1, 2), ref_scales)
 
 
 # ----------------------------------------------------------------------------------------------------
