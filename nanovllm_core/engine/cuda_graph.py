@@ -6,6 +6,10 @@ a step copies its inputs into them, pads the rows up to the bucket size (slot -1
 length 0: nothing attended), and replays. Backends opt in with ``supports_cuda_graph``; their
 ``build_metadata`` is called once per bucket on the static buffers and must keep only references to them
 (anything that depends on the values is computed inside ``forward``, hence inside the graph).
+
+Under tensor parallelism every rank captures its own graphs, and the layers' all-reduces (NCCL, or the
+symmetric-memory kernels of :mod:`nanovllm_core.distributed`) are captured inside them: a decode step replays
+the whole forward, communication included, with no Python in between.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import bisect
 import torch
 from torch import nn
 
+from nanovllm_core.distributed import get_tp_size
 from nanovllm_core.forward_context import forward_context
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch
 
@@ -59,17 +64,26 @@ class CudaGraphDecoder:
             max_seq_len=max_model_len,
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0  # decode steps run from a graph (tests and benchmarks read it)
         self._capture()
 
     @torch.inference_mode()
     def _capture(self) -> None:
         pool = None
+        # Tensor parallel: the warm-up's collectives leave work that NCCL's watchdog thread polls with event
+        # queries, which a process-wide ("global") capture forbids from any thread; capture in this thread's
+        # mode only, after the warm-up has finished on the device. Every rank captures the same sizes in the
+        # same order, so the collectives inside the graphs pair up when the ranks replay the same step.
+        distributed = get_tp_size() > 1
+        mode = "thread_local" if distributed else "global"
         for bs in reversed(self.sizes):
             metadata = self.backend.build_metadata(self.batch.head(bs))
             with forward_context(self.backend, metadata):
                 self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up
+                if distributed:
+                    torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool):
+                with torch.cuda.graph(graph, pool, capture_error_mode=mode):
                     self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
             if pool is None:
                 pool = graph.pool()
@@ -92,4 +106,5 @@ class CudaGraphDecoder:
             static.slot_mapping[n:bs].fill_(-1)
             static.seq_lens[n:bs].zero_()
         self.graphs[bs].replay()
+        self.num_replays += 1
         return self.hidden[:n]

@@ -243,11 +243,8 @@ class LLMEngine(EngineCore):
         mode = self.config.async_scheduling
         if mode == "off":
             return False
-        if self.tp_group is not None:
-            # the workers would need the sampled ids from rank 0 on their devices each step
-            if mode == "on":
-                raise ConfigError("async_scheduling='on' needs tensor_parallel_size=1 (set it to 'auto' or 'off')")
-            return False
+        # under tensor parallelism too: the workers get the in-flight step's sampled tokens from rank 0 with one
+        # device-side broadcast in the step that needs them (model_runner.to_model_inputs)
         return mode == "on" or self.device.type == "cuda"
 
     # --- set-up helpers -------------------------------------------------------------------------------

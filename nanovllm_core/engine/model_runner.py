@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.distributed import all_reduce
+from nanovllm_core.distributed import all_reduce, broadcast_from_first, get_tp_rank
 from nanovllm_core.engine.cuda_graph import CudaGraphDecoder
 from nanovllm_core.engine.options import instantiate
 from nanovllm_core.errors import ConfigError
@@ -216,9 +216,17 @@ def to_model_inputs(
     )
     input_ids = host_tensor(host.input_ids, torch.int64, device)
     if host.placeholder_dst:
-        assert previous_tokens is not None
-        src = host_tensor(host.placeholder_src, torch.int64, device)
-        input_ids.index_copy_(0, host_tensor(host.placeholder_dst, torch.int64, device), previous_tokens[src])
+        dst = host_tensor(host.placeholder_dst, torch.int64, device)
+        if previous_tokens is not None:
+            tokens = previous_tokens[host_tensor(host.placeholder_src, torch.int64, device)]
+        elif get_tp_rank() > 0:  # a tensor-parallel worker: only rank 0 samples; its tokens come below
+            tokens = torch.empty(len(host.placeholder_dst), dtype=torch.int64, device=device)
+        else:
+            raise RuntimeError("the step has placeholder tokens but no previous step's sampled tokens were given")
+        # async scheduling under tensor parallelism: every rank needs the in-flight step's tokens, which exist
+        # only on rank 0's device; one small device-side broadcast, ordered after the sampling (no host sync)
+        broadcast_from_first(tokens)
+        input_ids.index_copy_(0, dst, tokens)
     return ModelInputs(
         input_ids=input_ids,
         positions=host_tensor(host.positions, torch.int64, device),

@@ -5,6 +5,12 @@ build the same shard layout and KV cache and run every step on rank 0's decision
 step's flattened inputs (:class:`HostBatch`) to the workers; all ranks then run the forward together (the
 all-reduces and the logits all-gather inside the layers keep them in step).
 
+With async scheduling rank 0 sends step N+1 while step N still runs: tokens of step N+1 that step N is still
+sampling (placeholders) exist only on rank 0's device, so the step that needs them starts with one device-side
+broadcast of those tokens from rank 0 (``model_runner.to_model_inputs``), ordered after the sampling by the
+device's stream: no rank waits on the host. Decode steps replay CUDA graphs on every rank, with the layers'
+all-reduces captured inside them.
+
 Started two ways:
 - ``LLM(..., tensor_parallel_size=N)`` on one host spawns N-1 worker processes itself; the step inputs go
   through a shared-memory ring (:mod:`nanovllm_core.engine.shm_ring`), which also carries the workers'
@@ -43,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanovllm_core.distributed import set_peer_failure_check, set_tensor_parallel
+from nanovllm_core.distributed import set_peer_failure_check, set_tensor_parallel, setup_symm_mem_all_reduce
 from nanovllm_core.engine.shm_ring import BroadcastRing, RingLayout
 from nanovllm_core.engine.sigint_hold import SigintHold
 from nanovllm_core.errors import ConfigError
@@ -103,6 +109,7 @@ def init_distributed(
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=INIT_TIMEOUT)
     set_tensor_parallel(rank, world_size)
+    setup_symm_mem_all_reduce(device)  # a collective, off unless its environment variables ask for it
     if not control:
         return None
     return dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
