@@ -14,14 +14,14 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError, NanoVLLMError
-from nanovllm_core.outputs import RequestOutput
+from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.serving.step_loop import EngineProcess, EngineThread, LoopAccount
 
@@ -42,29 +42,42 @@ class OutputObserver(Protocol):
     def finished(self, seconds: float, finish_reason: str | None) -> None: ...
 
 
-def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Two consecutive delta outputs of one request as one (a consumer that fell behind gets one item)."""
-    completions = {c.index: c for c in old.outputs}
-    for c in new.outputs:
-        prev = completions.get(c.index)
-        if prev is None:
-            completions[c.index] = c
+def merge_deltas(items: list[RequestOutput]) -> RequestOutput:
+    """Consecutive delta outputs of one request as one (what a consumer that fell behind gets)."""
+    if len(items) == 1:
+        return items[0]
+    parts: dict[int, list[CompletionOutput]] = {}
+    for item in items:
+        for c in item.outputs:
+            parts.setdefault(c.index, []).append(c)
+    completions = []
+    for index in sorted(parts):
+        pieces = parts[index]
+        last = pieces[-1]
+        if len(pieces) == 1:
+            completions.append(last)
             continue
-        both = prev.logprobs is not None and c.logprobs is not None
-        completions[c.index] = dataclasses.replace(
-            c,
-            text=prev.text + c.text,
-            token_ids=prev.token_ids + c.token_ids,
-            logprobs=prev.logprobs + c.logprobs if both else (c.logprobs or prev.logprobs),  # type: ignore[operator]
+        with_logprobs = [c.logprobs for c in pieces if c.logprobs is not None]
+        completions.append(
+            dataclasses.replace(
+                last,
+                text="".join(c.text for c in pieces),
+                token_ids=[t for c in pieces for t in c.token_ids],
+                logprobs=[p for lp in with_logprobs for p in lp] if with_logprobs else None,
+            )
         )
-    merged = dataclasses.replace(new, outputs=sorted(completions.values(), key=lambda c: c.index))
-    if old.prompt_logprobs is not None:  # sent once, with the first output
-        merged.prompt_logprobs = old.prompt_logprobs
+    merged = dataclasses.replace(items[-1], outputs=completions)
+    first_prompt_logprobs = next((i.prompt_logprobs for i in items if i.prompt_logprobs is not None), None)
+    if first_prompt_logprobs is not None:  # sent once, with the first output
+        merged.prompt_logprobs = first_prompt_logprobs
     return merged
 
 
 class RequestStream:
-    """The outputs of one request, as an async iterator; ends after the finished output (or raises)."""
+    """The outputs of one request, as an async iterator; ends after the finished output (or raises).
+
+    Outputs that arrive while the consumer is busy wait in a list and are merged into one when it reads: the
+    consumer's per-item work (an SSE chunk) is paid per read, not per step."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], prompt: str | None = None) -> None:
         self.request_id = request_id
@@ -75,17 +88,19 @@ class RequestStream:
         self.last_token_time: float | None = None
         self.finished = False  # the last item was handed to the consumer
         self.done = False  # the last item arrived (the consumer may not have read it yet)
-        self._pending: RequestOutput | BaseException | None = None
+        self._pending: list[RequestOutput] = []
+        self._error: BaseException | None = None
         self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(self._pending, BaseException):
+        if self._error is not None:
             return  # already failed
-        if isinstance(item, BaseException) or self._pending is None:
-            self._pending = item
+        if isinstance(item, BaseException):
+            self._error = item
+            self.done = True
         else:
-            self._pending = merge_delta(self._pending, item)
-        self.done = isinstance(item, BaseException) or item.finished
+            self._pending.append(item)
+            self.done = item.finished
         self._ready.set()
 
     def __aiter__(self) -> RequestStream:
@@ -94,13 +109,15 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        await self._ready.wait()
+        if not self._pending and self._error is None:
+            await self._ready.wait()
         self._ready.clear()
-        item, self._pending = self._pending, None
-        if isinstance(item, BaseException):
+        if self._error is not None:
             self.finished = True
-            raise item
-        assert item is not None
+            self._pending = []
+            raise self._error
+        items, self._pending = self._pending, []
+        item = merge_deltas(items)
         self.finished = item.finished
         return item
 
@@ -156,7 +173,7 @@ class AsyncLLM:
             return
         self._started = True
         self._loop = asyncio.get_running_loop()
-        self.core.start(self._emit_threadsafe, self._fail_threadsafe)
+        self.core.start(self._deliver, self._fail, loop=self._loop)
 
     async def shutdown(self, timeout: float = 0.0) -> None:
         """Stop: wait up to ``timeout`` seconds for in-flight requests, abort the rest, stop the step loop."""
@@ -275,19 +292,9 @@ class AsyncLLM:
         finally:
             self._calls.pop(call_id, None)
 
-    def _emit_threadsafe(self, results: list, outputs: list[RequestOutput], now: float, account: LoopAccount) -> None:
-        self._post(self._deliver, results, outputs, now, account)
-
-    def _fail_threadsafe(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> None:
         logger.error("the step loop failed; the engine serves no more requests: %r", exc)
-        self._post(self._fail_all, exc)
-
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is left to tell
-            pass
+        self._fail_all(exc)
 
     def _deliver(self, results: list, outputs: list[RequestOutput], now: float, account: LoopAccount) -> None:
         """On the event loop: resolve the commands' futures, then hand each output to its stream."""

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import multiprocessing
 import operator
+import os
+import pickle
 import signal
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +41,7 @@ class LoopAccount:
     steps: int = 0
     step_seconds: float = 0.0  # wall time inside engine.step()
     cpu_seconds: float = 0.0  # CPU time of the loop's thread
+    emit_seconds: float = 0.0  # wall time handing outputs over (an engine process: pickling, and waiting on the pipe)
 
 
 Emit = Callable[[list[Result], list[RequestOutput], float, LoopAccount], None]
@@ -126,6 +131,16 @@ def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Comman
                 emit([], outputs, time.monotonic(), account)
 
 
+def _on_loop(loop: Any, fn: Callable[..., None]) -> Callable[..., None]:
+    def call(*args: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+
+    return call
+
+
 class EngineThread:
     """The step loop in a thread of this process, around an engine built here."""
 
@@ -136,7 +151,11 @@ class EngineThread:
         self._pending: list[Command] = []
         self._thread: threading.Thread | None = None
 
-    def start(self, emit: Emit, fail: Callable[[BaseException], None]) -> None:
+    def start(self, emit: Emit, fail: Callable[[BaseException], None], loop: Any = None) -> None:
+        """Run the loop in a thread; with ``loop`` (an asyncio event loop), ``emit`` and ``fail`` are called on it."""
+        if loop is not None:
+            emit, fail = _on_loop(loop, emit), _on_loop(loop, fail)
+
         def run() -> None:
             try:
                 device = self.engine.device
@@ -173,18 +192,12 @@ class EngineThread:
         return self._thread is not None and self._thread.is_alive()
 
 
-def engine_process_main(
-    model: str | None,
-    config: str | Path | None,
-    cli_overrides: dict[str, Any] | None,
-    kwargs: dict[str, Any],
-    commands: Any,
-    outputs: Any,
-) -> None:
-    """The engine process: build the engine, say ready (or why not), run the loop until ``stop``."""
+def engine_process_main(build: Callable[[], Any], commands: Any, outputs: Any) -> None:
+    """The engine process: build the engine (``build()``, an LLMEngine in a server), say ready (or why not), run
+    the loop until ``stop``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front-end decides
     try:
-        engine = LLMEngine(model, config, cli_overrides=cli_overrides, **kwargs)
+        engine = build()
     except BaseException as exc:  # noqa: BLE001 - reported to the front-end, which raises it
         outputs.send(("error", exc))
         return
@@ -208,7 +221,9 @@ def engine_process_main(
             pass
 
     def emit(results: list[Result], outs: list[RequestOutput], now: float, account: LoopAccount) -> None:
+        start = time.perf_counter()
         send(("out", results, pack_outputs(outs), now, account))
+        account.emit_seconds += time.perf_counter() - start
 
     try:
         run_step_loop(engine, next_commands, emit)
@@ -219,22 +234,48 @@ def engine_process_main(
         send(("closed",))
 
 
+def frame_message(payload: bytes) -> bytes:
+    """``payload`` framed as ``Connection.send_bytes`` frames it (a 4-byte big-endian length; payloads over 2 GiB
+    do not occur here), so that the engine process reads it with ``Connection.recv``."""
+    return struct.pack("!i", len(payload)) + payload
+
+
+def _widen_pipe(connection: Any) -> None:
+    """Give the outputs pipe 1 MiB of buffer (Linux; 64 KiB by default): the engine then never waits on a
+    front-end that is busy for a few steps, as long as it catches up."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(connection.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+    except (ImportError, OSError):  # another OS, or above /proc/sys/fs/pipe-max-size: keep the default
+        pass
+
+
 class EngineProcess:
-    """The step loop in a process of its own (``spawn``ed: CUDA needs a fresh process), over two pipes."""
+    """The step loop in a process of its own (``spawn``ed: CUDA needs a fresh process), over two pipes.
+
+    ``EngineProcess(model, config, cli_overrides, **overrides)`` builds an :class:`LLMEngine` there; ``build``
+    (a picklable callable returning an engine-like object) builds something else, as benchmarks do.
+    """
 
     def __init__(
         self,
         model: str | None = None,
         config: str | Path | None = None,
         cli_overrides: dict[str, Any] | None = None,
+        *,
+        build: Callable[[], Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        if build is None:
+            build = functools.partial(LLMEngine, model, config, cli_overrides=cli_overrides, **kwargs)
         ctx = multiprocessing.get_context("spawn")
         commands_out, self._commands = ctx.Pipe(duplex=False)
         self._outputs, outputs_in = ctx.Pipe(duplex=False)
+        _widen_pipe(self._outputs)
         self.process = ctx.Process(
             target=engine_process_main,
-            args=(model, config, cli_overrides, kwargs, commands_out, outputs_in),
+            args=(build, commands_out, outputs_in),
             name="nanovllm-engine",
             daemon=False,  # a daemonic process may not start the tensor-parallel workers
         )
@@ -254,33 +295,92 @@ class EngineProcess:
             self.process.join()
             raise payload
         self.config: EngineConfig = payload
-        self._reader: threading.Thread | None = None
+        self._started = False
+        self._ended = threading.Event()  # the outputs pipe said "closed" (or broke)
+        self._loop: Any = None
+        self._outbox = bytearray()  # framed commands not yet written (on an event loop: the pipe was full)
 
-    def start(self, emit: Emit, fail: Callable[[BaseException], None]) -> None:
-        def read() -> None:
-            while True:
+    def start(self, emit: Emit, fail: Callable[[BaseException], None], loop: Any = None) -> None:
+        """Deliver the loop's messages: on ``loop`` (an asyncio event loop, whose thread calls this), reading the
+        pipe when it is readable, else from a reader thread. On the event loop no thread competes for the GIL:
+        a reader thread that has to win it back from a busy event loop after every read waits a switch
+        interval (5 ms) each time, and the engine then waits on the full pipe."""
+
+        def handle(message: tuple) -> bool:
+            """Act on one message; False once nothing more will come."""
+            if message[0] == "out":
+                _, results, rows, now, account = message
+                emit(results, unpack_outputs(rows), now, account)
+                return True
+            if message[0] == "failed":
+                fail(message[1])
+                return True
+            return False  # closed
+
+        self._started = True
+
+        def broken() -> None:
+            fail(RuntimeError(f"the engine process exited (status {self.process.exitcode})"))
+
+        if loop is not None:
+            self._loop = loop
+            os.set_blocking(self._commands.fileno(), False)
+            fd = self._outputs.fileno()
+
+            def on_readable() -> None:
                 try:
-                    message = self._outputs.recv()
+                    while self._outputs.poll():
+                        if not handle(self._outputs.recv()):
+                            break
+                    else:
+                        return
                 except (EOFError, OSError):
-                    fail(RuntimeError(f"the engine process exited (status {self.process.exitcode})"))
-                    return
-                if message[0] == "out":
-                    _, results, rows, now, account = message
-                    emit(results, unpack_outputs(rows), now, account)
-                elif message[0] == "failed":
-                    fail(message[1])
-                else:  # closed
-                    return
+                    broken()
+                loop.remove_reader(fd)
+                self._ended.set()
 
-        self._reader = threading.Thread(target=read, name="nanovllm-engine-reader", daemon=True)
-        self._reader.start()
+            loop.add_reader(fd, on_readable)
+            return
+
+        def read() -> None:
+            try:
+                while handle(self._outputs.recv()):
+                    pass
+            except (EOFError, OSError):
+                broken()
+            finally:
+                self._ended.set()
+
+        threading.Thread(target=read, name="nanovllm-engine-reader", daemon=True).start()
 
     def submit(self, commands: list[Command]) -> None:
-        self._commands.send(commands)
+        """Send commands. On an event loop this never blocks: an event loop blocked on a full commands pipe would
+        stop reading the outputs pipe, and the engine, blocked on that, would stop reading commands."""
+        if self._loop is None:
+            self._commands.send(commands)
+            return
+        waiting = bool(self._outbox)  # if so, the writer callback is registered and writes this after it
+        self._outbox += frame_message(pickle.dumps(commands, protocol=pickle.HIGHEST_PROTOCOL))
+        if not waiting:
+            self._flush()
+
+    def _flush(self) -> None:
+        fd = self._commands.fileno()
+        try:
+            written = os.write(fd, self._outbox)
+        except BlockingIOError:
+            written = 0
+        except OSError:  # the engine process is gone: the outputs pipe says so
+            written = len(self._outbox)
+        del self._outbox[:written]
+        if self._outbox:
+            self._loop.add_writer(fd, self._flush)
+        else:
+            self._loop.remove_writer(fd)
 
     def join(self) -> None:
-        if self._reader is not None:
-            self._reader.join()
+        if self._started:
+            self._ended.wait(timeout=60)
         self.process.join(timeout=60)
         atexit.unregister(self._commands.close)
         if self.process.is_alive():

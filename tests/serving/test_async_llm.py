@@ -13,7 +13,7 @@ from serving_helpers import ENGINE
 
 from nanovllm_core import InvalidRequestError, LLMEngine, SamplingParams
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
-from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream, merge_delta
+from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream, merge_deltas
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -228,6 +228,6 @@ def test_unread_deltas_merge_into_one(pieces):
 def test_merge_keeps_logprobs_in_order():
     a = RequestOutput("r", None, [1], [CompletionOutput(0, "a", [1], logprobs=[{1: 0.0}])], finished=False)
     b = RequestOutput("r", None, [1], [CompletionOutput(0, "b", [2], "length", logprobs=[{2: -1.0}])], finished=True)
-    merged = merge_delta(a, b)
+    merged = merge_deltas([a, b])
     assert merged.outputs[0].logprobs == [{1: 0.0}, {2: -1.0}] and merged.finished
     assert merged.outputs[0].text == "ab" and merged.outputs[0].finish_reason == "length"
