@@ -93,8 +93,8 @@ class EngineConfig(BaseModel):
     )
     async_scheduling: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Schedule and prepare step N+1 while the device runs step N. `auto`: on for CUDA with "
-        "tensor_parallel_size 1; `on` also on CPU (no speed-up there, same tokens); `off`: one step at a time.",
+        description="Schedule and prepare step N+1 while the device runs step N. `auto`: on for CUDA (any "
+        "tensor_parallel_size); `on` also on CPU (no speed-up there, same tokens); `off`: one step at a time.",
     )
     warmup: Literal["auto", "on", "off"] = Field(
         "auto",
@@ -102,6 +102,12 @@ class EngineConfig(BaseModel):
         "and temperature sampling) so that every kernel compiles before the first real request. `auto`: on CUDA.",
     )
     tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs (or CPU processes) to shard the model over.")
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Engine replicas, each a process of its own on `tensor_parallel_size` GPUs of its own (on CPU: "
+        "a process each), requests balanced by load; needs data_parallel_size x tensor_parallel_size GPUs.",
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)

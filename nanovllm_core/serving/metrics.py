@@ -63,6 +63,12 @@ class EngineStatsCollector(Collector):
                     self.loop.account.step_seconds,
                 ),
                 ("step_loop_cpu_seconds", "CPU time of the step-loop thread.", self.loop.account.cpu_seconds),
+                (
+                    "step_loop_emit_seconds",
+                    "Wall time the step loop spent handing outputs to the front-end (an engine process: pickling, "
+                    "and waiting on a full pipe).",
+                    self.loop.account.emit_seconds,
+                ),
             ]
         for name, doc, value in counters:
             metric = CounterMetricFamily(f"nanovllm:{name}", doc, labels=["model_name"])

@@ -81,6 +81,12 @@ def unpack_outputs(rows: list[list]) -> list[RequestOutput]:
 def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Command]], emit: Emit) -> None:
     """Run until a ``stop`` command; ``next_commands(block)`` waits for commands only when ``block``."""
     account = LoopAccount()
+
+    def hand_over(results: list[Result], outputs: list[RequestOutput]) -> None:
+        start = time.perf_counter()
+        emit(results, outputs, time.monotonic(), account)
+        account.emit_seconds += time.perf_counter() - start
+
     live: set[str] = set()  # requests in the engine, as this loop knows them
     while True:
         commands = next_commands(not engine.has_unfinished_requests())
@@ -114,10 +120,10 @@ def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Comman
                 out = engine.abort_request(request_id)
                 if out is not None:
                     outputs.append(out)
-            emit(results, outputs, time.monotonic(), account)
+            hand_over(results, outputs)
             return
         if results or outputs:  # answer the callers now, not after the step
-            emit(results, outputs, time.monotonic(), account)
+            hand_over(results, outputs)
         if engine.has_unfinished_requests():
             start = time.perf_counter()
             outputs = engine.step()
@@ -128,7 +134,7 @@ def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Comman
                 if out.finished:
                     live.discard(out.request_id)
             if outputs:
-                emit([], outputs, time.monotonic(), account)
+                hand_over([], outputs)
 
 
 def _on_loop(loop: Any, fn: Callable[..., None]) -> Callable[..., None]:
@@ -221,9 +227,7 @@ def engine_process_main(build: Callable[[], Any], commands: Any, outputs: Any) -
             pass
 
     def emit(results: list[Result], outs: list[RequestOutput], now: float, account: LoopAccount) -> None:
-        start = time.perf_counter()
         send(("out", results, pack_outputs(outs), now, account))
-        account.emit_seconds += time.perf_counter() - start
 
     try:
         run_step_loop(engine, next_commands, emit)

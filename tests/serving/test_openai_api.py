@@ -284,6 +284,7 @@ def test_metrics(server, client):
         "nanovllm:request_success_total",
         "nanovllm:step_loop_busy_seconds_total",
         "nanovllm:step_loop_cpu_seconds_total",
+        "nanovllm:step_loop_emit_seconds_total",
         "process_cpu_seconds_total",
     ):
         assert name in text, name
