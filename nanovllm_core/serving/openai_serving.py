@@ -11,6 +11,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
@@ -30,9 +31,11 @@ from nanovllm_core.serving.protocol import (
     TokenLogprob,
     TopLogprob,
     UsageInfo,
+    now,
 )
 
 DONE = "data: [DONE]\n\n"
+dumps = partial(json.dumps, ensure_ascii=False)
 
 
 def sse(payload: str) -> str:
@@ -54,9 +57,34 @@ class Job:
     prompt_logprobs_sent: set[int] = field(default_factory=set)
     completion_tokens: list[int] = field(default_factory=list)
     prompt_logprobs: dict[int, list] = field(default_factory=dict)  # prompt index -> the engine's prompt logprobs
+    created: int = field(default_factory=now)  # one time for every chunk of the response, as OpenAI and vLLM
 
     def __post_init__(self) -> None:
         self.completion_tokens = [0] * (len(self.streams) * self.n)
+
+        def head(kind: str) -> str:
+            return (
+                f'{{"id":{dumps(self.response_id)},"object":"{kind}","created":{self.created},'
+                f'"model":{dumps(self.model)},"choices":[{{"index":'
+            )
+
+        self._completion_head = head("text_completion")
+        self._chat_head = head("chat.completion.chunk")
+
+    def completion_chunk(self, index: int, c: CompletionOutput) -> str:
+        """The SSE event of a completion delta without logprobs: the JSON ``CompletionResponse.model_dump_json``
+        gives (tested), built directly, at a fifth of the cost, since the server renders one per request and step."""
+        return (
+            f'data: {self._completion_head}{index},"text":{dumps(c.text)},"logprobs":null,"finish_reason":'
+            f'{dumps(c.finish_reason)},"stop_reason":{dumps(c.stop_reason)},"prompt_logprobs":null}}],"usage":null}}\n\n'
+        )
+
+    def chat_chunk(self, index: int, c: CompletionOutput) -> str:
+        """The SSE event of a chat delta without logprobs (as ``ChatCompletionChunk.model_dump_json``, tested)."""
+        return (
+            f'data: {self._chat_head}{index},"delta":{{"role":null,"content":{dumps(c.text)}}},"logprobs":null,'
+            f'"finish_reason":{dumps(c.finish_reason)},"stop_reason":{dumps(c.stop_reason)}}}],"usage":null}}\n\n'
+        )
 
     def take_prompt_logprobs(self, index: int) -> list[dict[int, PromptLogprob] | None] | None:
         """The prompt logprobs of choice ``index``'s prompt, once per choice (its first chunk carries them)."""
@@ -205,6 +233,10 @@ async def completion_events(job: Job) -> AsyncIterator[str]:
             async for index, c in outputs:
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
+                prompt_logprobs = job.take_prompt_logprobs(index)
+                if job.logprobs is None and prompt_logprobs is None:
+                    yield job.completion_chunk(index, c)
+                    continue
                 builder = builders.setdefault(index, CompletionLogprobsBuilder(job))
                 choice = CompletionChoice(
                     index=index,
@@ -212,12 +244,18 @@ async def completion_events(job: Job) -> AsyncIterator[str]:
                     logprobs=builder.build(c),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
-                    prompt_logprobs=job.take_prompt_logprobs(index),
+                    prompt_logprobs=prompt_logprobs,
                 )
-                yield sse(CompletionResponse(id=job.response_id, model=job.model, choices=[choice]).model_dump_json())
+                yield sse(
+                    CompletionResponse(
+                        id=job.response_id, created=job.created, model=job.model, choices=[choice]
+                    ).model_dump_json()
+                )
         if job.include_usage:
             yield sse(
-                CompletionResponse(id=job.response_id, model=job.model, choices=[], usage=job.usage()).model_dump_json()
+                CompletionResponse(
+                    id=job.response_id, created=job.created, model=job.model, choices=[], usage=job.usage()
+                ).model_dump_json()
             )
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream
         yield sse(stream_error(exc))
@@ -266,7 +304,9 @@ async def chat_response(job: Job) -> ChatCompletionResponse:
 async def chat_events(job: Job) -> AsyncIterator[str]:
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         return sse(
-            ChatCompletionChunk(id=job.response_id, model=job.model, choices=choices, usage=usage).model_dump_json()
+            ChatCompletionChunk(
+                id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
+            ).model_dump_json()
         )
 
     try:
@@ -278,6 +318,9 @@ async def chat_events(job: Job) -> AsyncIterator[str]:
         async with job.reading() as outputs:
             async for index, c in outputs:
                 if not (c.text or c.token_ids or c.finish_reason):
+                    continue
+                if job.logprobs is None:
+                    yield job.chat_chunk(index, c)
                     continue
                 choice = ChatStreamChoice(
                     index=index,
