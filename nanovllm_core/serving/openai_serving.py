@@ -11,7 +11,6 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
@@ -35,7 +34,7 @@ from nanovllm_core.serving.protocol import (
 )
 
 DONE = "data: [DONE]\n\n"
-dumps = partial(json.dumps, ensure_ascii=False)
+dumps = json.JSONEncoder(ensure_ascii=False).encode  # one encoder: json.dumps with options builds one per call
 
 
 def sse(payload: str) -> str:
