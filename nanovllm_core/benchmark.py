@@ -198,7 +198,12 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         overrides["model"] = str(random_checkpoint(args.shape, dtype))
     overrides.setdefault("max_model_len", 4096)
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    rates = measure_device(device)
+    from nanovllm_core.config import EngineConfig
+
+    data_parallel = EngineConfig.load(args.config, cli_overrides=overrides).data_parallel_size
+    # With data parallelism the engines run in replica processes, one GPU group each: this process measures no
+    # device (that would hold memory on the first GPU, which replica 0 then lacks) and reports no bound.
+    rates = measure_device(device) if data_parallel == 1 else {}
     t0 = time.perf_counter()
     llm = LLM(config=args.config, cli_overrides=overrides)
     load_s = time.perf_counter() - t0
@@ -212,13 +217,14 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     run_tok_per_s = []
     for run in range(max(1, args.runs)):
         run_prompts = prompts if run == 0 else [[(t + run) % vocab for t in p] for p in prompts]
-        llm.step_stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
         before = llm.stats()
-        llm.runner.track_gpu_time = device.type == "cuda"
-        llm.runner.num_steps, llm.runner.host_prepare_s = 0, 0.0
-        llm.runner._step_events.clear()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        if data_parallel == 1:
+            llm.step_stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
+            llm.runner.track_gpu_time = device.type == "cuda"
+            llm.runner.num_steps, llm.runner.host_prepare_s = 0, 0.0
+            llm.runner._step_events.clear()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
         start = time.perf_counter()
         outputs = llm.generate(run_prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -226,32 +232,47 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         run_tok_per_s.append(produced / elapsed)
         if args.runs > 1:
             print(f"run {run + 1}: {produced} tok in {elapsed:.2f} s = {produced / elapsed:,.0f} tok/s")
-    totals = llm.step_stats.totals
     after = llm.stats()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
+    if data_parallel == 1:
+        totals = llm.step_stats.totals
+        engine: dict[str, Any] = {
+            "attention": llm.attention_backend_name,
+            "dtype": str(llm.dtype),
+            "prefill_tok_per_s": totals["prefill_tokens"] / totals["prefill_s"] if totals["prefill_s"] else 0.0,
+            "decode_tok_per_s": totals["decode_tokens"] / totals["decode_s"] if totals["decode_s"] else 0.0,
+            "num_kvcache_blocks": llm.runner.num_kvcache_blocks,
+            "cuda_graphs": llm.runner.graphs is not None,
+            "async_scheduling": llm.async_scheduling,
+        }
+    else:  # what the replicas report: the settings and their stats (the rest lives in their processes)
+        engine = {
+            "attention": llm.config.plugins.attention,
+            "dtype": llm.config.dtype,
+            "num_kvcache_blocks": after.num_kv_blocks,
+            "cuda_graphs": None,  # decided inside each replica
+            "async_scheduling": llm.config.async_scheduling,  # the setting ("auto": each replica decides)
+            "data_parallel_size": data_parallel,
+            "replica_output_tokens": [s.num_generation_tokens for s in llm.replica_stats()],
+        }
     result: dict[str, Any] = {
         "model": llm.config.model,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "attention": llm.attention_backend_name,
-        "dtype": str(llm.dtype),
+        **engine,
         "num_seqs": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
         "output_tokens": produced,
         "seconds": elapsed,
         "output_tok_per_s": produced / elapsed,
         "load_s": load_s,
-        "prefill_tok_per_s": totals["prefill_tokens"] / totals["prefill_s"] if totals["prefill_s"] else 0.0,
-        "decode_tok_per_s": totals["decode_tokens"] / totals["decode_s"] if totals["decode_s"] else 0.0,
-        "num_kvcache_blocks": llm.runner.num_kvcache_blocks,
         "enforce_eager": llm.config.enforce_eager,
-        "cuda_graphs": llm.runner.graphs is not None,
-        "async_scheduling": llm.async_scheduling,
         "num_preemptions": after.num_preemptions - before.num_preemptions,
         "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
         "warmup_prompts": args.warmup_prompts,
         "runs_tok_per_s": run_tok_per_s,
     }
-    result.update(llm.runner.timing_summary())
+    if data_parallel == 1:
+        result.update(llm.runner.timing_summary())
     if rates:
         bound = bound_seconds(llm.hf_config, prompts, max_tokens, rates)
         result.update(rates)
@@ -263,10 +284,11 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         f"cuda_graphs={result['cuda_graphs']} async_scheduling={result['async_scheduling']} "
         f"preemptions={result['num_preemptions']} prefix_cache_hit_rate={100 * result['prefix_cache_hit_rate']:.1f}%"
     )
-    print(
-        f"Total: {produced} tok, Time: {elapsed:.2f}s, Throughput: {produced / elapsed:,.0f} tok/s "
-        f"(prefill {result['prefill_tok_per_s']:,.0f} tok/s, decode {result['decode_tok_per_s']:,.0f} tok/s)"
-    )
+    if data_parallel == 1:
+        split = f"prefill {result['prefill_tok_per_s']:,.0f} tok/s, decode {result['decode_tok_per_s']:,.0f} tok/s"
+    else:
+        split = f"{data_parallel} data-parallel replicas, output tokens {result['replica_output_tokens']} since start"
+    print(f"Total: {produced} tok, Time: {elapsed:.2f}s, Throughput: {produced / elapsed:,.0f} tok/s ({split})")
     if rates:
         print(
             f"Device: copy {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
@@ -282,7 +304,10 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             f"{result['host_prepare_ms_per_step']:.3f} ms/step over {result['steps']} steps"
         )
     if args.profile and device.type == "cuda":
-        profile_decode(llm, prompts)
+        if data_parallel == 1:
+            profile_decode(llm, prompts)
+        else:
+            print("--profile profiles one engine in this process: run it without --data-parallel-size")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0

@@ -116,11 +116,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if outputs and all(out.error for out in outputs):
         print(f"error: every prompt failed ({len(outputs)} of {len(outputs)})", file=sys.stderr)
         return 1
-    print(
-        f"{num_out} output tokens in {elapsed:.2f} s: {num_out / elapsed:,.1f} tok/s ({llm.step_stats.rates_text()}; "
-        f"attention backend {llm.attention_backend_name!r}, device {llm.device}, "
-        f"KV cache {llm.runner.num_kvcache_blocks} blocks of {llm.config.kvcache_block_size} tokens)"
-    )
+    if llm.config.data_parallel_size > 1:  # the engines run in replica processes: only their stats are here
+        details = (
+            f"{llm.config.data_parallel_size} data-parallel replicas; KV cache {llm.stats().num_kv_blocks} blocks of "
+            f"{llm.config.kvcache_block_size} tokens in all"
+        )
+    else:
+        details = (
+            f"{llm.step_stats.rates_text()}; attention backend {llm.attention_backend_name!r}, device {llm.device}, "
+            f"KV cache {llm.runner.num_kvcache_blocks} blocks of {llm.config.kvcache_block_size} tokens"
+        )
+    print(f"{num_out} output tokens in {elapsed:.2f} s: {num_out / elapsed:,.1f} tok/s ({details})")
     return 0
 
 

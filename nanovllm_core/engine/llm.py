@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import Prompt
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError
@@ -19,7 +21,26 @@ logger = logging.getLogger(__name__)
 
 
 class LLM(LLMEngine):
-    """``LLM(model, config="nanovllm.toml", **overrides).generate(prompts, sampling_params)``."""
+    """``LLM(model, config="nanovllm.toml", **overrides).generate(prompts, sampling_params)``.
+
+    With ``data_parallel_size`` > 1 (keyword, config file or command line) the object is a
+    :class:`~nanovllm_core.engine.data_parallel.DataParallelLLM`: that many engine replicas in processes of their
+    own behind the same API.
+    """
+
+    def __new__(
+        cls,
+        model: str | None = None,
+        config: str | Path | None = None,
+        *,
+        cli_overrides: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> LLM:
+        if cls is LLM and _data_parallel_size(model, config, cli_overrides, kwargs) > 1:
+            from nanovllm_core.engine.data_parallel import DataParallelLLM
+
+            return super().__new__(DataParallelLLM)  # Python then runs DataParallelLLM.__init__ with these arguments
+        return super().__new__(cls)
 
     def generate(
         self,
@@ -117,6 +138,17 @@ class LLM(LLMEngine):
             render_chat(self.tokenizer, c, add_generation_prompt, chat_template, **kwargs) for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _data_parallel_size(
+    model: str | None, config: str | Path | None, cli_overrides: dict[str, Any] | None, kwargs: dict[str, Any]
+) -> int:
+    """The ``data_parallel_size`` these arguments resolve to (the whole config is loaded, and checked, only when a
+    layer can set it)."""
+    if config is None and "data_parallel_size" not in kwargs and "data_parallel_size" not in (cli_overrides or {}):
+        return 1
+    overrides = dict(kwargs) if model is None else {**kwargs, "model": model}
+    return EngineConfig.load(config, overrides, cli_overrides).data_parallel_size
 
 
 def _as_prompt_list(prompts: Any) -> list[Any]:

@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 INIT_TIMEOUT = timedelta(seconds=int(os.environ.get("NANOVLLM_TP_TIMEOUT", "300")))
 WORKER_ENV = "NANOVLLM_TP_WORKER"  # "<ring layout>;<rank>": set only in the processes this module spawns
+PORT_ENV = "NANOVLLM_TP_PORT"  # rendezvous port of a spawned group (data parallelism gives each replica its own)
 STARTING, STARTED, FAILED = 0, 1, 2  # a worker's state in its ring report
 EXIT_DEADLINE_S = 2.0  # how long shutdown waits for the workers to leave before it terminates them
 MAIN_GUARD_EXIT = 3  # exit code of a worker that found itself re-importing an unguarded main module
@@ -252,6 +253,17 @@ def refuse_inside_worker() -> None:
         os._exit(MAIN_GUARD_EXIT)
 
 
+def rendezvous_port() -> int:
+    """The port of a spawned group's rendezvous: ``NANOVLLM_TP_PORT`` when set (data-parallel replicas get distinct
+    ports from their front process, so that two replicas starting at once cannot pick the same one), else a free one."""
+    value = os.environ.get(PORT_ENV)
+    if not value:
+        return free_port()
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ConfigError(f"{PORT_ENV}={value!r} is not a TCP port (an integer from 1 to 65535)")
+    return int(value)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -327,7 +339,7 @@ class TensorParallelGroup:
     # --- start-up -------------------------------------------------------------------------------------
 
     def _spawn(self, spec: RunnerSpec) -> None:
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        init_method = f"tcp://127.0.0.1:{rendezvous_port()}"
         self.ring = BroadcastRing.create(self.world_size - 1)
         self.ring.spin_s = spin_seconds(spec.device_type)
         doorbells = self.ring.make_doorbells()

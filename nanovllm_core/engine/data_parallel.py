@@ -1,0 +1,885 @@
+"""Data parallelism: ``data_parallel_size`` engine replicas, each in a process of its own on its own GPUs (or CPU),
+behind one front-end.
+
+:class:`DataParallelCore` holds the replicas (each an :class:`~nanovllm_core.serving.step_loop.EngineProcess`)
+and has the same contract as one of them (``config``, ``start(emit, fail)``, ``submit(commands)``, ``join()``,
+``alive``), so that :class:`~nanovllm_core.serving.AsyncLLM` can serve it. It routes each ``add`` to the replica
+with the least outstanding work, each ``abort`` to the replica that owns the request, answers ``stats`` from every
+replica's stats, and sends ``stop`` to all. :class:`DataParallelLLM` is the offline API on top of it: what
+``LLM(model, data_parallel_size=N)`` returns.
+
+Replica ``r`` of ``N`` with ``tensor_parallel_size`` ``T`` runs on GPUs ``r*T .. (r+1)*T - 1`` (of the GPUs this
+process sees): its process sets ``CUDA_VISIBLE_DEVICES`` to them before CUDA starts, so inside it they are
+``cuda:0 .. cuda:T-1`` and its tensor-parallel ranks need nothing else; its tensor-parallel group gets a
+rendezvous port of its own (``NANOVLLM_TP_PORT``). On CPU every replica is a process with ``cpu_count // N``
+threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import multiprocessing
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.core import EngineStats, Prompt
+from nanovllm_core.engine.llm import LLM, _error_output
+from nanovllm_core.engine.llm_engine import LLMEngine, resolve_device
+from nanovllm_core.engine.parallel import PORT_ENV, launched_by_torchrun
+from nanovllm_core.errors import ConfigError, InvalidRequestError
+from nanovllm_core.loader import load_hf_config
+from nanovllm_core.outputs import RequestOutput
+from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.serving.step_loop import Command, EngineProcess, LoopAccount, Result
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DataParallelCore", "DataParallelLLM", "ReplicaPlacement", "combine_stats", "plan_replicas"]
+
+STOP_TIMEOUT_S = 4.0  # how long join() waits for the replicas to leave before it kills the ones still there
+
+
+# --- placement ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaPlacement:
+    """Where one replica runs: the environment its process starts with, and its torch CPU threads."""
+
+    index: int
+    env: dict[str, str]
+    threads: int
+    where: str  # for messages: "GPUs 2,3" or "CPU"
+
+
+def plan_replicas(config: EngineConfig) -> list[ReplicaPlacement]:
+    """One placement per replica. On CUDA, replica ``r`` gets GPUs ``r*tp .. (r+1)*tp - 1`` of those this process
+    sees (its ``CUDA_VISIBLE_DEVICES`` entries when set); raises ConfigError when there are not enough."""
+    dp, tp = config.data_parallel_size, config.tensor_parallel_size
+    device = resolve_device(config.device)
+    ports = _distinct_free_ports(dp) if tp > 1 else [None] * dp
+    threads = max(1, (os.cpu_count() or 1) // dp)  # the replicas share the host's cores
+    placements = []
+    if device.type == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        if dp * tp > count:
+            raise ConfigError(
+                f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} GPUs; this process sees "
+                f"{count} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+            )
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [s.strip() for s in visible.split(",") if s.strip()] if visible else [str(i) for i in range(count)]
+        for r in range(dp):
+            gpus = ",".join(ids[r * tp : (r + 1) * tp])
+            env = {"CUDA_VISIBLE_DEVICES": gpus}
+            if ports[r] is not None:
+                env[PORT_ENV] = str(ports[r])
+            placements.append(ReplicaPlacement(r, env, threads, f"GPU{'s' if tp > 1 else ''} {gpus}"))
+        return placements
+    for r in range(dp):
+        env = {PORT_ENV: str(ports[r])} if ports[r] is not None else {}
+        placements.append(ReplicaPlacement(r, env, threads, "CPU"))
+    return placements
+
+
+def _distinct_free_ports(n: int) -> list[int]:
+    """``n`` ports free right now and distinct from each other (all bound at once while they are picked)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def build_replica_engine(
+    env: dict[str, str],
+    threads: int,
+    model: str | None,
+    config: str | Path | None,
+    cli_overrides: dict[str, Any] | None,
+    kwargs: dict[str, Any],
+) -> LLMEngine:
+    """Runs in a replica's process (``EngineProcess(build=...)``): place it, then build its engine."""
+    import torch
+
+    os.environ.update(env)  # before anything starts CUDA in this process
+    if "CUDA_VISIBLE_DEVICES" in env and torch.cuda.is_initialized():
+        raise ConfigError(
+            "CUDA was started in a data-parallel replica process before its GPUs were chosen: the main module, which "
+            "every spawned process imports again, uses CUDA when imported. Move that code under "
+            '`if __name__ == "__main__":`'
+        )
+    torch.set_num_threads(threads)
+    overrides = {**(cli_overrides or {}), "data_parallel_size": 1}  # one engine here; highest precedence
+    return LLMEngine(model, config, cli_overrides=overrides, **kwargs)
+
+
+def _refuse_while_bootstrapping() -> None:
+    """A spawned process imports the main module before it runs anything; a script without the main guard then
+    builds its data-parallel LLM again inside every replica. Say so instead of a bootstrapping traceback."""
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    main = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main module"
+    raise RuntimeError(
+        f"a data-parallel replica process re-imported {main} and it built an LLM again: replicas are started with "
+        "the 'spawn' method, which imports the main module in every replica. Put the code that builds the LLM "
+        'under `if __name__ == "__main__":`'
+    )
+
+
+# --- stats --------------------------------------------------------------------------------------------------
+
+
+def combine_stats(parts: list[Any]) -> Any:
+    """One snapshot of several replicas (dataclasses of one type, as :class:`EngineStats`): numeric fields are
+    summed, so queue lengths and counters add up, ``kv_cache_usage`` is over every replica's blocks and
+    ``prefix_cache_hit_rate`` over every replica's queries; any other field must be equal in every part."""
+    values = {}
+    for field in dataclasses.fields(parts[0]):
+        column = [getattr(p, field.name) for p in parts]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in column):
+            values[field.name] = sum(column)
+        elif all(v == column[0] for v in column):
+            values[field.name] = column[0]
+        else:
+            raise TypeError(f"cannot combine {type(parts[0]).__name__}.{field.name} of the replicas: {column!r}")
+    return type(parts[0])(**values)
+
+
+# --- the core -----------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Owned:
+    """A request in a replica, and the work it still has there (what routing balances)."""
+
+    replica: int
+    budget: int  # output tokens it may still produce: n * max_tokens
+    remaining: int  # prompt (until its first output) + output tokens not produced yet
+    kind: str  # its output_kind: what its outputs say about progress
+    produced: int = 0
+
+
+@dataclass(slots=True)
+class _Note:
+    """A command sent to a replica that will be answered by one result, in the order sent."""
+
+    kind: str
+    request_id: str | None = None
+    owned: _Owned | None = None  # an add: its record (new_owner: this add created it)
+    new_owner: bool = False
+    gather: _Gather | None = None
+
+
+class _Gather:
+    """A ``stats`` call sent to every replica: answered once all have answered."""
+
+    def __init__(self, call_id: int | None, n: int, combine: bool) -> None:
+        self.call_id = call_id
+        self.parts: list[Any] = [None] * n
+        self.left = n
+        self.error: BaseException | None = None
+        self.combine = combine
+
+    def put(self, replica: int, result: Any, error: BaseException | None) -> bool:
+        self.parts[replica] = result
+        if error is not None and self.error is None:
+            self.error = error
+        self.left -= 1
+        return self.left == 0
+
+    def result(self) -> Result:
+        if self.error is not None:
+            return (self.call_id, None, self.error)
+        return (self.call_id, combine_stats(self.parts) if self.combine else list(self.parts), None)
+
+
+def _cost(args: tuple) -> tuple[int, int, str]:
+    """(prompt tokens, output budget, output kind) of an ``add``'s arguments ``(prompt, params, request_id)``."""
+    prompt, params = args[0], args[1] if len(args) > 1 else None
+    if isinstance(prompt, str):
+        prompt_tokens = len(prompt) // 4 + 1  # not tokenized here (the replica does it): about 4 characters a token
+    else:
+        prompt_tokens = len(prompt) if isinstance(prompt, (list, tuple)) else 1
+    if isinstance(params, SamplingParams):
+        return prompt_tokens, params.n * params.max_tokens, params.output_kind
+    return prompt_tokens, SamplingParams.max_tokens, "final"
+
+
+class DataParallelCore:
+    """``data_parallel_size`` :class:`EngineProcess` replicas behind the contract of one.
+
+    Commands: ``add`` goes to the replica with the least outstanding work (prompt tokens not yet computed plus
+    output tokens not yet produced, summed over its requests: what it still has to do; several adds submitted
+    together are placed largest first), ``abort`` to the replica that owns the request, ``stats`` to every
+    replica (answered with :func:`combine_stats` of their answers; ``replica_stats`` answers the list), ``stop``
+    to all. Adds carry their request id (AsyncLLM's do): an add without one is not tracked, so it cannot be
+    aborted through this core. Outputs pass through unchanged. ``emit`` is called from each replica's reader (one
+    thread per replica, or the event loop with ``start(..., loop=loop)``); its account sums the replicas'
+    accounts. When a replica fails or dies, ``fail`` is called once with an error naming it and the other
+    replicas are stopped.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        config: str | Path | None = None,
+        cli_overrides: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        _refuse_while_bootstrapping()
+        overrides = dict(kwargs)
+        if model is not None:
+            overrides["model"] = model
+        resolved = EngineConfig.load(config, overrides, cli_overrides)  # bad values fail before any process starts
+        if launched_by_torchrun():
+            raise ConfigError(
+                "data_parallel_size > 1 starts its replicas itself and cannot run under torchrun; run the script "
+                "with python (tensor_parallel_size still works within each replica)"
+            )
+        self.data_parallel_size = resolved.data_parallel_size
+        self.placements = plan_replicas(resolved)
+        self.replicas = self._start_replicas(model, config, cli_overrides, kwargs)
+        self.config: EngineConfig = self.replicas[0].config.model_copy()
+        self.config.data_parallel_size = self.data_parallel_size
+        n = self.data_parallel_size
+        self._state_lock = threading.Lock()  # routing state; never held while sending
+        self._send_locks = [threading.Lock() for _ in range(n)]  # one sender per replica: notes in send order
+        self._notes: list[deque[_Note]] = [deque() for _ in range(n)]
+        self._loads = [0] * n
+        self._owners: dict[str, _Owned] = {}
+        self._accounts = [LoopAccount() for _ in range(n)]
+        self._stop_sent = [False] * n
+        self._stopped = False
+        self._joined = False
+        self._failure: BaseException | None = None
+        self._emit: Callable[..., None] | None = None
+        self._fail: Callable[[BaseException], None] | None = None
+
+    def _start_replicas(
+        self, model: str | None, config: str | Path | None, cli_overrides: dict[str, Any] | None, kwargs: dict
+    ) -> list[EngineProcess]:
+        """Start every replica at once (each loads its weights and warms up in parallel); on any failure stop the
+        ones that started and raise the first replica's error, naming the replica."""
+        n = len(self.placements)
+        replicas: list[EngineProcess | None] = [None] * n
+        errors: list[BaseException | None] = [None] * n
+
+        def build(p: ReplicaPlacement) -> None:
+            try:
+                make = functools.partial(build_replica_engine, p.env, p.threads, model, config, cli_overrides, kwargs)
+                replicas[p.index] = EngineProcess(build=make)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+                errors[p.index] = exc
+
+        threads = [
+            threading.Thread(target=build, args=(p,), name=f"nanovllm-dp-start-{p.index}", daemon=True)
+            for p in self.placements
+        ]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                t.join()
+        finally:
+            failed = next((r for r, e in enumerate(errors) if e is not None), None)
+            interrupted = any(t.is_alive() for t in threads)
+            if failed is not None or interrupted:
+                for t in threads:  # Ctrl-C while loading: the replicas that still load are stopped once ready
+                    t.join()
+                _stop_and_join([rep for rep in replicas if rep is not None], STOP_TIMEOUT_S)
+        if failed is not None:
+            exc = errors[failed]
+            assert exc is not None
+            where = self.placements[failed].where
+            message = f"data-parallel replica {failed} ({where}) failed to start: {exc}"
+            if isinstance(exc, RuntimeError) and "exited with status" in str(exc):
+                message += " (its error output is above)"
+            try:
+                renamed = type(exc)(message)
+            except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+                renamed = RuntimeError(message)
+            raise renamed from exc
+        return [rep for rep in replicas if rep is not None]
+
+    # --- the EngineProcess contract ---------------------------------------------------------------------
+
+    def start(self, emit: Callable[..., None], fail: Callable[[BaseException], None], **options: Any) -> None:
+        """Start delivering outputs: ``emit(results, outputs, now, account)`` and ``fail(exc)`` as for one
+        replica; ``options`` (such as ``loop=``) go to every replica's ``start``."""
+        self._emit, self._fail = emit, fail
+        for r, replica in enumerate(self.replicas):
+            replica.start(functools.partial(self._on_emit, r), functools.partial(self._on_fail, r), **options)
+
+    def submit(self, commands: list[Command]) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"the data-parallel engine cannot take commands: {self._failure}")
+        if self._stopped:
+            raise RuntimeError("the data-parallel engine was stopped: it takes no more commands")
+        n = len(self.replicas)
+        batches: list[list[Command]] = [[] for _ in range(n)]
+        notes: list[list[_Note]] = [[] for _ in range(n)]
+        with self._state_lock:
+            targets = self._place_adds(commands)
+            for command, target in zip(commands, targets):
+                call_id, kind, args = command
+                if kind == "add":
+                    r, note = target
+                    batches[r].append(command)
+                    notes[r].append(note)
+                elif kind == "abort":
+                    owned = self._owners.get(args[0]) if args else None
+                    r = owned.replica if owned is not None else 0  # unknown or finished: any replica says so
+                    batches[r].append(command)
+                    notes[r].append(_Note("abort"))
+                elif kind in ("stats", "replica_stats"):
+                    gather = _Gather(call_id, n, combine=kind == "stats")
+                    for r in range(n):
+                        batches[r].append((call_id, "stats", ()))
+                        notes[r].append(_Note("stats", gather=gather))
+                elif kind == "stop":
+                    self._stopped = True
+                    for r in range(n):
+                        batches[r].append(command)
+                else:  # one replica answers with the step loop's own error
+                    batches[0].append(command)
+                    notes[0].append(_Note(kind))
+        for r in range(n):
+            if batches[r]:
+                self._send(r, batches[r], notes[r])
+
+    def _place_adds(self, commands: list[Command]) -> list[Any]:
+        """For each command, ``(replica, note)`` if it is an add (else None); updates the owners and loads.
+
+        A request id already owned (or repeated in the batch) goes to its owner, which rejects it as in use. New
+        requests are placed largest first, each on the replica with the least outstanding work (a greedy
+        longest-processing-time schedule: the batch's replicas end close together)."""
+        targets: list[Any] = [None] * len(commands)
+        fresh: dict[str, int] = {}
+        for i, (_, kind, args) in enumerate(commands):
+            request_id = args[2] if kind == "add" and len(args) > 2 else None
+            if isinstance(request_id, str) and request_id not in self._owners and request_id not in fresh:
+                fresh[request_id] = i
+        costs = {i: _cost(commands[i][2]) for i in fresh.values()}
+        loads = self._loads
+        for i in sorted(costs, key=lambda i: -(costs[i][0] + costs[i][1])):
+            prompt_tokens, budget, kind = costs[i]
+            r = min(range(len(loads)), key=loads.__getitem__)
+            owned = _Owned(r, budget, prompt_tokens + budget, kind)
+            loads[r] += owned.remaining
+            self._owners[commands[i][2][2]] = owned
+            targets[i] = (r, _Note("add", commands[i][2][2], owned, new_owner=True))
+        for i, (_, kind, args) in enumerate(commands):
+            if kind == "add" and targets[i] is None:
+                request_id = args[2] if len(args) > 2 else None
+                owned = self._owners.get(request_id) if isinstance(request_id, str) else None
+                if owned is None:  # no id (the replica rejects it): the least loaded replica says so
+                    r = min(range(len(loads)), key=loads.__getitem__)
+                    targets[i] = (r, _Note("add", None))
+                else:
+                    prompt_tokens, budget, output_kind = _cost(args)
+                    dup = _Owned(owned.replica, budget, prompt_tokens + budget, output_kind)
+                    targets[i] = (owned.replica, _Note("add", request_id, dup))
+        return targets
+
+    def _send(self, r: int, batch: list[Command], notes: list[_Note]) -> None:
+        with self._send_locks[r]:
+            if self._stop_sent[r]:
+                self._forget(notes)
+                raise RuntimeError(f"data-parallel replica {r} was stopped")
+            self._notes[r].extend(notes)  # before the send: the answers may come back at once
+            try:
+                self.replicas[r].submit(batch)
+            except BaseException:  # nothing was sent (a command that does not pickle) or the replica is gone
+                for _ in notes:
+                    self._notes[r].pop()
+                self._forget(notes)
+                raise
+            if any(kind == "stop" for _, kind, _ in batch):
+                self._stop_sent[r] = True
+
+    def _forget(self, notes: list[_Note]) -> None:
+        """Undo the routing of adds that were not sent."""
+        with self._state_lock:
+            for note in notes:
+                if note.new_owner and note.owned is not None and self._owners.get(note.request_id) is note.owned:
+                    del self._owners[note.request_id]
+                    self._loads[note.owned.replica] -= note.owned.remaining
+
+    def _on_emit(self, r: int, results: list[Result], outputs: list[RequestOutput], now: float, account: Any) -> None:
+        forward: list[Result] = []
+        answered: list[_Gather] = []
+        with self._state_lock:
+            self._accounts[r] = account
+            notes = self._notes[r]
+            for result in results:
+                note = notes.popleft()
+                if note.kind == "stats":
+                    assert note.gather is not None
+                    if note.gather.put(r, result[1], result[2]):
+                        answered.append(note.gather)
+                    continue
+                if note.kind == "add" and note.owned is not None:
+                    self._settle_add(note, failed=result[2] is not None)
+                forward.append(result)
+            owners, loads = self._owners, self._loads
+            for out in outputs:
+                owned = owners.get(out.request_id)
+                if owned is None:
+                    continue
+                if out.finished:
+                    del owners[out.request_id]
+                    loads[owned.replica] -= owned.remaining
+                    continue
+                new = sum(len(c.token_ids) for c in out.outputs)
+                owned.produced = owned.produced + new if owned.kind == "delta" else new
+                remaining = max(owned.budget - owned.produced, 0)  # its prompt is computed: it produced tokens
+                loads[owned.replica] += remaining - owned.remaining
+                owned.remaining = remaining
+            total = _sum_accounts(self._accounts)
+        forward.extend(g.result() for g in answered)
+        if (forward or outputs) and self._emit is not None:
+            self._emit(forward, outputs, now, total)
+
+    def _settle_add(self, note: _Note, failed: bool) -> None:
+        """An add's result: a rejected new request leaves its replica's load; a repeated id that was accepted
+        (its first add was rejected) becomes the owner."""
+        owned, request_id = note.owned, note.request_id
+        assert owned is not None and request_id is not None
+        if failed and note.new_owner:
+            if self._owners.get(request_id) is owned:
+                del self._owners[request_id]
+                self._loads[owned.replica] -= owned.remaining
+        elif not failed and not note.new_owner and request_id not in self._owners:
+            self._owners[request_id] = owned
+            self._loads[owned.replica] += owned.remaining
+
+    def _on_fail(self, r: int, exc: BaseException) -> None:
+        with self._state_lock:
+            if self._failure is not None:
+                return
+            where = self.placements[r].where
+            self._failure = RuntimeError(f"data-parallel replica {r} ({where}) failed: {exc}")
+            self._failure.__cause__ = exc
+            failure = self._failure
+            stopping = self._stopped
+        if self._fail is not None:
+            self._fail(failure)
+        if stopping:  # the others were told already
+            return
+        logger.error("%s; stopping the other replicas", failure)
+        # the others are told from a thread of their own: this one may be the event loop, or a reader
+        threading.Thread(target=self._send_stop, name="nanovllm-dp-stop", daemon=True).start()
+
+    def _send_stop(self) -> None:
+        """Tell every replica that was not told yet to stop (a dead one cannot be told: skipped)."""
+        for r, replica in enumerate(self.replicas):
+            with self._send_locks[r]:
+                if self._stop_sent[r]:
+                    continue
+                self._stop_sent[r] = True
+                try:
+                    replica.submit([(None, "stop", ())])
+                except (OSError, ValueError):  # its pipe is gone (dead, or closed at interpreter exit)
+                    pass
+
+    def join(self) -> None:
+        """Wait for every replica to end (the ones not told to stop yet are told now); a replica still there
+        after STOP_TIMEOUT_S seconds is killed."""
+        if self._joined:
+            return
+        self._stopped = True
+        self._send_stop()
+        _stop_and_join(self.replicas, STOP_TIMEOUT_S, told=True)
+        self._joined = True
+
+    def close(self) -> None:
+        """Stop and join every replica (idempotent; what shutdown() and the garbage collector do)."""
+        self.join()
+
+    @property
+    def alive(self) -> bool:
+        """Some replica's process still runs."""
+        return any(replica.alive for replica in self.replicas)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the engine stopped serving (a replica failed or died), or None."""
+        return self._failure
+
+    @property
+    def loads(self) -> list[int]:
+        """Each replica's outstanding work in tokens, as routing sees it."""
+        with self._state_lock:
+            return list(self._loads)
+
+
+def _sum_accounts(accounts: list[Any]) -> Any:
+    total = type(accounts[0])()
+    for field in dataclasses.fields(total):
+        setattr(total, field.name, sum(getattr(a, field.name) for a in accounts))
+    return total
+
+
+def _stop_and_join(replicas: list[EngineProcess], timeout: float, told: bool = False) -> None:
+    """Stop (unless ``told``) and join replicas; kill the ones still running after ``timeout`` seconds."""
+    if not told:
+        for replica in replicas:
+            try:
+                replica.submit([(None, "stop", ())])
+            except (OSError, ValueError):
+                pass
+    deadline = time.monotonic() + timeout
+    for replica in replicas:
+        replica.process.join(max(0.0, deadline - time.monotonic()))
+    for replica in replicas:
+        if replica.process.is_alive():
+            logger.warning("data-parallel replica process %s did not stop in time; killing it", replica.process.pid)
+            replica.process.kill()
+    for replica in replicas:
+        replica.join()
+
+
+# --- the offline API ----------------------------------------------------------------------------------------
+
+
+class _Inbox:
+    """What the replicas' readers hand over, for the thread that drives :class:`DataParallelLLM`. Holds no
+    reference to the LLM, so that the readers do not keep it alive."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._results: list[Result] = []
+        self._outputs: list[RequestOutput] = []
+        self.failure: BaseException | None = None
+
+    def emit(self, results: list[Result], outputs: list[RequestOutput], now: float, account: Any) -> None:
+        with self._cond:
+            self._results.extend(results)
+            self._outputs.extend(outputs)
+            self._cond.notify()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self.failure is None:
+                self.failure = exc
+            self._cond.notify_all()
+
+    def take(self, block: bool, timeout: float | None = None) -> tuple[list[Result], list[RequestOutput]]:
+        """Everything that arrived (waiting for something when ``block``); raises the failure, if any."""
+        with self._cond:
+            if block:
+                self._cond.wait_for(lambda: self._results or self._outputs or self.failure is not None, timeout)
+            results, outputs = self._results, self._outputs
+            self._results, self._outputs = [], []
+            failure = self.failure
+        if failure is not None:
+            raise failure
+        return results, outputs
+
+
+class DataParallelLLM(LLM):
+    """``LLM(model, data_parallel_size=N)``: N engine replicas in processes of their own, one ``LLM`` API.
+
+    ``generate`` and ``chat`` behave as :class:`LLM`'s: outputs in prompt order, an error output for a prompt that
+    cannot be served, nothing left queued after an exception. The prompts of one call are sent together, placed
+    on the replicas by their work (prompt plus output budget), and only final outputs come back.
+    ``add_request`` / ``step`` / ``abort_request`` work too, with one difference: the replicas run on their
+    own, so ``step()`` returns the outputs that arrived since the last call (waiting for at least one while
+    requests are unfinished) instead of running one step. What lives inside one engine (``runner``,
+    ``scheduler``, ``step_stats``, ...) is not available here: ask the replicas through ``stats()`` and
+    ``replica_stats()``.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        config: str | Path | None = None,
+        *,
+        cli_overrides: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        core = DataParallelCore(model, config, cli_overrides, **kwargs)
+        self._core = core
+        self._finalizer = weakref.finalize(self, core.close)
+        try:
+            self.config = core.config
+            self.data_parallel_size = core.data_parallel_size
+            self.hf_config = load_hf_config(self.config.model)
+            self.tokenizer = LLMEngine._load_tokenizer(self.config.tokenizer or self.config.model)
+            self.max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
+            self.eos_token_ids = self._eos_token_ids()
+            self._lock = threading.RLock()  # one caller at a time, as LLM
+            self._inbox = _Inbox()
+            self._call_ids = itertools.count()
+            self._generate_calls = itertools.count()
+            self._request_counter = itertools.count()
+            self._results: dict[int, tuple[Any, BaseException | None]] = {}
+            self._requests: dict[str, tuple[str | None, list[int] | None]] = {}  # add_request's: (text, ids)
+            self._ready: list[RequestOutput] = []  # their outputs not yet returned by step()
+            core.start(self._inbox.emit, self._inbox.fail)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"{name!r} is not available with data_parallel_size > 1: the engines run in {type(self).__name__}'s "
+            "replica processes. Available: generate, chat, add_request, step, abort_request, "
+            "has_unfinished_requests, stats, replica_stats, shutdown, config, tokenizer, hf_config"
+        )
+
+    # --- requests ---------------------------------------------------------------------------------------
+
+    def _generate(
+        self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        self._check_open()
+        prefix = f"generate-{next(self._generate_calls)}-"  # stale outputs of an earlier call never match
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        shown: list[tuple[str | None, list[int] | None]] = [(None, None)] * len(prompts)
+        calls: dict[int, int] = {}
+        commands: list[Command] = []
+        bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            if isinstance(params, SamplingParams) and params.output_kind != "final":
+                params = dataclasses.replace(params, output_kind="final")
+            try:
+                sent, shown[i] = self._prepare(prompt, params)
+            except InvalidRequestError as exc:
+                logger.warning("prompt %d rejected: %s", i, exc)
+                results[i] = _error_output(f"generate-{i}", prompt, str(exc))
+                bar.update(1)
+                continue
+            call_id = next(self._call_ids)
+            calls[call_id] = i
+            commands.append((call_id, "add", (sent, params, f"{prefix}{i}")))
+        left = len(commands)
+        produced, start = 0, time.perf_counter()
+        try:
+            self._core.submit(commands)
+            while left:
+                for out in self._pump(block=True):
+                    if not out.request_id.startswith(prefix) or not out.finished:
+                        continue
+                    i = int(out.request_id[len(prefix) :])
+                    if results[i] is not None:
+                        continue
+                    out.request_id = f"generate-{i}"
+                    self._restore(out, shown[i])
+                    results[i] = out
+                    left -= 1
+                    produced += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                for call_id in [c for c in calls if c in self._results]:
+                    i = calls.pop(call_id)
+                    _, exc = self._results.pop(call_id)
+                    if exc is None:
+                        continue
+                    if not isinstance(exc, InvalidRequestError):
+                        raise exc
+                    logger.warning("prompt %d rejected: %s", i, exc)
+                    results[i] = _error_output(f"generate-{i}", prompts[i], str(exc))
+                    left -= 1
+                    bar.update(1)
+                if use_tqdm:
+                    bar.set_postfix_str(f"output {produced / (time.perf_counter() - start):,.0f} tok/s", refresh=False)
+        except BaseException:
+            unfinished = [f"{prefix}{i}" for i, r in enumerate(results) if r is None]
+            self._abort_and_wait(unfinished, {call_id: f"{prefix}{i}" for call_id, i in calls.items()})
+            raise
+        finally:
+            bar.close()
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def _prepare(self, prompt: Any, params: Any) -> tuple[list[int], tuple[str | None, list[int] | None]]:
+        """The token ids to send for a prompt, and (text, token ids) to put back into its outputs. Text is
+        tokenized here (the tokenizer is the replicas'), so that routing knows its length and only plain data
+        crosses the pipe; what depends on the engine (length, vocabulary, KV cache) the replica checks."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
+        if type(prompt) is list and set(map(type, prompt)) <= {int}:  # plain token ids: 7x cheaper than the check
+            return prompt, (None, list(prompt))
+        text, token_ids = self._tokenize(prompt)
+        return token_ids, (text, token_ids)
+
+    @staticmethod
+    def _restore(out: RequestOutput, shown: tuple[str | None, list[int] | None]) -> None:
+        text, token_ids = shown
+        if out.prompt is None:
+            out.prompt = text
+        if not out.prompt_token_ids and token_ids:
+            out.prompt_token_ids = token_ids
+
+    def _abort_and_wait(self, request_ids: list[str], adds: dict[int, str], timeout: float = 5.0) -> None:
+        """After an exception in generate: abort its unfinished requests and wait (bounded) until every replica
+        has let them go, so that nothing of the call stays queued. ``adds``: the add calls whose answer was not
+        read yet (a rejected add leaves nothing to wait for)."""
+        if self._inbox.failure is not None or not request_ids or not self._finalizer.alive:
+            return
+        waiting = set(request_ids)
+        try:
+            self._core.submit([(None, "abort", (r,)) for r in request_ids])
+            deadline = time.monotonic() + timeout
+            while waiting and time.monotonic() < deadline:
+                for out in self._pump(block=True, timeout=max(0.0, deadline - time.monotonic())):
+                    if out.finished:
+                        waiting.discard(out.request_id)
+                for call_id in [c for c in adds if c in self._results]:
+                    _, exc = self._results.pop(call_id)
+                    if exc is not None:  # rejected: it never was in a replica
+                        waiting.discard(adds[call_id])
+                    del adds[call_id]
+        except Exception:  # noqa: BLE001 - the original exception is what the caller must see
+            logger.warning("aborting the rest of a generate call failed", exc_info=True)
+        if waiting:
+            logger.warning("%d aborted requests were not confirmed by their replicas in %.0f s", len(waiting), timeout)
+
+    def _pump(self, block: bool, timeout: float | None = None) -> list[RequestOutput]:
+        """Take what arrived: results are kept by call id, add_request's outputs queued for step(); returns the
+        other outputs (generate's)."""
+        results, outputs = self._inbox.take(block, timeout)
+        for call_id, result, exc in results:
+            if call_id is not None:
+                self._results[call_id] = (result, exc)
+        others = []
+        for out in outputs:
+            shown = self._requests.get(out.request_id)
+            if shown is None:
+                others.append(out)
+            else:
+                self._restore(out, shown)
+                self._ready.append(out)
+        return others
+
+    def _call(self, kind: str, args: tuple) -> Any:
+        self._check_open()
+        call_id = next(self._call_ids)
+        self._core.submit([(call_id, kind, args)])
+        while call_id not in self._results:
+            self._pump(block=True)
+        result, exc = self._results.pop(call_id)
+        if exc is not None:
+            raise exc
+        return result
+
+    def _check_open(self) -> None:
+        if self._inbox.failure is not None:
+            raise RuntimeError(
+                f"the data-parallel engine cannot continue: {self._inbox.failure}; shut it down and create a new one"
+            )
+        if not self._finalizer.alive:
+            raise RuntimeError("the engine was shut down (its data-parallel replicas are gone): create a new one")
+
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue one request on the least-loaded replica and return its id; an invalid request raises
+        InvalidRequestError (the replica's) and queues nothing."""
+        with self._lock:
+            self._check_open()
+            if request_id is None:
+                request_id = str(next(self._request_counter))
+                while request_id in self._requests:
+                    request_id = str(next(self._request_counter))
+            elif request_id in self._requests:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            sent, shown = self._prepare(prompt, sampling_params)
+            self._requests[request_id] = shown
+            try:
+                self._call("add", (sent, sampling_params if sampling_params is not None else SamplingParams(),
+                                   request_id))  # fmt: skip
+            except BaseException:
+                del self._requests[request_id]
+                raise
+            return request_id
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs of add_request's requests that arrived since the last call (finished ones, and for
+        ``output_kind`` ``"delta"``/``"cumulative"`` the progress). Waits for one while requests are unfinished
+        and nothing has arrived."""
+        with self._lock:
+            self._check_open()
+            self._pump(block=False)
+            while not self._ready and self._requests:
+                self._pump(block=True)
+            ready, self._ready = self._ready, []
+            for out in ready:
+                if out.finished:
+                    self._requests.pop(out.request_id, None)
+            return ready
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request of add_request's: returns its final output (which step() will not return), or None
+        if the id is unknown or its final output was already returned."""
+        with self._lock:
+            if request_id not in self._requests:
+                return None
+            self._call("abort", (request_id,))
+            while True:  # its final output came with the abort's answer, or before it
+                final = next((o for o in self._ready if o.request_id == request_id and o.finished), None)
+                if final is not None:
+                    break
+                self._pump(block=True)
+            self._ready.remove(final)
+            del self._requests[request_id]
+            return final
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """add_request's requests whose final output step() has not returned yet."""
+        return len(self._requests)
+
+    # --- state and life cycle ---------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """Every replica's stats combined (:func:`combine_stats`): queues and counters summed, KV-cache usage over
+        all blocks, prefix-cache hit rate over all queries."""
+        with self._lock:
+            return self._call("stats", ())
+
+    def replica_stats(self) -> list[EngineStats]:
+        """Each replica's own stats, in replica order."""
+        with self._lock:
+            return self._call("replica_stats", ())
+
+    @property
+    def replica_processes(self) -> list[multiprocessing.process.BaseProcess]:
+        """The replicas' processes (replica r at index r)."""
+        return [replica.process for replica in self._core.replicas]
+
+    def shutdown(self) -> None:
+        """Stop every replica (also done by ``with``, when the LLM is garbage-collected, and at exit). A call that
+        waits on the replicas in another thread raises "the engine was shut down"."""
+        inbox = self.__dict__.get("_inbox")
+        if inbox is not None:
+            inbox.fail(RuntimeError("the engine was shut down (its data-parallel replicas are gone): create a new one"))
+        finalizer = self.__dict__.get("_finalizer")
+        if finalizer is not None:
+            finalizer()
