@@ -142,6 +142,11 @@ class LLMEngine(EngineCore):
             overrides["model"] = model
         self.config = EngineConfig.load(config, overrides, cli_overrides)
         cfg = self.config
+        if cfg.data_parallel_size > 1:
+            raise ConfigError(
+                f"data_parallel_size={cfg.data_parallel_size}: an LLMEngine is one replica; use LLM(...) (offline) or "
+                "AsyncLLM.from_config(...) / nanovllm serve (online), which start the replicas"
+            )
         registry = get_registry()
         scheduler_cls = registry.get("scheduler", cfg.plugins.scheduler).obj
         block_manager_cls = registry.get("block_manager", cfg.plugins.block_manager).obj

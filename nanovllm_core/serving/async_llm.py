@@ -126,7 +126,8 @@ class AsyncLLM:
     """``async for out in engine.generate(prompt, params, request_id)``: incremental outputs of a request.
 
     Build it around an engine (``AsyncLLM(LLMEngine(...))``: the step loop runs in a thread of this process) or
-    from a config (``AsyncLLM.from_config(model, ..., engine_process=True)`` runs it in a process of its own).
+    from a config (``AsyncLLM.from_config(model, ..., engine_process=True)`` runs it in a process of its own;
+    with ``data_parallel_size=N``, N replicas in processes of their own, each request on the least loaded).
     The step loop starts with :meth:`start` (or the first request) in the running event loop and stops with
     :meth:`shutdown`, which aborts whatever is still in flight. ``async with AsyncLLM(...)`` does both.
     """
@@ -161,6 +162,11 @@ class AsyncLLM:
         engine_process: bool = False,
         **kwargs: Any,
     ) -> AsyncLLM:
+        overrides = {**kwargs, **({"model": model} if model is not None else {})}
+        if EngineConfig.load(config, overrides, cli_overrides).data_parallel_size > 1:
+            from nanovllm_core.engine.data_parallel import DataParallelCore
+
+            return cls(DataParallelCore(model, config, cli_overrides, **kwargs), observer)
         if engine_process:
             return cls(EngineProcess(model, config, cli_overrides, **kwargs), observer)
         return cls(LLMEngine(model, config, cli_overrides=cli_overrides, **kwargs), observer)

@@ -456,3 +456,21 @@ def test_four_gpus_two_replicas_of_two_tensor_parallel_ranks(bf16_path):
         outs = llm.generate(GPU_PROMPTS, GREEDY, use_tqdm=False)
         assert all(s.num_finished_requests > 0 for s in llm.replica_stats())
     check_against_one_gpu(bf16_path, outs)
+
+
+def test_from_config_serves_replicas_and_an_llm_engine_refuses_them(qwen3_path):
+    from nanovllm_core import LLMEngine
+    from nanovllm_core.serving.async_llm import AsyncLLM
+
+    with pytest.raises(ConfigError, match="an LLMEngine is one replica"):
+        LLMEngine(str(qwen3_path), data_parallel_size=2, **ENGINE)
+
+    async def main():
+        llm = AsyncLLM.from_config(str(qwen3_path), data_parallel_size=2, **ENGINE)
+        async with llm:
+            outs = [o async for o in llm.generate([5, 6, 7], GREEDY, "r")]
+        return llm, outs
+
+    llm, outs = asyncio.run(asyncio.wait_for(main(), 120))
+    assert isinstance(llm.core, DataParallelCore) and llm.core.data_parallel_size == 2
+    assert outs[-1].finished and not llm.core.alive
