@@ -23,12 +23,12 @@ bench() {  # bench NAME ARGS...: the nano-vllm workload through `nanovllm bench`
 ckpt() {  # the random-weight Qwen3-0.6B checkpoint `nanovllm bench` writes (made here if no bench ran yet)
   python -c "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-0.6b', torch.bfloat16))"
 }
-serve_start() {  # serve_start NAME ARGS...: `nanovllm serve` on 127.0.0.1:8000 in the background, up when /health answers
+serve_start() {  # serve_start NAME ARGS...: `nanovllm serve` on 127.0.0.1:$PORT in the background, up when /health answers
   local name=$1; shift
-  python -m nanovllm_core.cli serve "$(ckpt)" --port 8000 --attention triton "$@" > "$OUT/serve_$name.log" 2>&1 &
+  python -m nanovllm_core.cli serve "$(ckpt)" --port "${PORT:-8000}" --attention triton "$@" > "$OUT/serve_$name.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 240); do
-    python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=1)" 2>/dev/null && return 0
+    python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:${PORT:-8000}/health', timeout=1)" 2>/dev/null && return 0
     sleep 0.5
   done
   echo "server $name did not come up"; tail -20 "$OUT/serve_$name.log"; kill $SERVER; return 1
@@ -36,10 +36,73 @@ serve_start() {  # serve_start NAME ARGS...: `nanovllm serve` on 127.0.0.1:8000 
 serve_stop() { kill -TERM "$SERVER"; wait "$SERVER"; echo "== server exit $? (SIGTERM)"; }
 serve_bench() {  # serve_bench NAME ARGS...: `nanovllm bench serve` against the running server
   local name=$1; shift
-  step "serve_$name" "${BENCH_LIMIT:-200}" python -m nanovllm_core.cli bench serve --result-file "$OUT/serve_$name.json" "$@"
+  step "serve_$name" "${BENCH_LIMIT:-200}" python -m nanovllm_core.cli bench serve --base-url "http://127.0.0.1:${PORT:-8000}" \
+    --result-file "$OUT/serve_$name.json" "$@"
 }
 pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth 1 -type f ! -name logs.tgz -delete); }
 case "${1:?phase}" in
+  r3-single)  # round 3 on a two-H200 machine, one GPU per lane, both lanes at once:
+    # GPU 0: offline bench, the server all at once, fifo's saturation and its latency against rate;
+    # GPU 1: FP8 kernel tests and accuracy, the FP8 bench, then mixed and priority at fifo's rates.
+    # Meanwhile the CPU writes the random Qwen3-8B checkpoint for the r3-8b phase.
+    # (its own session, so that it outlives this call; on 8 cores of 32, away from the lanes' host work)
+    setsid nice -n 19 taskset -c 24-31 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    (
+      export CUDA_VISIBLE_DEVICES=0 PORT=8000
+      TAIL=8 bench fifo --attention triton --runs 3 --warmup-prompts 1
+      serve_start fifo
+      TAIL=14 serve_bench fifo_nano --dataset nano --request-rate inf
+      TAIL=3 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 400 --request-rate inf
+      sat=$(python -c "import json; d = json.load(open('$OUT/serve_fifo_sat.json')); print(d['request_throughput'])")
+      python -c "print(','.join(f'{f * $sat:.1f}' for f in (0.3, 0.5, 0.7, 0.9)))" > "$OUT/rates.txt"
+      echo "== saturation $sat req/s; rates $(cat "$OUT/rates.txt")"
+      TAIL=3 serve_bench fifo_rates --dataset sharegpt-synth --num-prompts 400 --rates "$(cat "$OUT/rates.txt")"
+      serve_stop
+    ) > "$OUT/lane0.txt" 2>&1 &
+    (
+      export CUDA_VISIBLE_DEVICES=1 PORT=8001
+      TAIL=6 step fp8_tests 150 python -m pytest plugins/attention_flash/tests -m gpu -q -x -k fp8
+      TAIL=30 step fp8_accuracy 150 python benchmarks/fp8_accuracy.py --shape qwen3-0.6b --json "$OUT/fp8_accuracy.json"
+      TAIL=4 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+      for _ in $(seq 1 200); do [ -s "$OUT/rates.txt" ] && break; sleep 1; done
+      for policy in mixed priority; do
+        serve_start "$policy" --scheduler "$policy"
+        extra=(); [ "$policy" = priority ] && extra=(--priorities 0,1)
+        [ "$policy" = priority ] && TAIL=3 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 \
+          --request-rate 2 --priorities 0,1
+        TAIL=3 serve_bench "${policy}_rates" --dataset sharegpt-synth --num-prompts 400 --rates "$(cat "$OUT/rates.txt")" "${extra[@]}"
+        serve_stop
+      done
+    ) > "$OUT/lane1.txt" 2>&1 &
+    wait
+    cat "$OUT/lane0.txt" "$OUT/lane1.txt"
+    pack
+    ;;
+  r3-tp)  # two GPUs: TP and DP tests, all-reduce micro-benchmark, the 0.6B workload at TP=2 and DP=2
+    step tp_parity 120 python -m pytest tests/gpu/test_gpu_engine.py -m gpu -q -s -k tp2 --durations 3
+    step tp_tests 240 python -m pytest tests/engine/test_tp_async.py tests/engine/test_tp_allreduce.py \
+      tests/engine/test_tp_lifecycle.py tests/engine/test_data_parallel.py -m gpu -q -s --durations 5
+    TAIL=40 step allreduce 150 python benchmarks/allreduce.py --json "$OUT/allreduce.json"
+    python -c "import json; s = json.load(open('$OUT/allreduce.json'))['suggested']; print(f'export \
+NANOVLLM_ALLREDUCE_ONE_SHOT_MAX_BYTES={s[\"one_shot\"]} NANOVLLM_ALLREDUCE_TWO_SHOT_MAX_BYTES={s[\"two_shot\"]}')" \
+      > /tmp/symm.env && cat /tmp/symm.env
+    (source /tmp/symm.env && TAIL=4 bench tp2_symm --attention triton --tensor-parallel-size 2 --runs 2 --warmup-prompts 1)
+    TAIL=4 bench tp2 --attention triton --tensor-parallel-size 2 --runs 2 --warmup-prompts 1
+    TAIL=4 bench dp2 --attention triton --data-parallel-size 2 --runs 2 --warmup-prompts 1
+    tail -3 /tmp/ckpt_8b.log; ls -la /tmp/nanovllm-bench-qwen3-8b-bfloat16 | head
+    pack
+    ;;
+  r3-8b)  # two GPUs: the 8B shape at TP=1 and TP=2 (checkpoint written during r3-single)
+    for _ in $(seq 1 300); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done  # written to the end
+    tail -2 /tmp/ckpt_8b.log
+    BENCH_LIMIT=240 TAIL=4 bench 8b_tp1 --shape qwen3-8b --attention triton --runs 2 --warmup-prompts 1
+    BENCH_LIMIT=240 TAIL=4 bench 8b_tp2 --shape qwen3-8b --attention triton --tensor-parallel-size 2 --runs 2 --warmup-prompts 1
+    [ -s /tmp/symm.env ] && (source /tmp/symm.env && BENCH_LIMIT=240 TAIL=4 bench 8b_tp2_symm --shape qwen3-8b \
+      --attention triton --tensor-parallel-size 2 --runs 2 --warmup-prompts 1)
+    pack
+    ;;
   r2-a)  # round 2: plugin API 2 on the GPU: GPU tests, first and steady runs, fp8 KV cache, then the previous engine
     step gpu_tests 230 python -m pytest tests/gpu/test_gpu_engine.py tests/engine/test_logprobs.py tests/unit/test_sampling_kernel.py \
       plugins/models_qwen3/tests/test_qk_norm_rope.py -m gpu -q -x -s -k "not flash_attn and not tp2"
