@@ -61,6 +61,7 @@ WORKER_ENV = "NANOVLLM_TP_WORKER"  # "<ring layout>;<rank>": set only in the pro
 PORT_ENV = "NANOVLLM_TP_PORT"  # rendezvous port of a spawned group (data parallelism gives each replica its own)
 STARTING, STARTED, FAILED = 0, 1, 2  # a worker's state in its ring report
 EXIT_DEADLINE_S = 2.0  # how long shutdown waits for the workers to leave before it terminates them
+LEAVE_DEADLINE_S = 1.5  # how long a rank waits for its own leaving of the process group (an NCCL abort can hang)
 MAIN_GUARD_EXIT = 3  # exit code of a worker that found itself re-importing an unguarded main module
 
 
@@ -108,6 +109,10 @@ def init_distributed(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        # torch's abort (how every rank leaves) is to be used with NCCL's own asynchronous error handling off,
+        # whose watchdog otherwise races it to tear the communicators down; a dead peer is noticed by ours.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=INIT_TIMEOUT)
     set_tensor_parallel(rank, world_size)
     setup_symm_mem_all_reduce(device)  # a collective, off unless its environment variables ask for it
@@ -130,6 +135,37 @@ def leave_distributed(device_type: str) -> None:
         except Exception:  # noqa: BLE001 - an older torch without it: the graceful path
             logger.debug("aborting the NCCL process group failed; destroying it", exc_info=True)
     dist.destroy_process_group()
+
+
+def leave_distributed_within(device_type: str, seconds: float) -> bool:
+    """:func:`leave_distributed`, given ``seconds``: False if it had not returned by then. On two H200s the NCCL
+    abort once hung on both ranks after a finished run (8B shape, TP=2); it then goes on in a daemon thread and
+    the caller carries on (a worker exits, rank 0 returns from shutdown). At interpreter exit no thread can be
+    started: it runs inline there."""
+    done = threading.Event()
+
+    def leave() -> None:
+        try:
+            leave_distributed(device_type)
+        except Exception:  # noqa: BLE001 - leaving is best effort: the process (or the next engine) goes on
+            logger.debug("leaving the process group failed", exc_info=True)
+        finally:
+            done.set()
+
+    try:
+        threading.Thread(target=leave, name="nanovllm-tp-leave", daemon=True).start()
+    except RuntimeError:  # "can't create new thread at interpreter shutdown" (Python 3.12)
+        leave_distributed(device_type)
+        return True
+    if done.wait(seconds):
+        return True
+    logger.warning(
+        "leaving the %s process group did not finish within %.0f s; going on without it (this process cannot "
+        "start another tensor-parallel engine)",
+        "NCCL" if device_type == "cuda" else "gloo",
+        seconds,
+    )
+    return False
 
 
 def build_runner(spec: RunnerSpec, rank: int):
@@ -200,7 +236,7 @@ def worker_main(
             code = 1
     finally:
         try:
-            leave_distributed(spec.device_type)
+            leave_distributed_within(spec.device_type, LEAVE_DEADLINE_S)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -299,8 +335,10 @@ def _claim_process() -> None:
         )
     if dist.is_initialized():
         raise ConfigError(
-            "torch.distributed is already initialized in this process (not by nanovllm); a tensor-parallel engine "
-            "creates its own process group: destroy the existing one first (dist.destroy_process_group())"
+            "torch.distributed is already initialized in this process (not by nanovllm, or a previous engine's "
+            "NCCL group that could not be aborted at its shutdown: see the warning logged then); a tensor-parallel "
+            "engine creates its own process group: destroy the existing one first (dist.destroy_process_group()), "
+            "or start the engine in a new process"
         )
 
 
@@ -469,7 +507,7 @@ class TensorParallelGroup:
             self.ring.mark_closing()
         try:
             told = self._say_exit(healthy)
-            leave_distributed(self.device_type)
+            leave_distributed_within(self.device_type, LEAVE_DEADLINE_S)
             self._stop_workers(EXIT_DEADLINE_S if told else 0.2)
         finally:
             os.write(self._wake_w, b"x")

@@ -317,3 +317,20 @@ def test_script_that_dies_mid_generate_leaves_no_worker_behind(target, tmp_path,
     for pid in running:
         os.kill(pid, signal.SIGKILL)
     assert not running
+
+
+def test_a_hung_leave_is_bounded(monkeypatch, caplog):
+    """On two H200s the NCCL abort once hung on both ranks after a finished run; a rank now waits for its own
+    leaving only so long, then goes on (a worker exits, rank 0's shutdown returns) and says why."""
+    from nanovllm_core.engine import parallel
+
+    release = threading.Event()
+    monkeypatch.setattr(parallel, "leave_distributed", lambda device_type: release.wait(30))
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger=parallel.__name__):
+        assert parallel.leave_distributed_within("cuda", 0.3) is False
+    assert time.monotonic() - start < 2
+    assert "did not finish within" in caplog.text and "NCCL" in caplog.text
+    release.set()
+    monkeypatch.setattr(parallel, "leave_distributed", lambda device_type: None)
+    assert parallel.leave_distributed_within("cpu", 5) is True
