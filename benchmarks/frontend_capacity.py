@@ -87,6 +87,8 @@ async def serve_and_measure(args: argparse.Namespace, model: str) -> dict[str, A
         "frontend_cpu_us_per_token": 1e6 * cpu / tokens if tokens else 0.0,
         "emit_ms_per_step": 1000 * (account.emit_seconds - account_before.emit_seconds) / steps if steps else 0.0,
         "median_tpot_ms": summary["median_tpot_ms"],
+        "median_ttft_ms": summary["median_ttft_ms"],
+        "p99_ttft_ms": summary["p99_ttft_ms"],
         "p99_itl_ms": summary["p99_itl_ms"],
     }
 
@@ -125,7 +127,8 @@ def main() -> None:
         f"server, engine alone {result['engine_alone_tok_per_s']:,.0f} tok/s over {result['steps']} steps "
         f"({100 * result['tok_per_s'] / max(result['engine_alone_tok_per_s'], 1):.0f}%); front-end CPU "
         f"{result['frontend_cpu_us_per_token']:.1f} us/token; engine handing outputs over "
-        f"{result['emit_ms_per_step']:.2f} ms/step; TPOT p50 {result['median_tpot_ms']:.1f} ms, ITL p99 "
+        f"{result['emit_ms_per_step']:.2f} ms/step; TTFT p50 {result['median_ttft_ms']:.0f} ms, p99 "
+        f"{result['p99_ttft_ms']:.0f} ms; TPOT p50 {result['median_tpot_ms']:.1f} ms, ITL p99 "
         f"{result['p99_itl_ms']:.1f} ms"
     )
     if args.json:
