@@ -277,6 +277,7 @@ class EngineProcess:
         commands_out, self._commands = ctx.Pipe(duplex=False)
         self._outputs, outputs_in = ctx.Pipe(duplex=False)
         _widen_pipe(self._outputs)
+        _widen_pipe(self._commands)  # a burst of requests (2 KB each with 600-token prompts) fits in one drain
         self.process = ctx.Process(
             target=engine_process_main,
             args=(build, commands_out, outputs_in),
