@@ -496,7 +496,7 @@ class TensorParallelGroup:
     def close(self) -> None:
         """Stop the workers: tell them to leave, leave the process group, wait for them (at most a few seconds,
         then terminate). Never waits on a peer without a deadline; safe to call twice, from a finalizer, at
-        interpreter exit (no thread is started) and after a failure."""
+        interpreter exit (where the group is left inline: no thread can start then) and after a failure."""
         global _current
         if self.closed:
             return
