@@ -24,7 +24,7 @@ class LLM(LLMEngine):
     """``LLM(model, config="nanovllm.toml", **overrides).generate(prompts, sampling_params)``.
 
     With ``data_parallel_size`` > 1 (keyword, config file or command line) the object is a
-    :class:`~nanovllm_core.engine.data_parallel.DataParallelLLM`: that many engine replicas in processes of their
+    :class:`~nanovllm_core.engine.data_parallel_llm.DataParallelLLM`: that many engine replicas in processes of their
     own behind the same API.
     """
 
@@ -37,7 +37,7 @@ class LLM(LLMEngine):
         **kwargs: Any,
     ) -> LLM:
         if cls is LLM and _data_parallel_size(model, config, cli_overrides, kwargs) > 1:
-            from nanovllm_core.engine.data_parallel import DataParallelLLM
+            from nanovllm_core.engine.data_parallel_llm import DataParallelLLM
 
             return super().__new__(DataParallelLLM)  # Python then runs DataParallelLLM.__init__ with these arguments
         return super().__new__(cls)

@@ -19,9 +19,10 @@ import torch
 from engine_helpers import GREEDY, PROMPTS, make_prompts
 
 from nanovllm_core import LLM, ConfigError, EngineConfig, InvalidRequestError, SamplingParams
-from nanovllm_core.engine import data_parallel
+from nanovllm_core.engine import data_parallel_llm
 from nanovllm_core.engine.core import EngineStats
-from nanovllm_core.engine.data_parallel import DataParallelCore, DataParallelLLM, combine_stats, plan_replicas
+from nanovllm_core.engine.data_parallel import DataParallelCore, combine_stats, plan_replicas
+from nanovllm_core.engine.data_parallel_llm import DataParallelLLM
 from nanovllm_core.engine.parallel import PORT_ENV
 from nanovllm_core.testing import write_tiny_checkpoint
 
@@ -159,7 +160,7 @@ def test_an_exception_mid_generate_leaves_nothing_queued(dp, want_mixed, monkeyp
     prompts = [[5, 6, 7]] + [[20 + i, 21, 22] * 8 for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)] + [LONG] * 6
     before = dp.stats()
-    monkeypatch.setattr(data_parallel, "tqdm", FailingBar)
+    monkeypatch.setattr(data_parallel_llm, "tqdm", FailingBar)
     with pytest.raises(Interrupted):
         dp.generate(prompts, params)
     monkeypatch.undo()
