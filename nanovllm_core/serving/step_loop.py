@@ -240,8 +240,36 @@ def engine_process_main(build: Callable[[], Any], commands: Any, outputs: Any) -
 
 def frame_message(payload: bytes) -> bytes:
     """``payload`` framed as ``Connection.send_bytes`` frames it (a 4-byte big-endian length; payloads over 2 GiB
-    do not occur here), so that the engine process reads it with ``Connection.recv``."""
+    do not occur here), so that the engine process reads it with ``Connection.recv``; :class:`FrameReader` reads
+    the other direction."""
     return struct.pack("!i", len(payload)) + payload
+
+
+class FrameReader:
+    """Cuts a byte stream written by ``Connection.send`` into its messages (unpickled), as bytes arrive."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        buffer = self._buffer
+        buffer += data
+        messages, at = [], 0
+        with memoryview(buffer) as view:
+            while len(buffer) - at >= 4:
+                (size,) = struct.unpack_from("!i", buffer, at)
+                start = at + 4
+                if size == -1:  # a payload over 2 GiB: an 8-byte length follows
+                    if len(buffer) - at < 12:
+                        break
+                    (size,) = struct.unpack_from("!Q", buffer, start)
+                    start += 8
+                if len(buffer) - start < size:
+                    break
+                messages.append(pickle.loads(view[start : start + size]))
+                at = start + size
+        del buffer[:at]
+        return messages
 
 
 def _widen_pipe(connection: Any) -> None:
@@ -331,15 +359,26 @@ class EngineProcess:
             self._loop = loop
             os.set_blocking(self._commands.fileno(), False)
             fd = self._outputs.fileno()
+            # Non-blocking reads of whatever has arrived, cut into messages here: uvloop makes a watched fd
+            # non-blocking, where Connection.recv fails on a message only partly written, and a blocking recv
+            # would stall the event loop until the engine finished writing.
+            os.set_blocking(fd, False)
+            frames = FrameReader()
 
             def on_readable() -> None:
                 try:
-                    while self._outputs.poll():
-                        if not handle(self._outputs.recv()):
+                    data = os.read(fd, 1 << 20)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    data = b""
+                if data:
+                    for message in frames.feed(data):
+                        if not handle(message):
                             break
                     else:
                         return
-                except (EOFError, OSError):
+                else:  # end of file: the engine process is gone
                     broken()
                 loop.remove_reader(fd)
                 self._ended.set()

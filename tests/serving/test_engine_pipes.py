@@ -7,11 +7,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import multiprocessing
+import os
 import pickle
+import threading
+
+import pytest
 
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.serving.async_llm import AsyncLLM
-from nanovllm_core.serving.step_loop import EngineProcess, frame_message
+from nanovllm_core.serving.step_loop import EngineProcess, FrameReader, frame_message
 from nanovllm_core.testing.scripted import build_scripted_engine
 
 
@@ -20,17 +24,14 @@ def test_framed_commands_read_back_with_connection_recv():
     commands = [(1, "add", (list(range(5000)), SamplingParams(max_tokens=3), "r1")), (None, "stop", ())]
     with writer:
         writer.send_bytes(b"")  # a message before, sent the usual way
-        import os
-
         os.write(writer.fileno(), frame_message(pickle.dumps(commands)))
     assert reader.recv_bytes() == b""
     assert reader.recv() == commands
 
 
-def test_a_flood_of_commands_against_a_flood_of_outputs_completes(tiny_path):
+def flood(tiny_path, run=asyncio.run) -> list[int]:
     """400 requests with 6,000-token prompts (megabytes of commands) sent at once to an engine that answers every
-    step with an output per request: with blocking writes on the event loop both pipes filled and both sides
-    waited on each other for ever."""
+    step with an output per request."""
     build = functools.partial(build_scripted_engine, str(tiny_path), 0.0, 400)
     prompt = list(range(6000))
     params = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -43,4 +44,34 @@ def test_a_flood_of_commands_against_a_flood_of_outputs_completes(tiny_path):
 
             return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(400))), 120)
 
-    assert asyncio.run(main()) == [20] * 400
+    return run(main())
+
+
+def test_a_flood_of_commands_against_a_flood_of_outputs_completes(tiny_path):
+    """With blocking writes on the event loop both pipes filled and both sides waited on each other for ever."""
+    assert flood(tiny_path) == [20] * 400
+
+
+def test_the_flood_under_uvloop(tiny_path):
+    """uvicorn runs on uvloop when it is installed; uvloop makes the watched pipe non-blocking (Connection.recv
+    then failed on a half-written message: "the engine process exited (status None)")."""
+    uvloop = pytest.importorskip("uvloop")  # not a dependency; uvicorn uses it when a user installed it
+    assert flood(tiny_path, uvloop.run) == [20] * 400
+
+
+def test_frame_reader_cuts_what_connection_send_wrote_however_it_arrives():
+    """The event loop reads the outputs pipe without blocking (uvloop makes a watched fd non-blocking, where
+    Connection.recv fails on a half-written message): whatever the bytes' split, the messages come out whole."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    messages = [("out", [], [[i] * i], 0.5, None) for i in range(40)] + [("big", bytes(300_000)), ("closed",)]
+    sender = threading.Thread(target=lambda: [writer.send(m) for m in messages])
+    sender.start()
+    stream = bytearray()
+    while len(stream) < 300_000 or reader.poll(0.2):
+        stream += os.read(reader.fileno(), 1 << 20)
+    sender.join()
+    for piece in (1, 7, 4096, len(stream)):
+        frames, got = FrameReader(), []
+        for at in range(0, len(stream), piece):
+            got += frames.feed(bytes(stream[at : at + piece]))
+        assert got == messages, piece
