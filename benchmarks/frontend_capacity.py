@@ -100,13 +100,27 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024, help="longest prompt and output (nano-vllm's: 1024)")
     parser.add_argument("--step-ms", type=float, default=10.0, help="the scripted engine's step time")
     parser.add_argument("--shape", default="tiny", help="checkpoint whose tokenizer and config the server loads")
-    parser.add_argument("--loop", default="auto", help="uvicorn's --loop (auto, asyncio, uvloop)")
+    parser.add_argument(
+        "--loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="event loop of the front-end (auto: uvloop when installed, as uvicorn picks)",
+    )
     parser.add_argument("--http", default="auto", help="uvicorn's --http (auto, h11, httptools)")
     parser.add_argument("--reader-thread", action="store_true", help="read the engine's pipe in a thread (as before)")
     parser.add_argument("--profile", help="write a cProfile of the front-end here")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
-    args.uvicorn = {"loop": args.loop, "http": args.http}
+    args.uvicorn = {"http": args.http}  # the loop is this process's own (uvicorn serves inside it)
+    run = asyncio.run
+    if args.loop != "asyncio":
+        try:
+            import uvloop
+
+            run = uvloop.run
+        except ImportError:
+            if args.loop == "uvloop":
+                raise SystemExit("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
     import torch
 
     from nanovllm_core.benchmark import random_checkpoint
@@ -117,10 +131,10 @@ def main() -> None:
         import cProfile
 
         with cProfile.Profile() as profile:
-            result = asyncio.run(serve_and_measure(args, model))
+            result = run(serve_and_measure(args, model))
         profile.dump_stats(args.profile)
     else:
-        result = asyncio.run(serve_and_measure(args, model))
+        result = run(serve_and_measure(args, model))
     result["args"] = {k: v for k, v in vars(args).items() if k != "uvicorn"}
     print(
         f"{result['tokens']} tokens in {result['duration_s']:.2f} s: {result['tok_per_s']:,.0f} tok/s through the "
