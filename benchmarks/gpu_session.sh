@@ -44,6 +44,42 @@ serve_bench() {  # serve_bench NAME ARGS...: `nanovllm bench serve` against the 
 }
 pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth 1 -type f ! -name logs.tgz -delete); }
 case "${1:?phase}" in
+  r4-serve)  # next round, two H200s: the server after the intake and uvloop changes, 2,000 requests per rate
+    (
+      export CUDA_VISIBLE_DEVICES=0 PORT=8000
+      TAIL=8 bench fifo --attention triton --runs 3 --warmup-prompts 1
+      serve_start fifo
+      TAIL=14 serve_bench fifo_nano --dataset nano --request-rate inf
+      TAIL=3 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 1000 --request-rate inf
+      sat=$(python -c "import json; d = json.load(open('$OUT/serve_fifo_sat.json')); print(d['request_throughput'])")
+      python -c "print(','.join(f'{f * $sat:.1f}' for f in (0.3, 0.5, 0.7, 0.9)))" > "$OUT/rates.txt"
+      BENCH_LIMIT=400 TAIL=3 serve_bench fifo_rates --dataset sharegpt-synth --num-prompts 2000 --rates "$(cat "$OUT/rates.txt")"
+      serve_stop
+    ) > "$OUT/lane0.txt" 2>&1 &
+    (
+      export CUDA_VISIBLE_DEVICES=1 PORT=8001
+      for _ in $(seq 1 300); do [ -s "$OUT/rates.txt" ] && break; sleep 1; done
+      for policy in mixed priority; do
+        serve_start "$policy" --scheduler "$policy"
+        extra=(); [ "$policy" = priority ] && extra=(--priorities 0,1)
+        [ "$policy" = priority ] && TAIL=3 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 \
+          --request-rate 2 --priorities 0,1
+        BENCH_LIMIT=400 TAIL=3 serve_bench "${policy}_rates" --dataset sharegpt-synth --num-prompts 2000 \
+          --rates "$(cat "$OUT/rates.txt")" "${extra[@]}"
+        serve_stop
+      done
+    ) > "$OUT/lane1.txt" 2>&1 &
+    wait
+    cat "$OUT/lane0.txt" "$OUT/lane1.txt"
+    pack
+    ;;
+  r4-tp)  # next round, two H200s: the TP/DP GPU tests with the bounded shutdown, then the 8B NCCL exit
+    step tp_parity 120 python -m pytest tests/gpu/test_gpu_engine.py -m gpu -q -s -k tp2 --durations 3
+    step tp_tests 300 python -m pytest tests/engine/test_tp_async.py tests/engine/test_tp_allreduce.py \
+      tests/engine/test_tp_lifecycle.py tests/engine/test_data_parallel.py -m gpu -q -s --durations 5
+    TAIL=6 step fp8_tests 200 python -m pytest plugins/attention_flash/tests -m gpu -q -k fp8
+    pack
+    ;;
   r3-single)  # round 3 on a two-H200 machine, one GPU per lane, both lanes at once:
     # GPU 0: offline bench, the server all at once, fifo's saturation and its latency against rate;
     # GPU 1: FP8 kernel tests and accuracy, the FP8 bench, then mixed and priority at fifo's rates.
