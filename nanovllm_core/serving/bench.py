@@ -113,6 +113,8 @@ def _summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "request_throughput": len(done) / duration,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
+        # ITL is measured per streamed chunk; a server that falls behind merges several tokens into one chunk
+        "mean_tokens_per_chunk": output_tokens / max(1, sum(1 + len(r.itl) for r in done)),
     }
     series = {
         "ttft": [r.ttft for r in done],
@@ -307,7 +309,7 @@ def print_summary(s: dict[str, Any]) -> None:
         f"--- {s['dataset']}: {s['num_prompts']} requests at rate {rate}/s: {s['completed']} completed, "
         f"{s['failed']} failed in {s['duration']:.2f} s",
         f"request throughput {s['request_throughput']:.2f} req/s, output {s['output_throughput']:,.0f} tok/s, "
-        f"total {s['total_token_throughput']:,.0f} tok/s",
+        f"total {s['total_token_throughput']:,.0f} tok/s, {s['mean_tokens_per_chunk']:.2f} tokens per chunk",
     ]
     for name in ("ttft", "tpot", "itl", "e2el"):
         lines.append(

@@ -38,6 +38,7 @@ def test_nano_workload_through_the_server(bench_server, tmp_path):
     for name in METRICS:
         assert 0 < result[f"median_{name}_ms"] <= result[f"p90_{name}_ms"] <= result[f"p99_{name}_ms"]
     assert result["mean_ttft_ms"] < result["mean_e2el_ms"]
+    assert 1.0 <= result["mean_tokens_per_chunk"] <= 100  # 4 x 100 tokens in at least one chunk each
     stats = bench_server.wait_idle()
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
