@@ -44,7 +44,8 @@ serve_bench() {  # serve_bench NAME ARGS...: `nanovllm bench serve` against the 
 }
 pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth 1 -type f ! -name logs.tgz -delete); }
 case "${1:?phase}" in
-  r4-serve)  # next round, two H200s: the server after the intake and uvloop changes, 2,000 requests per rate
+  r4-serve)  # next round, two H200s: the server after the intake and uvloop changes, 1,500 requests per rate
+    # (about 9 minutes: both lanes fit one call)
     (
       export CUDA_VISIBLE_DEVICES=0 PORT=8000
       TAIL=8 bench fifo --attention triton --runs 3 --warmup-prompts 1
@@ -53,18 +54,18 @@ case "${1:?phase}" in
       TAIL=3 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 1000 --request-rate inf
       sat=$(python -c "import json; d = json.load(open('$OUT/serve_fifo_sat.json')); print(d['request_throughput'])")
       python -c "print(','.join(f'{f * $sat:.1f}' for f in (0.3, 0.5, 0.7, 0.9)))" > "$OUT/rates.txt"
-      BENCH_LIMIT=400 TAIL=3 serve_bench fifo_rates --dataset sharegpt-synth --num-prompts 2000 --rates "$(cat "$OUT/rates.txt")"
+      BENCH_LIMIT=400 TAIL=3 serve_bench fifo_rates --dataset sharegpt-synth --num-prompts 1500 --rates "$(cat "$OUT/rates.txt")"
       serve_stop
     ) > "$OUT/lane0.txt" 2>&1 &
     (
       export CUDA_VISIBLE_DEVICES=1 PORT=8001
-      for _ in $(seq 1 300); do [ -s "$OUT/rates.txt" ] && break; sleep 1; done
       for policy in mixed priority; do
-        serve_start "$policy" --scheduler "$policy"
+        serve_start "$policy" --scheduler "$policy"  # (starts while lane 0 measures the saturation rate)
+        for _ in $(seq 1 300); do [ -s "$OUT/rates.txt" ] && break; sleep 1; done
         extra=(); [ "$policy" = priority ] && extra=(--priorities 0,1)
         [ "$policy" = priority ] && TAIL=3 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 \
           --request-rate 2 --priorities 0,1
-        BENCH_LIMIT=400 TAIL=3 serve_bench "${policy}_rates" --dataset sharegpt-synth --num-prompts 2000 \
+        BENCH_LIMIT=400 TAIL=3 serve_bench "${policy}_rates" --dataset sharegpt-synth --num-prompts 1500 \
           --rates "$(cat "$OUT/rates.txt")" "${extra[@]}"
         serve_stop
       done
