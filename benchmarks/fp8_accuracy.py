@@ -34,21 +34,10 @@ import torch
 
 from nanovllm_core import LLM, SamplingParams, SchedulerOutput, Sequence
 from nanovllm_core.benchmark import SHAPES, random_checkpoint
-from nanovllm_core.testing import write_tiny_checkpoint
+from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint
 
-# the parity prompts of tests/gpu/test_gpu_engine.py (and the attention plugin's GPU FP8 engine test)
-PROMPTS = [[(7 * i + 3 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([5, 33, 130, 260, 511])]
+PROMPTS = PARITY_PROMPTS  # the GPU parity tests' prompts (tests/gpu/test_gpu_engine.py, the FP8 engine test)
 LOGIT_PROMPTS = slice(1, 4)  # the prompts whose last-token logits the GPU tests compare
-# the GPU tests' checkpoint: Qwen3-0.6B's attention shape on 2 small layers
-TEST_TINY = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_layers=2,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=128,
-    max_position_embeddings=4096,
-)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CACHES = ("auto", "fp8")
 
@@ -59,7 +48,7 @@ def checkpoint(shape: str, dtype: torch.dtype) -> Path:
         return random_checkpoint(shape, dtype)
     path = Path("/tmp") / f"nanovllm-fp8-accuracy-test-tiny-{str(dtype).split('.')[-1]}"
     if not (path / "config.json").is_file():
-        write_tiny_checkpoint(path, "qwen3", dtype=dtype, **TEST_TINY)
+        write_tiny_checkpoint(path, "qwen3", dtype=dtype, **GPU_TEST_SHAPE)
     return path
 
 

@@ -2,10 +2,12 @@
 tokenizer, so that no test downloads anything."""
 
 from nanovllm_core.testing.checkpoints import (
+    GPU_TEST_SHAPE,
+    PARITY_PROMPTS,
     TINY_CORPUS,
     build_tokenizer,
     hf_greedy,
     write_tiny_checkpoint,
 )
 
-__all__ = ["TINY_CORPUS", "build_tokenizer", "hf_greedy", "write_tiny_checkpoint"]
+__all__ = ["GPU_TEST_SHAPE", "PARITY_PROMPTS", "TINY_CORPUS", "build_tokenizer", "hf_greedy", "write_tiny_checkpoint"]

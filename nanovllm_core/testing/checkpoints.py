@@ -44,6 +44,25 @@ def build_tokenizer(vocab_size: int = 384) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
+# The GPU tests' checkpoint shape: Qwen3-0.6B's attention (16 query / 8 KV heads of 128, which the GPU kernels
+# and their CUDA graphs take) on two small layers:
+# ``write_tiny_checkpoint(path, dtype=torch.bfloat16, **GPU_TEST_SHAPE)``.
+GPU_TEST_SHAPE: dict[str, int] = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=4096,
+)
+
+# The GPU parity prompts (5 to 511 tokens of that vocabulary), compared token for token across backends and ranks.
+PARITY_PROMPTS: list[list[int]] = [
+    [(7 * i + 3 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([5, 33, 130, 260, 511])
+]
+
+
 def write_tiny_checkpoint(
     path: str | Path,
     arch: str = "qwen3",

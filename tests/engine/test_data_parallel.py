@@ -24,7 +24,7 @@ from nanovllm_core.engine.core import EngineStats
 from nanovllm_core.engine.data_parallel import DataParallelCore, combine_stats, plan_replicas
 from nanovllm_core.engine.data_parallel_llm import DataParallelLLM
 from nanovllm_core.engine.parallel import PORT_ENV
-from nanovllm_core.testing import write_tiny_checkpoint
+from nanovllm_core.testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
 ENGINE = dict(device="cpu", num_kvcache_blocks=64, kvcache_block_size=16, max_model_len=256)
 MIXED = PROMPTS + make_prompts(1, [9, 30, 55, 80, 100, 11]) + ["Hello world!", "The quick brown fox"]
@@ -406,11 +406,7 @@ def test_async_llm_serves_a_data_parallel_core(qwen3_path, single):
 
 @pytest.fixture(scope="module")
 def bf16_path(tmp_path_factory):
-    # head_dim 128 in bf16, which the GPU attention kernels (and their CUDA graphs) take
-    return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("dp-bf16"), "qwen3", hidden_size=256, num_heads=16, num_kv_heads=8, head_dim=128,
-        dtype=torch.bfloat16,
-    )  # fmt: skip
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("dp-bf16"), "qwen3", dtype=torch.bfloat16, **GPU_TEST_SHAPE)
 
 
 GPU_PROMPTS = [[(7 * i + 3 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([5, 33, 130, 200, 17, 64, 90, 8])]

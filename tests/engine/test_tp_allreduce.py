@@ -111,20 +111,9 @@ def test_tp2_symm_mem_all_reduce_equals_nccl(monkeypatch, tmp_path_factory):
     every path adds the same two numbers)."""
     import gc
 
-    from nanovllm_core.testing import write_tiny_checkpoint
+    from nanovllm_core.testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
-    path = write_tiny_checkpoint(
-        tmp_path_factory.mktemp("symm_bf16"),
-        "qwen3",
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=2,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        dtype=torch.bfloat16,
-        max_position_embeddings=4096,
-    )
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("symm_bf16"), "qwen3", dtype=torch.bfloat16, **GPU_TEST_SHAPE)
     engine = dict(max_model_len=1024, num_kvcache_blocks=64, kvcache_block_size=256, max_num_seqs=32)
     prompts = [[(7 * i + 3 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([5, 33, 130, 260, 900])]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -15,6 +15,7 @@ from engine_helpers import GREEDY, MAX_NEW, PROMPTS
 
 import nanovllm_core.engine.model_runner as model_runner
 from nanovllm_core import LLM, PLACEHOLDER_TOKEN, SamplingParams
+from nanovllm_core.testing import PARITY_PROMPTS
 
 # few blocks and a small token budget: prompt chunks next to decode placeholders, and preemption; on CPU (gloo)
 # even where GPUs are present
@@ -95,24 +96,13 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 
 @pytest.fixture(scope="module")
 def bf16_path(tmp_path_factory):
-    from nanovllm_core.testing import write_tiny_checkpoint
+    from nanovllm_core.testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
-    return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("tp_bf16"),
-        "qwen3",
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=2,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        dtype=torch.bfloat16,
-        max_position_embeddings=4096,
-    )
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tp_bf16"), "qwen3", dtype=torch.bfloat16, **GPU_TEST_SHAPE)
 
 
 GPU_ENGINE = dict(max_model_len=1024, num_kvcache_blocks=64, kvcache_block_size=256, max_num_seqs=32)
-GPU_PROMPTS = [[(7 * i + 3 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([5, 33, 130, 260, 511])]
+GPU_PROMPTS = PARITY_PROMPTS
 
 
 def _free_gpu_memory() -> None:

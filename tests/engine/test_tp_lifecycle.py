@@ -19,7 +19,7 @@ import torch
 from nanovllm_core import LLM, SamplingParams
 from nanovllm_core.engine.parallel import WorkerDiedError
 from nanovllm_core.errors import ConfigError
-from nanovllm_core.testing import write_tiny_checkpoint
+from nanovllm_core.testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
@@ -45,11 +45,7 @@ def target(request, qwen3_path, tmp_path_factory) -> tuple[Path, dict]:
     engine = dict(device=request.param, num_kvcache_blocks=48, kvcache_block_size=16, max_model_len=256)
     if request.param == "cpu":
         return qwen3_path, engine
-    # head_dim 128 in bf16, which the GPU attention kernels (and their CUDA graphs) take
-    path = write_tiny_checkpoint(
-        tmp_path_factory.mktemp("bf16"), "qwen3", hidden_size=256, num_heads=16, num_kv_heads=8, head_dim=128,
-        dtype=torch.bfloat16,
-    )  # fmt: skip
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), "qwen3", dtype=torch.bfloat16, **GPU_TEST_SHAPE)
     return path, engine
 
 

@@ -7,28 +7,17 @@ import torch
 
 from nanovllm_core import LLM, SamplingParams, SchedulerOutput, Sequence
 from nanovllm_core.plugins import get_registry
-from nanovllm_core.testing import write_tiny_checkpoint
+from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 
-PROMPTS = [[(7 * i + 3 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([5, 33, 130, 260, 511])]
+PROMPTS = PARITY_PROMPTS
 
 
 @pytest.fixture(scope="module")
 def bf16_path(tmp_path_factory):
     # head_dim 128 and 16 q / 8 kv heads, as in Qwen3-0.6B; bf16 weights
-    return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("bf16"),
-        "qwen3",
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=2,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        dtype=torch.bfloat16,
-        max_position_embeddings=4096,
-    )
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), "qwen3", dtype=torch.bfloat16, **GPU_TEST_SHAPE)
 
 
 @pytest.fixture(scope="module")

@@ -18,29 +18,18 @@ import torch
 
 from nanovllm_core import LLM, SamplingParams, SchedulerOutput
 from nanovllm_core.sequence import Sequence
-from nanovllm_core.testing import write_tiny_checkpoint
+from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-PROMPTS = [[(7 * i + 3 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([5, 33, 130, 260, 511])]
+PROMPTS = PARITY_PROMPTS
 NUM_TOKENS = 64
 BLOCK = 256
 
 
 @pytest.fixture(scope="module")
 def bf16_path(tmp_path_factory):
-    return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("fp8_bf16"),
-        "qwen3",
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=2,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        dtype=torch.bfloat16,
-        max_position_embeddings=4096,
-    )
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("fp8_bf16"), "qwen3", dtype=torch.bfloat16, **GPU_TEST_SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +42,30 @@ def reference(bf16_path):
         logits = [model(torch.tensor([p], device="cuda")).logits[0, -1].float() for p in PROMPTS[1:4]]
         tokens = []
         for p in PROMPTS:
-            out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=NUM_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-            tokens.append(out[0, len(p):].tolist())
+            out = model.generate(
+                torch.tensor([p], device="cuda"),
+                max_new_tokens=NUM_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            tokens.append(out[0, len(p) :].tolist())
     del model
     torch.cuda.empty_cache()
     return logits, tokens
 
 
 def engine(path, kv_cache_dtype: str, **kwargs) -> LLM:
-    return LLM(str(path), plugins={"attention": "triton"}, kv_cache_dtype=kv_cache_dtype, kvcache_block_size=BLOCK,
-               max_model_len=1024, num_kvcache_blocks=160, max_num_seqs=64, **kwargs)
+    return LLM(
+        str(path),
+        plugins={"attention": "triton"},
+        kv_cache_dtype=kv_cache_dtype,
+        kvcache_block_size=BLOCK,
+        max_model_len=1024,
+        num_kvcache_blocks=160,
+        max_num_seqs=64,
+        **kwargs,
+    )
 
 
 def last_token_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
@@ -107,8 +109,10 @@ def test_fp8_cache_accuracy_beside_bf16_cache(bf16_path, reference) -> None:
     print("kv cache | last-token logits rel. L2 error | free-run agreement (first divergence) | teacher-forced")
     for name, r in results.items():
         errors = ", ".join(f"{e:.4f}" for e in r.logits_error)
-        print(f"{'bf16' if name == 'auto' else name:8s} | {errors} | {r.free_agreement:.3f} {r.first_divergence} | "
-              f"{r.forced_agreement:.3f}")
+        print(
+            f"{'bf16' if name == 'auto' else name:8s} | {errors} | {r.free_agreement:.3f} {r.first_divergence} | "
+            f"{r.forced_agreement:.3f}"
+        )
     bf16, fp8 = results["auto"], results["fp8"]
     # e4m3 keeps 3 mantissa bits: on this random-weight model (CPU, torch backend) the FP8 cache moved the
     # logits by 4-7% where the bf16 cache moved them by 1.2-1.6%; a kernel that mis-scales moves them by ~100%
