@@ -36,7 +36,7 @@ class LLM(LLMEngine):
         cli_overrides: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> LLM:
-        if cls is LLM and _data_parallel_size(model, config, cli_overrides, kwargs) > 1:
+        if cls is LLM and data_parallel_size_of(model, config, cli_overrides, kwargs) > 1:
             from nanovllm_core.engine.data_parallel_llm import DataParallelLLM
 
             return super().__new__(DataParallelLLM)  # Python then runs DataParallelLLM.__init__ with these arguments
@@ -140,7 +140,7 @@ class LLM(LLMEngine):
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
-def _data_parallel_size(
+def data_parallel_size_of(
     model: str | None, config: str | Path | None, cli_overrides: dict[str, Any] | None, kwargs: dict[str, Any]
 ) -> int:
     """The ``data_parallel_size`` these arguments resolve to (the whole config is loaded, and checked, only when a

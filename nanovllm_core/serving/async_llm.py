@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.llm import data_parallel_size_of
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError, NanoVLLMError
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
@@ -162,8 +163,7 @@ class AsyncLLM:
         engine_process: bool = False,
         **kwargs: Any,
     ) -> AsyncLLM:
-        overrides = {**kwargs, **({"model": model} if model is not None else {})}
-        if EngineConfig.load(config, overrides, cli_overrides).data_parallel_size > 1:
+        if data_parallel_size_of(model, config, cli_overrides, kwargs) > 1:
             from nanovllm_core.engine.data_parallel import DataParallelCore
 
             return cls(DataParallelCore(model, config, cli_overrides, **kwargs), observer)

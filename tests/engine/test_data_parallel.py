@@ -230,7 +230,7 @@ def test_combine_stats_sums_counters_and_rates_over_all_blocks_and_queries():
 
 def test_config_flag_and_placement(qwen3_path, tmp_path, monkeypatch):
     from nanovllm_core.cli import _cli_overrides, build_parser
-    from nanovllm_core.engine.llm import _data_parallel_size
+    from nanovllm_core.engine.llm import data_parallel_size_of
 
     with pytest.raises(ConfigError, match="data_parallel_size"):
         EngineConfig.load(overrides={"model": "m", "data_parallel_size": 0})
@@ -238,9 +238,9 @@ def test_config_flag_and_placement(qwen3_path, tmp_path, monkeypatch):
     assert _cli_overrides(args)["data_parallel_size"] == 2
     toml = tmp_path / "dp.toml"
     toml.write_text("data_parallel_size = 3\n")
-    assert _data_parallel_size(str(qwen3_path), toml, None, {}) == 3
-    assert _data_parallel_size(str(qwen3_path), toml, {"data_parallel_size": 1}, {}) == 1
-    assert _data_parallel_size(str(qwen3_path), None, None, {}) == 1
+    assert data_parallel_size_of(str(qwen3_path), toml, None, {}) == 3
+    assert data_parallel_size_of(str(qwen3_path), toml, {"data_parallel_size": 1}, {}) == 1
+    assert data_parallel_size_of(str(qwen3_path), None, None, {}) == 1
     cpu = plan_replicas(EngineConfig.load(overrides={"model": "m", "device": "cpu", "data_parallel_size": 2}))
     assert [p.where for p in cpu] == ["CPU", "CPU"] and cpu[0].threads == max(1, (os.cpu_count() or 1) // 2)
 
