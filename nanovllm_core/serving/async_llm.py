@@ -2,8 +2,9 @@
 
 The engine is not thread-safe, so one step loop owns it (:mod:`nanovllm_core.serving.step_loop`: a background
 thread, or a process of its own). Callers talk to it through commands that the loop drains between steps; the
-loop hands its results and each step's outputs back to the event loop in one ``call_soon_threadsafe`` each,
-and sleeps while it has nothing to do. Prompts are tokenized on the caller's side with a tokenizer of its own
+loop hands its results and each step's outputs back to the event loop in one piece each (a thread through
+``call_soon_threadsafe``; an engine process through its pipe, which the event loop reads itself), and sleeps
+while it has nothing to do. Prompts are tokenized on the caller's side with a tokenizer of its own
 (so the step loop does no tokenization and no two threads share one tokenizer object).
 """
 

@@ -273,8 +273,8 @@ class FrameReader:
 
 
 def _widen_pipe(connection: Any) -> None:
-    """Give the outputs pipe 1 MiB of buffer (Linux; 64 KiB by default): the engine then never waits on a
-    front-end that is busy for a few steps, as long as it catches up."""
+    """Give a pipe 1 MiB of buffer (Linux; 64 KiB by default): the engine then never waits on a front-end that
+    is busy for a few steps, and takes in a burst of requests in one drain."""
     try:
         import fcntl
 
