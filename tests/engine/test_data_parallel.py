@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import GREEDY, PROMPTS, make_prompts
+from engine_helpers import GREEDY, PROMPTS, SHUTDOWN_LIMIT_S, assert_exited_cleanly, make_prompts, pid_running
 
 from nanovllm_core import LLM, ConfigError, EngineConfig, InvalidRequestError, SamplingParams
 from nanovllm_core.engine import data_parallel_llm
@@ -29,7 +29,6 @@ from nanovllm_core.testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 ENGINE = dict(device="cpu", num_kvcache_blocks=64, kvcache_block_size=16, max_model_len=256)
 MIXED = PROMPTS + make_prompts(1, [9, 30, 55, 80, 100, 11]) + ["Hello world!", "The quick brown fox"]
 LONG = SamplingParams(max_tokens=220, ignore_eos=True)
-SHUTDOWN_LIMIT_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +51,6 @@ def dp(qwen3_path):
 
 def token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
-
-
-def pid_running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "zombie" not in f.read()
-    except FileNotFoundError:
-        return False
 
 
 def wait_gone(pids: list[int], seconds: float) -> list[int]:
@@ -334,11 +325,7 @@ def run_script(tmp_path, body: str, *args: str, timeout: float = 120) -> subproc
 def test_interpreter_exit_without_shutdown_exits_zero_and_leaves_no_process(qwen3_path, tmp_path):
     proc = run_script(tmp_path, SCRIPT + 'if __name__ == "__main__":\n    main()\n', str(qwen3_path))
     exited = time.time()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line[:3] in ("PID", "END"))
-    assert exited - float(lines["END"]) < SHUTDOWN_LIMIT_S
-    assert not [pid for pid in map(int, lines["PIDS"].split()) if pid_running(pid)]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert_exited_cleanly(proc, exited)
 
 
 def test_missing_main_guard_fails_fast_naming_the_guard(qwen3_path, tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import SHUTDOWN_LIMIT_S, assert_exited_cleanly, pid_running
 
 from nanovllm_core import LLM, SamplingParams
 from nanovllm_core.engine.parallel import WorkerDiedError
@@ -24,7 +25,6 @@ from nanovllm_core.testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22, 23] * 9]
-SHUTDOWN_LIMIT_S = 5.0
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "NANOVLLM_TP_TIMEOUT": "60"}
 
 
@@ -58,14 +58,6 @@ def wait_gone(processes, seconds: float) -> list:
     while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
         time.sleep(0.05)
     return [p for p in processes if p.is_alive()]
-
-
-def pid_running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "zombie" not in f.read()
-    except FileNotFoundError:
-        return False
 
 
 def write_script(tmp_path, target, body: str, guard: bool = True) -> Path:
@@ -213,11 +205,7 @@ def test_interpreter_exit_without_shutdown_exits_zero_in_seconds(target, tmp_pat
     )
     proc = run_script(script)
     exited = time.time()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line[:3] in ("PID", "END"))
-    assert exited - float(lines["END"]) < SHUTDOWN_LIMIT_S
-    assert not [pid for pid in map(int, lines["PIDS"].split()) if pid_running(pid)]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert_exited_cleanly(proc, exited)
 
 
 def test_missing_main_guard_fails_fast_naming_the_guard(target, tmp_path):
