@@ -41,7 +41,9 @@ class IncrementalDetokenizer:
         decode, skip = self.decode, self.skip_special_tokens
         prefix = decode(token_ids[self.prefix_offset : self.read_offset], skip)
         full = decode(token_ids[self.prefix_offset :], skip)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        # New tokens that add no text at all (skipped special tokens, ids the tokenizer does not know) move the
+        # window on too: kept in it, they would make every later decode longer, up to the whole completion.
+        if full == prefix or (len(full) > len(prefix) and not full.endswith("\ufffd")):
             self.text += full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(token_ids)
