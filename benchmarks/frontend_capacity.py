@@ -60,15 +60,18 @@ async def serve_and_measure(args: argparse.Namespace, model: str) -> dict[str, A
     while not server.started:
         await asyncio.sleep(0.05)
     result_file = Path(tempfile.mkdtemp()) / "result.json"
-    client = [sys.executable, "-m", "nanovllm_core.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]
+    client = [sys.executable] + (["-m", "cProfile", "-o", args.client_profile] if args.client_profile else [])
+    client += ["-m", "nanovllm_core.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]
     client += ["--dataset", "nano", "--num-prompts", str(args.num_prompts), "--request-rate", "inf"]
     client += ["--max-input-len", str(args.max_len), "--max-output-len", str(args.max_len), "--warmup", "0"]
     client += ["--result-file", str(result_file)]
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+    client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     account_before = engine.account
     process = await asyncio.create_subprocess_exec(*client, stdout=subprocess.DEVNULL)
     await process.wait()
     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+    client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     account = engine.account
     server.should_exit = True
     await serving
@@ -76,6 +79,7 @@ async def serve_and_measure(args: argparse.Namespace, model: str) -> dict[str, A
     summary = summary[0] if isinstance(summary, list) else summary
     tokens = summary["total_output_tokens"]
     cpu = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
+    client_cpu = (client_after.ru_utime + client_after.ru_stime) - (client_before.ru_utime + client_before.ru_stime)
     steps = account.steps - account_before.steps
     return {
         "tok_per_s": summary["output_throughput"],
@@ -85,6 +89,7 @@ async def serve_and_measure(args: argparse.Namespace, model: str) -> dict[str, A
         "steps": steps,
         "engine_alone_tok_per_s": tokens / (steps * args.step_ms / 1000) if steps else 0.0,
         "frontend_cpu_us_per_token": 1e6 * cpu / tokens if tokens else 0.0,
+        "client_cpu_us_per_token": 1e6 * client_cpu / tokens if tokens else 0.0,
         "emit_ms_per_step": 1000 * (account.emit_seconds - account_before.emit_seconds) / steps if steps else 0.0,
         "median_tpot_ms": summary["median_tpot_ms"],
         "median_ttft_ms": summary["median_ttft_ms"],
@@ -109,6 +114,7 @@ def main() -> None:
     parser.add_argument("--http", default="auto", help="uvicorn's --http (auto, h11, httptools)")
     parser.add_argument("--reader-thread", action="store_true", help="read the engine's pipe in a thread (as before)")
     parser.add_argument("--profile", help="write a cProfile of the front-end here")
+    parser.add_argument("--client-profile", help="write a cProfile of the client (nanovllm bench serve) here")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     args.uvicorn = {"http": args.http}  # the loop is this process's own (uvicorn serves inside it)
@@ -140,7 +146,8 @@ def main() -> None:
         f"{result['tokens']} tokens in {result['duration_s']:.2f} s: {result['tok_per_s']:,.0f} tok/s through the "
         f"server, engine alone {result['engine_alone_tok_per_s']:,.0f} tok/s over {result['steps']} steps "
         f"({100 * result['tok_per_s'] / max(result['engine_alone_tok_per_s'], 1):.0f}%); front-end CPU "
-        f"{result['frontend_cpu_us_per_token']:.1f} us/token; engine handing outputs over "
+        f"{result['frontend_cpu_us_per_token']:.1f} us/token, client (bench serve) CPU "
+        f"{result['client_cpu_us_per_token']:.1f} us/token; engine handing outputs over "
         f"{result['emit_ms_per_step']:.2f} ms/step; TTFT p50 {result['median_ttft_ms']:.0f} ms, p99 "
         f"{result['p99_ttft_ms']:.0f} ms; TPOT p50 {result['median_tpot_ms']:.1f} ms, ITL p99 "
         f"{result['p99_itl_ms']:.1f} ms"

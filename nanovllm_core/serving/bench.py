@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from nanovllm_core.errors import ConfigError
 
@@ -131,26 +132,93 @@ def _summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     return summary
 
 
-async def send(client: Any, url: str, body: dict[str, Any], headers: dict[str, str]) -> RequestResult:
+class HTTPError(Exception):
+    """A response the streaming client cannot read (a broken status line, a bad chunk size)."""
+
+
+async def stream_post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, Any]:
+    """POST ``body`` (JSON) over HTTP/1.1 on a connection of its own; ``(status, chunks)`` where ``chunks`` is an
+    async iterator of the body's bytes as they arrive (chunked transfer coding undone).
+
+    A few lines of asyncio streams instead of httpx: httpx's connection pool scans every connection each time a
+    response is read (O(connections) per streamed chunk), and at a few hundred concurrent streams the client
+    spent more CPU per token than the server, so the benchmark measured itself."""
+    parts = urlsplit(url)
+    secure = parts.scheme == "https"
+    port = parts.port or (443 if secure else 80)
+    reader, writer = await asyncio.open_connection(parts.hostname, port, ssl=secure or None, limit=1 << 20)
+    head = [
+        f"POST {parts.path or '/'} HTTP/1.1",
+        f"Host: {parts.netloc}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
+    writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+    status_line = await reader.readline()
+    try:
+        status = int(status_line.split()[1])
+    except (IndexError, ValueError):
+        writer.close()
+        raise HTTPError(f"not an HTTP status line: {status_line[:80]!r}") from None
+    response_headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        response_headers[name.strip().lower()] = value.strip()
+    chunked = "chunked" in response_headers.get("transfer-encoding", "").lower()
+    length = response_headers.get("content-length")
+
+    async def chunks() -> Any:
+        try:
+            if chunked:
+                while True:
+                    size_line = await reader.readline()
+                    try:
+                        size = int(size_line.split(b";")[0], 16)
+                    except ValueError:
+                        raise HTTPError(f"bad chunk size line {size_line[:40]!r}") from None
+                    if size == 0:
+                        return
+                    yield (await reader.readexactly(size + 2))[:-2]
+            elif length is not None:
+                yield await reader.readexactly(int(length))
+            else:
+                while data := await reader.read(1 << 16):
+                    yield data
+        finally:
+            writer.close()
+
+    return status, chunks()
+
+
+async def send(url: str, body: dict[str, Any], headers: dict[str, str]) -> RequestResult:
     """One streamed completion; times each SSE chunk as it arrives."""
     result = RequestResult(prompt_tokens=len(body["prompt"]), priority=body.get("priority"))
     start = last = time.perf_counter()
+    pending = b""
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
+        status, chunks = await stream_post(url, json.dumps(body).encode(), headers)
+        if status != 200:
+            text = b"".join([c async for c in chunks]).decode(errors="replace")
+            result.error = f"HTTP {status}: {text[:200]}"
+            return result
+        async for raw in chunks:
+            now = time.perf_counter()  # every event of one read arrived together
+            if b"\r" in raw:
+                raw = raw.replace(b"\r\n", b"\n")
+            events = (pending + raw).split(b"\n\n")
+            pending = events.pop()
+            for event in events:
+                if not event.startswith(b"data: "):
+                    continue  # a comment or another field
+                data = event[6:]
+                if data == b"[DONE]":
                     continue
-                data = line[6:]
-                if data == "[DONE]":
-                    break
                 chunk = json.loads(data)
                 if "error" in chunk:
                     result.error = chunk["error"]["message"]
                     return result
-                now = time.perf_counter()
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 if not chunk["choices"]:
@@ -180,11 +248,8 @@ async def run_once(
     api_key: str | None,
     warmup: int = 0,
 ) -> dict[str, Any]:
-    import httpx
-
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests) + warmup, max_keepalive_connections=None)
 
     def body(req: BenchRequest) -> dict[str, Any]:
         return {
@@ -198,32 +263,31 @@ async def run_once(
             **({"priority": req.priority} if req.priority is not None else {}),
         }
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
-        if warmup:
-            # the first prompts with every token id shifted by one (no prefix-cache hit on the timed run; ids stay
-            # below the workload's largest), 8 tokens each
-            bound = max(max(r.prompt) for r in requests) + 1
-            shifted = [BenchRequest([(t + 1) % bound for t in r.prompt], 8) for r in requests[:warmup]]
-            warm = await asyncio.gather(*(send(client, url, body(r), headers) for r in shifted))
-            if not all(r.ok for r in warm):
-                raise ConfigError(f"warm-up request failed: {next(r.error for r in warm if not r.ok)}")
-        gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        rng = random.Random(seed)
+    if warmup:
+        # the first prompts with every token id shifted by one (no prefix-cache hit on the timed run; ids stay
+        # below the workload's largest), 8 tokens each
+        bound = max(max(r.prompt) for r in requests) + 1
+        shifted = [BenchRequest([(t + 1) % bound for t in r.prompt], 8) for r in requests[:warmup]]
+        warm = await asyncio.gather(*(send(url, body(r), headers) for r in shifted))
+        if not all(r.ok for r in warm):
+            raise ConfigError(f"warm-up request failed: {next(r.error for r in warm if not r.ok)}")
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    rng = random.Random(seed)
 
-        async def one(req: BenchRequest) -> RequestResult:
-            if gate is None:
-                return await send(client, url, body(req), headers)
-            async with gate:
-                return await send(client, url, body(req), headers)
+    async def one(req: BenchRequest) -> RequestResult:
+        if gate is None:
+            return await send(url, body(req), headers)
+        async with gate:
+            return await send(url, body(req), headers)
 
-        tasks = []
-        start = time.perf_counter()
-        for i, req in enumerate(requests):
-            if i and math.isfinite(request_rate):
-                await asyncio.sleep(rng.expovariate(request_rate))
-            tasks.append(asyncio.ensure_future(one(req)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+    tasks = []
+    start = time.perf_counter()
+    for i, req in enumerate(requests):
+        if i and math.isfinite(request_rate):
+            await asyncio.sleep(rng.expovariate(request_rate))
+        tasks.append(asyncio.ensure_future(one(req)))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
     summary = summarize(results, duration)
     summary.update(request_rate=request_rate, max_concurrency=max_concurrency, num_prompts=len(requests))
     return summary
@@ -263,9 +327,6 @@ def parse_rates(text: str) -> list[float]:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    from nanovllm_core.serving.serve import require_serve_extra
-
-    require_serve_extra(("httpx",))  # the client needs only that part of the extra
     if args.num_prompts < 1:
         raise ConfigError(f"--num-prompts {args.num_prompts}: at least 1")
     if args.dataset == "nano":
@@ -281,8 +342,15 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             req.priority = classes[i % len(classes)]
     rates = parse_rates(args.rates) if args.rates else parse_rates(str(args.request_rate))
     runs = []
+    run = asyncio.run
+    try:  # as the server does: uvloop when installed (less client CPU per chunk)
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        pass
     for i, rate in enumerate(rates):
-        summary = asyncio.run(
+        summary = run(
             run_once(
                 args.base_url,
                 args.served_model,
