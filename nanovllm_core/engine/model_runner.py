@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -612,6 +613,17 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> list[int | None]:
         """Run one step; returns the sampled token for each sequence of ``batch`` (``None`` mid-prompt)."""
         return self.launch(batch).tokens()
+
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured decode graphs once the device is idle. Under tensor parallelism this comes before
+        leaving the NCCL group: the abort of a communicator whose collectives live on in captured graphs hangs
+        (pytorch/pytorch#115388; seen on two H200s as both ranks stuck in the abort)."""
+        if self.graphs is None:
+            return
+        torch.cuda.synchronize(self.device)
+        self.graphs = None
+        gc.collect()  # a reference cycle may hold a graph: its executable goes with it
+        torch.cuda.synchronize(self.device)
 
     def timing_summary(self) -> dict[str, float]:
         """Host time spent turning batches into tensors; with ``track_gpu_time``, GPU busy and idle time

@@ -212,6 +212,7 @@ def worker_main(
     ring = BroadcastRing.attach(layout, reader=rank - 1, doorbell=doorbell)
     reader = rank - 1
     code = 0
+    runner = None
 
     def check_parent() -> None:
         if os.getppid() != parent:
@@ -236,6 +237,11 @@ def worker_main(
             code = 1
     finally:
         try:
+            if runner is not None and code == 0 and spec.device_type == "cuda":  # (a stuck collective never syncs)
+                try:
+                    runner.release_cuda_graphs()
+                except Exception:  # noqa: BLE001 - a failed device: leaving goes on regardless
+                    logger.debug("releasing the CUDA graphs failed", exc_info=True)
             leave_distributed_within(spec.device_type, LEAVE_DEADLINE_S)
         finally:
             sys.stdout.flush()
