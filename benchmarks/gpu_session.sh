@@ -44,6 +44,40 @@ serve_bench() {  # serve_bench NAME ARGS...: `nanovllm bench serve` against the 
 }
 pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth 1 -type f ! -name logs.tgz -delete); }
 case "${1:?phase}" in
+  r5)  # round 5, two H200s, one call: the TP/DP GPU tests after the graph release (both GPUs), then the server
+    # (GPU 0: offline bench, all at once, fifo against rate; GPU 1: mixed and priority) and the FP8 store tests
+    TAIL=30 step tp_tests 170 env PYTHONFAULTHANDLER=1 timeout -s ABRT 165 python -m pytest tests/engine/test_tp_async.py \
+      tests/engine/test_tp_lifecycle.py tests/engine/test_data_parallel.py -m gpu -q -s -rf --durations 8
+    (
+      export CUDA_VISIBLE_DEVICES=0 PORT=8000
+      TAIL=8 bench fifo --attention triton --runs 2 --warmup-prompts 1
+      serve_start fifo
+      TAIL=14 serve_bench fifo_nano --dataset nano --request-rate inf
+      TAIL=3 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 1000 --request-rate inf
+      sat=$(python -c "import json; d = json.load(open('$OUT/serve_fifo_sat.json')); print(d['request_throughput'])")
+      python -c "print(','.join(f'{f * $sat:.1f}' for f in (0.3, 0.5, 0.7, 0.9)))" > "$OUT/rates.txt"
+      BENCH_LIMIT=300 TAIL=3 serve_bench fifo_rates --dataset sharegpt-synth --num-prompts 1000 --rates "$(cat "$OUT/rates.txt")"
+      serve_stop
+      TAIL=4 step fp8_store_tests 120 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -q \
+        -k "fp8_store" -rf
+    ) > "$OUT/lane0.txt" 2>&1 &
+    (
+      export CUDA_VISIBLE_DEVICES=1 PORT=8001
+      for policy in mixed priority; do
+        serve_start "$policy" --scheduler "$policy"  # (starts while lane 0 measures the saturation rate)
+        for _ in $(seq 1 300); do [ -s "$OUT/rates.txt" ] && break; sleep 1; done
+        extra=(); [ "$policy" = priority ] && extra=(--priorities 0,1)
+        [ "$policy" = priority ] && TAIL=3 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 \
+          --request-rate 2 --priorities 0,1
+        BENCH_LIMIT=300 TAIL=3 serve_bench "${policy}_rates" --dataset sharegpt-synth --num-prompts 1000 \
+          --rates "$(cat "$OUT/rates.txt")" "${extra[@]}"
+        serve_stop
+      done
+    ) > "$OUT/lane1.txt" 2>&1 &
+    wait
+    cat "$OUT/lane0.txt" "$OUT/lane1.txt"
+    pack
+    ;;
   r4-serve)  # next round, two H200s: the server after the intake and uvloop changes, 1,500 requests per rate
     # (about 9 minutes: both lanes fit one call)
     (
