@@ -138,10 +138,8 @@ def _store_kv_fp8_kernel(
         inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
         step = (step_exp << 23).to(tl.float32, bitcast=True)
         rounded = ((y * inv_step + 12582912.0) - 12582912.0) * step  # 1.5 * 2**23: round to nearest even
-        # The sign bit is set on the fp8 byte itself: a negative value rounded to zero stays -0 (as in PyTorch),
-        # where the H200's float-to-e4m3 conversion writes -0.0 as +0.
-        q = rounded.to(cache.dtype.element_ty).to(tl.uint8, bitcast=True) | tl.where(bits < 0, 0x80, 0).to(tl.uint8)
-        tl.store(cache + dst, q.to(cache.dtype.element_ty, bitcast=True), mask=mask)
+        y = tl.where(bits < 0, -tl.abs(rounded), rounded)  # keeps the sign of a negative value rounded to 0
+        tl.store(cache + dst, y.to(cache.dtype.element_ty), mask=mask)
         tl.store(scales + block * stride_s_block + offs_h * stride_s_head + row, scale, mask=head_mask)
 
 
