@@ -555,7 +555,7 @@ class TensorParallelGroup:
                 logger.warning("tensor-parallel worker %s did not exit in time; terminating it", proc.name)
                 proc.terminate()
         for proc in self.processes:
-            proc.join(0.5)
+            proc.join(0.3)  # a stopped (SIGSTOP) process never acts on SIGTERM: only the kill ends it
             if proc.is_alive():
                 proc.kill()
                 proc.join(1)
