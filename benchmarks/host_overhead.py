@@ -11,6 +11,7 @@ the time the host adds per step.
 from __future__ import annotations
 
 import argparse
+import pickle
 import random
 import statistics
 import time
@@ -23,6 +24,7 @@ from nanovllm_core import EngineConfig, SamplingParams
 from nanovllm_core.engine.core import EngineCore
 from nanovllm_core.engine.model_runner import prepare_inputs
 from nanovllm_core.layers.sampler import SamplingBatch
+from nanovllm_core.serving.step_loop import pack_outputs
 
 
 def reference_ms() -> float:
@@ -60,7 +62,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument(
-        "--stream", action="store_true", help="every request streams (output_kind='delta', the tiny test tokenizer)"
+        "--stream",
+        choices=["ids", "text"],
+        help="every request streams (output_kind='delta'): token ids only, as the server's engine sends them "
+        "(the front-end decodes), or with the text decoded in the engine (the tiny test tokenizer)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -86,18 +91,27 @@ def main() -> None:
     rng = random.Random(0)
     for _ in range(args.num_seqs):
         prompt = [rng.randint(1, vocab) for _ in range(rng.randint(100, 1024))]
-        core.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2048, output_kind=kind))
+        params = SamplingParams(
+            temperature=0.6, ignore_eos=True, max_tokens=2048, output_kind=kind, detokenize=args.stream != "ids"
+        )
+        core.add_request(prompt, params)
     while core.scheduler.num_waiting:  # prefill everything
         core.step()
     timings = {"engine + scheduler": [], "runner host work": [], "total": []}
+    if args.stream:  # what an engine process adds: the step's outputs packed and pickled for the pipe
+        timings["emit (pack + pickle)"] = []
     for _ in range(args.steps):
         runner.seconds = 0.0
         t0 = time.perf_counter()
-        core.step()
+        outputs = core.step()
         total = time.perf_counter() - t0
         assert core.scheduler.num_running == args.num_seqs
         for key, value in zip(timings, (total - runner.seconds, runner.seconds, total)):
             timings[key].append(value * 1e3)
+        if args.stream:
+            t0 = time.perf_counter()
+            pickle.dumps(("out", [], pack_outputs(outputs), 0.0, None), protocol=pickle.HIGHEST_PROTOCOL)
+            timings["emit (pack + pickle)"].append((time.perf_counter() - t0) * 1e3)
     print(
         f"host work per decode step, {args.num_seqs} running sequences, block size {args.block_size}, "
         f"median of {args.steps} steps (ms):"

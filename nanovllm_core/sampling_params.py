@@ -36,7 +36,8 @@ class SamplingParams:
     (once / per occurrence); ``repetition_penalty`` divides positive and multiplies negative logits of tokens
     seen in the prompt or the output (1 is off). ``priority``: lower runs first under a priority policy.
     ``output_kind``: what ``LLMEngine.step`` returns for the request: only the final output, every step's new
-    tokens (``delta``) or everything so far (``cumulative``).
+    tokens (``delta``) or everything so far (``cumulative``). ``detokenize=False``: outputs carry token ids only
+    (``text`` stays empty), for callers that decode the text themselves, as the server's front-end does.
     """
 
     temperature: float = 1.0
@@ -58,6 +59,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     priority: int = 0
     output_kind: OutputKind = "final"
+    detokenize: bool = True
     stop_strings: list[str] = field(init=False, repr=False)
     # Whether sampling reads the tokens so far (a penalty is on): the engine must then have the sequence's real
     # tokens on the host before each of its steps is sampled. Derived once, like stop_strings: the sampler reads
@@ -105,6 +107,10 @@ class SamplingParams:
             self.stop_strings = list(self.stop)
         else:
             raise bad("stop", "a non-empty string, a list of non-empty strings, or None")
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", "True or False")
+        if not self.detokenize and self.stop_strings:
+            raise bad("detokenize", "True when stop strings are given (they are matched on the text)")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(

@@ -191,7 +191,7 @@ class EngineCore:
                 "blocks (num_kvcache_blocks, gpu_memory_utilization)"
             )
         request = Request(request_id, text, token_ids, params, hold_siblings=self.config.enable_prefix_caching)
-        if params.output_kind != "final":
+        if params.output_kind != "final" and params.detokenize:
             request.streams = [
                 IncrementalDetokenizer(self._decode, len(token_ids), params.skip_special_tokens) for _ in request.seqs
             ]
@@ -499,7 +499,9 @@ class EngineCore:
         completions = []
         for i in indices:
             seq = request.seqs[i]
-            if seq.is_finished:
+            if not params.detokenize:
+                text = ""
+            elif seq.is_finished:
                 text = self._final_text(seq)
             else:
                 stream = request.streams[i]  # type: ignore[index]

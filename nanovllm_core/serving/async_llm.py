@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.detokenizer import Decode, IncrementalDetokenizer, decoder_of
 from nanovllm_core.engine.llm import data_parallel_size_of
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError, NanoVLLMError
@@ -75,14 +76,49 @@ def merge_deltas(items: list[RequestOutput]) -> RequestOutput:
     return merged
 
 
+class StreamText:
+    """The text of a request's samples, decoded in the front-end from the token ids: the engine then sends ids
+    only (``detokenize=False``) and its step loop, which every running request's step waits on, skips the work.
+    Pieces are decoded as the consumer reads them (merged outputs: once per read); a finished sample gets the
+    rest of its whole decode, exactly as the engine's own delta outputs do."""
+
+    def __init__(self, decode: Decode, n: int, skip_special_tokens: bool) -> None:
+        self.decode = decode
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.streams = [IncrementalDetokenizer(decode, 0, skip_special_tokens) for _ in range(n)]
+        self.sent = [0] * n
+
+    def fill(self, out: RequestOutput) -> None:
+        for c in out.outputs:
+            i = c.index
+            ids = self.token_ids[i]
+            ids += c.token_ids
+            if c.finish_reason is not None:
+                text = self.decode(ids, self.skip_special_tokens) if ids else ""
+            else:
+                stream = self.streams[i]
+                stream.update(ids)
+                text = stream.text
+            c.text = text[self.sent[i] :]
+            self.sent[i] = len(text)
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator; ends after the finished output (or raises).
 
     Outputs that arrive while the consumer is busy wait in a list and are merged into one when it reads: the
     consumer's per-item work (an SSE chunk) is paid per read, not per step."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], prompt: str | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        prompt: str | None = None,
+        text: StreamText | None = None,
+    ) -> None:
         self.request_id = request_id
+        self.text = text  # decodes the outputs' text here (the engine sends token ids only)
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
         self.prompt = prompt
@@ -120,6 +156,8 @@ class RequestStream:
             raise self._error
         items, self._pending = self._pending, []
         item = merge_deltas(items)
+        if self.text is not None:
+            self.text.fill(item)
         self.finished = item.finished
         return item
 
@@ -141,6 +179,7 @@ class AsyncLLM:
         self.observer = observer
         self.max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
         self.tokenizer = LLMEngine._load_tokenizer(self.config.tokenizer or self.config.model)
+        self._decode = decoder_of(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._num_queued = 0  # accepted requests without any output yet (waiting or in their first prefill)
         self._ids = itertools.count()
@@ -238,8 +277,13 @@ class AsyncLLM:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        params = dataclasses.replace(params, output_kind="delta")
-        stream = RequestStream(request_id, token_ids, prompt if isinstance(prompt, str) else None)
+        text = None
+        if params.detokenize and not params.stop_strings:  # stop strings are matched on the engine's text
+            text = StreamText(self._decode, params.n, params.skip_special_tokens)
+            params = dataclasses.replace(params, output_kind="delta", detokenize=False)
+        else:
+            params = dataclasses.replace(params, output_kind="delta")
+        stream = RequestStream(request_id, token_ids, prompt if isinstance(prompt, str) else None, text)
         self._streams[request_id] = stream
         self._num_queued += 1
         try:

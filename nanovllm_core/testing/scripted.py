@@ -1,6 +1,7 @@
 """ScriptedEngine: what the serving step loop needs of an engine, with steps of a fixed duration and one token
-per running request, and no model. It measures the serving front-end without a GPU
-(``benchmarks/frontend_capacity.py``) and drives it in tests at rates no CPU model reaches."""
+per running request (text only when the request asks the engine to decode it), and no model. It measures the
+serving front-end without a GPU (``benchmarks/frontend_capacity.py``) and drives it in tests at rates no CPU
+model reaches."""
 
 from __future__ import annotations
 
@@ -75,7 +76,11 @@ class ScriptedEngine:
                     request_id,
                     None,
                     self.requests[request_id][0],
-                    [CompletionOutput(0, f" w{token}", [token], finish)],
+                    [
+                        CompletionOutput(
+                            0, f" w{token}" if self.requests[request_id][1].detokenize else "", [token], finish
+                        )
+                    ],
                     finish is not None,
                     metrics=metrics,
                 )

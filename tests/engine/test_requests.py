@@ -43,6 +43,25 @@ def test_delta_outputs_add_up_to_the_final_output(llm, expected):
     assert [text[i] for i in ids] == [o.outputs[0].text for o in final]
 
 
+def test_detokenize_off_returns_token_ids_only(llm, expected):
+    for kind in ("delta", "final"):
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=kind, detokenize=False)
+        ids = [llm.add_request(p, params) for p in PROMPTS]
+        tokens = {i: [] for i in ids}
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                assert out.outputs[0].text == ""
+                tokens[out.request_id] += out.outputs[0].token_ids
+        assert [tokens[i] for i in ids] == expected
+
+
+def test_detokenize_off_is_validated():
+    with pytest.raises(InvalidRequestError, match=r"detokenize=False is invalid: allowed True when stop strings"):
+        SamplingParams(stop=["\n"], detokenize=False)
+    with pytest.raises(InvalidRequestError, match=r"detokenize=1 is invalid: allowed True or False"):
+        SamplingParams(detokenize=1)
+
+
 def test_n_samples_share_the_prompt_through_the_prefix_cache(llm):
     prompt = list(range(3, 3 + 40))
     before = llm.stats()

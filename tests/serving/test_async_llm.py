@@ -64,6 +64,38 @@ def test_concurrent_requests(engine, greedy):
     assert run(engine, body) == [greedy(p, 10) for p in prompts]
 
 
+def test_the_front_end_decodes_the_text_and_the_engine_sends_ids(engine, monkeypatch):
+    """Without stop strings the engine gets ``detokenize=False`` and the stream decodes the text; with them the
+    engine decodes (it matches them). Either way the pieces add up to each sample's whole decode (n=2, sampled,
+    random byte-level ids: characters split across tokens)."""
+    sent = []
+    add = engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda ids, params, rid: (sent.append(params), add(ids, params, rid)))
+    prompt = [(37 * i) % 380 + 3 for i in range(30)]
+    decode = engine.tokenizer.decode
+
+    async def body(llm):
+        results = []
+        for params in (
+            SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=40, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=40, ignore_eos=True, stop=["never-in-output"]),
+        ):
+            pieces = {0: ["", []], 1: ["", []]}
+            async for out in llm.generate(prompt, params):
+                for c in out.outputs:
+                    pieces[c.index][0] += c.text
+                    pieces[c.index][1] += c.token_ids
+            results.append(pieces)
+        return results
+
+    front_end, in_engine = run(engine, body)
+    assert [p.detokenize for p in sent] == [False, True]
+    for pieces in (front_end, in_engine):
+        for text, ids in pieces.values():
+            assert len(ids) == 40 and text == decode(ids, skip_special_tokens=True)
+    assert front_end == in_engine  # same seed: same samples, same text
+
+
 def test_abort_frees_blocks_and_ends_the_stream(engine):
     async def body(llm):
         stream = await llm.add_request("Hello", LONG, "long")
