@@ -44,6 +44,44 @@ serve_bench() {  # serve_bench NAME ARGS...: `nanovllm bench serve` against the 
 }
 pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth 1 -type f ! -name logs.tgz -delete); }
 case "${1:?phase}" in
+  r6)  # round 6, two H200s (about 6 minutes): the offline bench alone (a clean first-run gap), then two lanes: GPU 0
+    # the server all at once and fifo against rate, GPU 1 every fp8 GPU test, then mixed and priority at fifo's rates
+    (export CUDA_VISIBLE_DEVICES=0; TAIL=8 bench fifo --attention triton --runs 3 --warmup-prompts 1)
+    (
+      export CUDA_VISIBLE_DEVICES=0 PORT=8000
+      serve_start fifo
+      TAIL=14 serve_bench fifo_nano --dataset nano --request-rate inf
+      TAIL=3 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 1000 --request-rate inf
+      sat=$(python -c "import json; d = json.load(open('$OUT/serve_fifo_sat.json')); print(d['request_throughput'])")
+      python -c "print(','.join(f'{f * $sat:.1f}' for f in (0.3, 0.5, 0.7, 0.9)))" > "$OUT/rates.txt"
+      BENCH_LIMIT=300 TAIL=3 serve_bench fifo_rates --dataset sharegpt-synth --num-prompts 1000 --rates "$(cat "$OUT/rates.txt")"
+      serve_stop
+    ) > "$OUT/lane0.txt" 2>&1 &
+    (
+      export CUDA_VISIBLE_DEVICES=1 PORT=8001
+      TAIL=6 step fp8_tests 150 python -m pytest plugins/attention_flash/tests -m gpu -q -k fp8 -rf
+      for policy in mixed priority; do
+        serve_start "$policy" --scheduler "$policy"
+        for _ in $(seq 1 300); do [ -s "$OUT/rates.txt" ] && break; sleep 1; done
+        extra=(); [ "$policy" = priority ] && extra=(--priorities 0,1)
+        [ "$policy" = priority ] && TAIL=3 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 \
+          --request-rate 2 --priorities 0,1
+        BENCH_LIMIT=300 TAIL=3 serve_bench "${policy}_rates" --dataset sharegpt-synth --num-prompts 1000 \
+          --rates "$(cat "$OUT/rates.txt")" "${extra[@]}"
+        serve_stop
+      done
+    ) > "$OUT/lane1.txt" 2>&1 &
+    wait
+    cat "$OUT/lane0.txt" "$OUT/lane1.txt"
+    pack
+    ;;
+  r6-tp)  # round 6, two H200s: every TP/DP GPU test with room to finish (stacks on a hang), then DP=2 offline
+    TAIL=40 step tp_tests 420 env PYTHONFAULTHANDLER=1 timeout -s ABRT 400 python -m pytest tests/engine/test_tp_async.py \
+      tests/engine/test_tp_allreduce.py tests/engine/test_tp_lifecycle.py tests/engine/test_data_parallel.py \
+      tests/gpu/test_gpu_engine.py::test_tp2_over_nccl_matches_tp1 -m gpu -q -s -rf --durations 12
+    TAIL=4 bench dp2 --attention triton --data-parallel-size 2 --runs 2 --warmup-prompts 1
+    pack
+    ;;
   r5)  # round 5, two H200s, one call: the TP/DP GPU tests after the graph release (both GPUs), then the server
     # (GPU 0: offline bench, all at once, fifo against rate; GPU 1: mixed and priority) and the FP8 store tests
     TAIL=30 step tp_tests 170 env PYTHONFAULTHANDLER=1 timeout -s ABRT 165 python -m pytest tests/engine/test_tp_async.py \
