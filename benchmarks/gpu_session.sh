@@ -25,7 +25,9 @@ ckpt() {  # the random-weight Qwen3-0.6B checkpoint `nanovllm bench` writes (mad
 }
 serve_start() {  # serve_start NAME ARGS...: `nanovllm serve` on 127.0.0.1:$PORT in the background, up when /health answers
   local name=$1; shift
-  python -m nanovllm_core.cli serve "$(ckpt)" --port "${PORT:-8000}" --attention triton "$@" > "$OUT/serve_$name.log" 2>&1 &
+  # (TORCH_LOGS=recompiles: a torch.compile recompilation while serving shows in the log, with its cause)
+  TORCH_LOGS=recompiles python -m nanovllm_core.cli serve "$(ckpt)" --port "${PORT:-8000}" --attention triton "$@" \
+    > "$OUT/serve_$name.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 1 240); do
     python -c "import urllib.request as u; u.urlopen('http://127.0.0.1:${PORT:-8000}/health', timeout=1)" 2>/dev/null && return 0
@@ -40,7 +42,8 @@ serve_bench() {  # serve_bench NAME ARGS...: `nanovllm bench serve` against the 
     --result-file "$OUT/serve_$name.json" "$@"
   # the server's own account after the run (step-loop busy / emit seconds, front-end CPU): where the time went
   python -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:${PORT:-8000}/metrics').read().decode())" \
-    | grep -E "^(nanovllm:step_loop|process_cpu|nanovllm:generation_tokens)" > "$OUT/metrics_$name.txt"
+    | grep -E "^(nanovllm:step_loop|process_cpu|nanovllm:generation_tokens|nanovllm:frontend_event_loop_lag)" \
+    > "$OUT/metrics_$name.txt"
 }
 pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth 1 -type f ! -name logs.tgz -delete); }
 case "${1:?phase}" in

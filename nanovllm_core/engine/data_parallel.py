@@ -449,7 +449,7 @@ class DataParallelCore:
                 remaining = max(owned.budget - owned.produced, 0)  # its prompt is computed: it produced tokens
                 loads[owned.replica] += remaining - owned.remaining
                 owned.remaining = remaining
-            total = _sum_accounts(self._accounts)
+            total = LoopAccount.combined(self._accounts)
         forward.extend(g.result() for g in answered)
         if (forward or outputs) and self._emit is not None:
             self._emit(forward, outputs, now, total)
@@ -525,13 +525,6 @@ class DataParallelCore:
         """Each replica's outstanding work in tokens, as routing sees it."""
         with self._state_lock:
             return list(self._loads)
-
-
-def _sum_accounts(accounts: list[Any]) -> Any:
-    total = type(accounts[0])()
-    for field in dataclasses.fields(total):
-        setattr(total, field.name, sum(getattr(a, field.name) for a in accounts))
-    return total
 
 
 def _stop_and_join(replicas: list[EngineProcess], timeout: float, told: bool = False) -> None:

@@ -258,8 +258,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
-        yield
-        await engine.shutdown(settings.shutdown_timeout)
+        lag = asyncio.ensure_future(metrics.watch_event_loop())
+        try:
+            yield
+        finally:
+            lag.cancel()
+            await engine.shutdown(settings.shutdown_timeout)
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
     app.state.server = server

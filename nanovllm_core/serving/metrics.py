@@ -4,11 +4,13 @@ Engine state (running / waiting requests, KV-cache usage, prefix-cache hits, tok
 is read from ``LLMEngine.stats()`` at scrape time, with the step loop's own account (steps, time inside
 ``step()``, the loop thread's CPU time) and the process's CPU time; request latencies (time to first token, inter-token
 latency, end to end) are observed by the async front-end as outputs arrive, and finished requests are
-counted by finish reason.
+counted by finish reason. Two stall detectors: the engine steps over 50 ms / 200 ms / 1 s (and the longest), and
+the front-end event loop's lag.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,10 +18,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from nanovllm_core.serving.step_loop import SLOW_STEP_SECONDS
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class EngineStatsCollector(Collector):
@@ -74,6 +79,21 @@ class EngineStatsCollector(Collector):
             metric = CounterMetricFamily(f"nanovllm:{name}", doc, labels=["model_name"])
             metric.add_metric(label, value)
             yield metric
+        if self.loop is not None:
+            account = self.loop.account
+            metric = CounterMetricFamily(
+                "nanovllm:step_loop_slow_steps",
+                "Engine steps that took longer than `over` seconds.",
+                labels=["model_name", "over"],
+            )
+            for limit, count in zip(SLOW_STEP_SECONDS, account.slow_steps):
+                metric.add_metric([*label, f"{limit:g}"], count)
+            yield metric
+            metric = GaugeMetricFamily(
+                "nanovllm:step_loop_longest_step_seconds", "The longest engine step so far.", labels=["model_name"]
+            )
+            metric.add_metric(label, account.longest_step_seconds)
+            yield metric
 
 
 class ServerMetrics:
@@ -94,6 +114,12 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two outputs of a request.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last output.", E2E_BUCKETS)
+        self.loop_lag = histogram(
+            "frontend_event_loop_lag_seconds",
+            "How late the front-end's event loop ran a timer due every 10 ms: its stalls (long callbacks, garbage "
+            "collection), which every stream waits on.",
+            LAG_BUCKETS,
+        )
         self.finished_requests = Counter(
             "nanovllm:request_success",
             "Finished requests by finish reason (stop, length, abort).",
@@ -112,6 +138,14 @@ class ServerMetrics:
     def finished(self, seconds: float, finish_reason: str | None) -> None:
         self.e2e.observe(seconds)
         self.finished_requests.labels(self.model_name, finish_reason or "unknown").inc()
+
+    async def watch_event_loop(self, period: float = 0.01) -> None:
+        """Observe the event loop's lag until cancelled: sleep ``period``, record how late the wake-up came."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + period
+            await asyncio.sleep(period)
+            self.loop_lag.observe(max(0.0, loop.time() - due))
 
     def render(self, stats: Any, loop: Any = None) -> bytes:
         """The text exposition with the engine's ``stats`` snapshot and the step loop (an AsyncLLM)'s counters."""

@@ -36,12 +36,41 @@ Command = tuple[int | None, str, tuple]
 Result = tuple[int | None, Any, BaseException | None]
 
 
+SLOW_STEP_SECONDS = (0.05, 0.2, 1.0)  # LoopAccount.slow_steps counts the steps longer than each
+
+
 @dataclass
 class LoopAccount:
     steps: int = 0
     step_seconds: float = 0.0  # wall time inside engine.step()
     cpu_seconds: float = 0.0  # CPU time of the loop's thread
     emit_seconds: float = 0.0  # wall time handing outputs over (an engine process: pickling, and waiting on the pipe)
+    longest_step_seconds: float = 0.0
+    # steps longer than each of SLOW_STEP_SECONDS: a stall in the engine (a compilation, a long prompt chunk)
+    # against one in the front-end (see the server's event-loop lag)
+    slow_steps: list[int] = dataclasses.field(default_factory=lambda: [0] * len(SLOW_STEP_SECONDS))
+
+    @classmethod
+    def combined(cls, accounts: list[LoopAccount]) -> LoopAccount:
+        """Several loops' accounts as one (data-parallel replicas): sums, and the longest step of all."""
+        return cls(
+            steps=sum(a.steps for a in accounts),
+            step_seconds=sum(a.step_seconds for a in accounts),
+            cpu_seconds=sum(a.cpu_seconds for a in accounts),
+            emit_seconds=sum(a.emit_seconds for a in accounts),
+            longest_step_seconds=max((a.longest_step_seconds for a in accounts), default=0.0),
+            slow_steps=[sum(counts) for counts in zip(*(a.slow_steps for a in accounts))]
+            or [0] * len(SLOW_STEP_SECONDS),
+        )
+
+    def count_step(self, seconds: float) -> None:
+        self.steps += 1
+        self.step_seconds += seconds
+        if seconds > self.longest_step_seconds:
+            self.longest_step_seconds = seconds
+        for i, limit in enumerate(SLOW_STEP_SECONDS):
+            if seconds > limit:
+                self.slow_steps[i] += 1
 
 
 Emit = Callable[[list[Result], list[RequestOutput], float, LoopAccount], None]
@@ -142,8 +171,7 @@ def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Comman
         if engine.has_unfinished_requests():
             start = time.perf_counter()
             outputs = engine.step()
-            account.step_seconds += time.perf_counter() - start
-            account.steps += 1
+            account.count_step(time.perf_counter() - start)
             account.cpu_seconds = time.thread_time()
             for out in outputs:
                 if out.finished:

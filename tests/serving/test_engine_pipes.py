@@ -75,3 +75,17 @@ def test_frame_reader_cuts_what_connection_send_wrote_however_it_arrives():
         for at in range(0, len(stream), piece):
             got += frames.feed(bytes(stream[at : at + piece]))
         assert got == messages, piece
+
+
+def test_loop_account_counts_slow_steps_and_combines_replicas():
+    from nanovllm_core.serving.step_loop import SLOW_STEP_SECONDS, LoopAccount
+
+    a, b = LoopAccount(), LoopAccount()
+    for seconds in (0.01, 0.06, 0.3):
+        a.count_step(seconds)
+    b.count_step(1.5)
+    assert SLOW_STEP_SECONDS == (0.05, 0.2, 1.0)
+    assert (a.steps, a.slow_steps, a.longest_step_seconds) == (3, [2, 1, 0], 0.3)
+    both = LoopAccount.combined([a, b])
+    assert (both.steps, both.slow_steps, both.longest_step_seconds) == (4, [3, 2, 1], 1.5)
+    assert both.step_seconds == pytest.approx(1.87)

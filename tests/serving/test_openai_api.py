@@ -298,6 +298,11 @@ def test_metrics(server, client):
     assert values["nanovllm:step_loop_steps_total"] >= 3 and values["nanovllm:step_loop_busy_seconds_total"] > 0
     assert 0 < values["nanovllm:step_loop_cpu_seconds_total"]
     assert 'finished_reason="length"' in text
+    # the stall detectors: the engine's slow steps and longest step, the event loop's lag (a 10 ms timer)
+    for over in ("0.05", "0.2", "1"):
+        assert f'nanovllm:step_loop_slow_steps_total{{model_name="{MODEL}",over="{over}"}}' in text
+    assert 0 < values["nanovllm:step_loop_longest_step_seconds"] < 60
+    assert values["nanovllm:frontend_event_loop_lag_seconds_count"] >= 1
 
 
 @pytest.mark.parametrize("stream", [False, True])
