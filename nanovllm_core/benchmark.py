@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from nanovllm_core.errors import ConfigError
+from nanovllm_core.gc_heap import GCPauses
 
 QWEN3_0_6B = dict(
     vocab_size=151936,
@@ -215,6 +216,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     run_tok_per_s = []
+    run_gc: list[GCPauses] = []
     for run in range(max(1, args.runs)):
         run_prompts = prompts if run == 0 else [[(t + run) % vocab for t in p] for p in prompts]
         before = llm.stats()
@@ -225,13 +227,16 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             llm.runner._step_events.clear()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-        start = time.perf_counter()
-        outputs = llm.generate(run_prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        with GCPauses() as pauses:  # this process's garbage collections during the run (a full one can take
+            start = time.perf_counter()  # a noticeable part of a run: see nanovllm_core.gc_heap)
+            outputs = llm.generate(run_prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+        run_gc.append(pauses)
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
         run_tok_per_s.append(produced / elapsed)
         if args.runs > 1:
-            print(f"run {run + 1}: {produced} tok in {elapsed:.2f} s = {produced / elapsed:,.0f} tok/s")
+            print(f"run {run + 1}: {produced} tok in {elapsed:.2f} s = {produced / elapsed:,.0f} tok/s; "
+                  f"garbage collection: {pauses.summary()}")  # fmt: skip
     after = llm.stats()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     if data_parallel == 1:
@@ -270,6 +275,8 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         "prefix_cache_hit_rate": (after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else 0.0,
         "warmup_prompts": args.warmup_prompts,
         "runs_tok_per_s": run_tok_per_s,
+        "runs_gc_seconds": [sum(p.seconds) for p in run_gc],
+        "runs_gc_full_collections": [p.collections[2] for p in run_gc],
     }
     if data_parallel == 1:
         result.update(llm.runner.timing_summary())

@@ -53,6 +53,7 @@ from nanovllm_core.distributed import set_peer_failure_check, set_tensor_paralle
 from nanovllm_core.engine.shm_ring import BroadcastRing, RingLayout
 from nanovllm_core.engine.sigint_hold import SigintHold
 from nanovllm_core.errors import ConfigError
+from nanovllm_core.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +227,7 @@ def worker_main(
         ring.report(reader, STARTED)
         init_distributed(rank, world_size, init_method, spec.device_type)
         runner = build_runner(spec, rank)
+        freeze_startup_heap()  # a worker process: its start-up heap stays out of full collections
         ring.spin_s = spin_seconds(spec.device_type)
         serve(runner, lambda: pickle.loads(ring.recv(check=check_parent)))
     except _ParentGone:

@@ -66,6 +66,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     require_serve_extra()
     import uvicorn
 
+    from nanovllm_core.gc_heap import freeze_startup_heap
     from nanovllm_core.serving.api_server import ServerSettings, build_app
     from nanovllm_core.serving.async_llm import AsyncLLM
 
@@ -83,6 +84,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         max_queued_requests=args.max_queued_requests,
     )
     app = build_app(engine, settings)
+    freeze_startup_heap()  # this process is the server's own: see nanovllm_core.gc_heap
     config = uvicorn.Config(
         app,
         host=args.host,

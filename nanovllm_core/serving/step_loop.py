@@ -30,6 +30,7 @@ from typing import Any
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.gc_heap import freeze_startup_heap
 from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 Command = tuple[int | None, str, tuple]
@@ -250,6 +251,7 @@ def engine_process_main(build: Callable[[], Any], commands: Any, outputs: Any) -
     except BaseException as exc:  # noqa: BLE001 - reported to the front-end, which raises it
         outputs.send(("error", exc))
         return
+    freeze_startup_heap()  # this process is the engine's own: keep its start-up heap out of full collections
     outputs.send(("ready", engine.config))
 
     def next_commands(block: bool) -> list[Command]:
