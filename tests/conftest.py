@@ -1,9 +1,18 @@
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
 from nanovllm_core.testing import hf_greedy, write_tiny_checkpoint
+
+
+def pytest_configure(config):
+    # A run started in the background of a non-interactive shell (`make test &`) inherits SIGINT ignored, as would
+    # every process it starts; the Ctrl-C tests need Python's default handler.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

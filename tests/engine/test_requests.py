@@ -192,3 +192,19 @@ def test_startup_warmup_leaves_no_trace(qwen3_path, expected):
     assert not warm.has_unfinished_requests() and stats.num_free_kv_blocks == stats.num_kv_blocks
     assert (stats.num_generation_tokens, stats.num_prompt_tokens, stats.num_finished_requests) == (0, 0, 0)
     assert [o.outputs[0].token_ids for o in warm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+
+
+def test_start_up_ends_with_a_full_garbage_collection(qwen3_path, caplog):
+    """So that the first generate does not pay for the collection start-up made due (the log says how long)."""
+    import gc
+    import logging
+
+    from nanovllm_core.engine.llm_engine import LLMEngine
+    from nanovllm_core.gc_heap import GCPauses
+
+    with caplog.at_level(logging.INFO, logger="nanovllm_core.engine.llm_engine"), GCPauses() as pauses:
+        engine = LLMEngine(str(qwen3_path), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=40)
+    assert pauses.collections[2] >= 1
+    assert re.search(r"start-up took [\d.]+ s: .* a [\d.]+ s garbage collection", caplog.text)
+    engine.shutdown()
+    gc.collect()
