@@ -62,6 +62,9 @@ case "${1:?phase}" in
     ) > "$OUT/lane0.txt" 2>&1 &
     (
       export CUDA_VISIBLE_DEVICES=1 PORT=8001
+      for shape in qwen3-0.6b qwen3-8b; do
+        TAIL=70 step "gemm_$shape" 90 python benchmarks/decode_gemm.py --shape "$shape" --json "$OUT/gemm_$shape.json"
+      done
       TAIL=6 step fp8_tests 150 python -m pytest plugins/attention_flash/tests -m gpu -q -k fp8 -rf
       for policy in mixed priority; do
         serve_start "$policy" --scheduler "$policy"

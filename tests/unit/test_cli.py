@@ -160,3 +160,24 @@ def test_flags_are_parsed_into_their_types_under_strict_validation(capsys: pytes
                          "--gpu-memory-utilization", "1")
     assert code == 0, err
     assert "max_num_seqs = 64" in out and "enforce_eager = true" in out and "gpu_memory_utilization = 1.0" in out
+
+
+def test_decode_gemm_benchmark_reports_every_projection_and_row_count(tmp_path, capsys):
+    """benchmarks/decode_gemm.py on the CPU (on a GPU it is the measurement): one row per layer and batch size."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "benchmarks" / "decode_gemm.py"
+    spec = importlib.util.spec_from_file_location("decode_gemm", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "gemm.json"
+    assert module.main(["--shape", "tiny", "--rows", "1,8", "--iters", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    layers = {(r["layer"], r["rows"]) for r in report["results"]}
+    assert layers == {(name, m) for name in ("qkv", "o", "gate_up", "down", "lm_head") for m in (1, 8)}
+    assert all(r["us"] > 0 and r["weight_tb_per_s"] > 0 for r in report["results"])
+    qkv = next(r for r in report["results"] if r["layer"] == "qkv")
+    assert (qkv["in"], qkv["out"]) == (64, (4 + 2 * 2) * 32)  # the tiny shape's fused q, k and v
+    assert "lm_head" in capsys.readouterr().out

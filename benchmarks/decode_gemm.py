@@ -1,0 +1,141 @@
+"""How fast the decode step's projections read their weights: each layer's GEMM at the batch sizes decode meets.
+
+    python benchmarks/decode_gemm.py [--shape qwen3-0.6b] [--rows 1,16,64,128,256,512] [--blas default,cublaslt]
+                                     [--iters 50] [--json PATH]
+
+A decode step multiplies ``rows`` activations (one per running sequence) by every weight matrix once: at small
+``rows`` the step should stream the weights at the copy rate. For each projection of the shape (``qkv``, ``o``,
+``gate_up``, ``down`` and ``lm_head``, as the engine's fused layers hold them, unsharded) and each row count this
+times ``F.linear`` in bf16 (CUDA events, the mean of ``--iters`` calls after a warm-up, the median of 5 such runs)
+and reports microseconds, TFLOP/s and the weights' read rate in TB/s against the device's copy rate (the
+``nanovllm bench`` bound's). ``--blas`` names PyTorch's BLAS back-ends to compare
+(``torch.backends.cuda.preferred_blas_library``). The one-GPU issue puts the 0.6B step's small-M GEMMs at about
+1.1 TB/s of weights: this measures it per layer. On a machine without CUDA it runs on the CPU with ``--rows``
+as given (a check of the script, not a measurement of interest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm_core.benchmark import SHAPES, measure_device
+
+
+def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(input features, output features) of each decode projection, as the engine fuses them."""
+    hidden, heads, kv_heads, head_dim = (
+        shape["hidden_size"],
+        shape["num_heads"],
+        shape["num_kv_heads"],
+        shape["head_dim"],
+    )
+    inter = shape["intermediate_size"]
+    return {
+        "qkv": (hidden, (heads + 2 * kv_heads) * head_dim),
+        "o": (heads * head_dim, hidden),
+        "gate_up": (hidden, 2 * inter),
+        "down": (inter, hidden),
+        "lm_head": (hidden, shape["vocab_size"]),
+    }
+
+
+def time_linear(x: torch.Tensor, w: torch.Tensor, iters: int) -> float:
+    """Seconds per ``F.linear(x, w)``."""
+    for _ in range(3):
+        F.linear(x, w)
+    runs = []
+    for _ in range(5):
+        if x.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                F.linear(x, w)
+            end.record()
+            torch.cuda.synchronize()
+            runs.append(start.elapsed_time(end) / 1e3 / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                F.linear(x, w)
+            runs.append((time.perf_counter() - t0) / iters)
+    return statistics.median(runs)
+
+
+def measure(shape_name: str, rows: list[int], blas: list[str], iters: int) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    copy_rate = measure_device(device).get("copy_bytes_per_s") if device.type == "cuda" else None
+    results = []
+    for backend in blas if device.type == "cuda" else ["default"]:
+        if device.type == "cuda" and backend != "default":
+            torch.backends.cuda.preferred_blas_library(backend)
+        for name, (k, n) in projections(SHAPES[shape_name]).items():
+            w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
+            for m in rows:
+                x = torch.randn(m, k, dtype=dtype, device=device)
+                seconds = time_linear(x, w, iters)
+                weight_bytes = w.numel() * w.element_size()
+                results.append({
+                    "blas": backend, "layer": name, "rows": m, "in": k, "out": n, "us": seconds * 1e6,
+                    "tflops": 2 * m * k * n / seconds / 1e12, "weight_tb_per_s": weight_bytes / seconds / 1e12,
+                })  # fmt: skip
+            del w
+        if device.type == "cuda":
+            torch.backends.cuda.preferred_blas_library("default")
+    return {
+        "shape": shape_name,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "copy_tb_per_s": copy_rate / 1e12 if copy_rate else None,
+        "results": results,
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    copy = report["copy_tb_per_s"]
+    print(
+        f"{report['shape']} on {report['device']}, {report['dtype']}" + (f", copy rate {copy:.2f} TB/s" if copy else "")
+    )
+    print(f"{'blas':9} {'layer':8} {'in x out':>14} {'rows':>5} {'us':>9} {'TFLOP/s':>8} {'weights TB/s':>13}")
+    for r in report["results"]:
+        share = f" ({100 * r['weight_tb_per_s'] / copy:.0f}%)" if copy else ""
+        print(
+            f"{r['blas']:9} {r['layer']:8} {r['in']:>6} x {r['out']:<6} {r['rows']:>5} {r['us']:>9.1f} "
+            f"{r['tflops']:>8.1f} {r['weight_tb_per_s']:>7.2f}{share}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument("--rows", default="1,16,64,128,256,512", help="comma-separated batch sizes (rows)")
+    parser.add_argument("--blas", default="default,cublaslt", help="comma-separated BLAS back-ends to compare")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--json", help="write the report here ('-': stdout)")
+    args = parser.parse_args(argv)
+    try:
+        rows = [int(r) for r in args.rows.split(",") if r.strip()]
+    except ValueError:
+        parser.error(f"--rows {args.rows!r}: comma-separated positive integers, e.g. 1,64,256")
+    if not rows or min(rows) < 1:
+        parser.error(f"--rows {args.rows!r}: comma-separated positive integers, e.g. 1,64,256")
+    report = measure(args.shape, rows, [b.strip() for b in args.blas.split(",") if b.strip()], args.iters)
+    print_table(report)
+    if args.json == "-":
+        json.dump(report, sys.stdout, indent=1)
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
