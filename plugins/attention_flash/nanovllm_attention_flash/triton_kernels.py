@@ -138,16 +138,8 @@ def _store_kv_fp8_kernel(
         inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
         step = (step_exp << 23).to(tl.float32, bitcast=True)
         rounded = ((y * inv_step + 12582912.0) - 12582912.0) * step  # 1.5 * 2**23: round to nearest even
-        # The e4m3 byte from the rounded value's bits, no float-to-fp8 conversion: the H200's conversion writes a
-        # negative value rounded to zero as +0 where PyTorch keeps -0. The sign comes from the value before
-        # rounding; exponent 2**-6 and up is normal (bias 7), below it a subnormal of m * 2**-9.
-        magnitude = tl.abs(rounded)
-        mbits = magnitude.to(tl.int32, bitcast=True)
-        normal = (mbits >> 23) >= 121
-        exponent = tl.where(normal, (mbits >> 23) - 120, 0)
-        mantissa = tl.where(normal, (mbits >> 20) & 7, (magnitude * 512.0).to(tl.int32))
-        byte = ((bits >> 24) & 0x80) | (exponent << 3) | mantissa
-        tl.store(cache + dst, byte.to(tl.uint8), mask=mask)
+        y = tl.where(bits < 0, -tl.abs(rounded), rounded)  # keeps the sign of a negative value rounded to 0
+        tl.store(cache + dst, y.to(cache.dtype.element_ty), mask=mask)
         tl.store(scales + block * stride_s_block + offs_h * stride_s_head + row, scale, mask=head_mask)
 
 
@@ -707,8 +699,8 @@ def store_kv_fp8(
     _kernels_for(k.device).store_kv_fp8[(num_tokens,)](
         k,
         v,
-        key_cache.view(torch.uint8),  # the kernel writes the e4m3 bytes itself
-        value_cache.view(torch.uint8),
+        key_cache,
+        value_cache,
         key_scales,
         value_scales,
         slot_mapping,
