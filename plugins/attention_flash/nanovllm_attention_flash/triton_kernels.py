@@ -138,7 +138,9 @@ def _store_kv_fp8_kernel(
         inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
         step = (step_exp << 23).to(tl.float32, bitcast=True)
         rounded = ((y * inv_step + 12582912.0) - 12582912.0) * step  # 1.5 * 2**23: round to nearest even
-        y = tl.where(bits < 0, -tl.abs(rounded), rounded)  # keeps the sign of a negative value rounded to 0
+        # meant to keep the sign of a negative value rounded to 0: the interpreter does, the H200's conversion to
+        # e4m3 writes it as +0 (docs/benchmarks.md, rounds 4 and 5)
+        y = tl.where(bits < 0, -tl.abs(rounded), rounded)
         tl.store(cache + dst, y.to(cache.dtype.element_ty), mask=mask)
         tl.store(scales + block * stride_s_block + offs_h * stride_s_head + row, scale, mask=head_mask)
 
