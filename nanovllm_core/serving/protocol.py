@@ -118,7 +118,7 @@ class CompletionRequest(SamplingRequest):
         """The prompts of the batch, each a string or a list of token ids."""
         if isinstance(self.prompt, str):
             return [self.prompt]
-        if all(isinstance(p, int) for p in self.prompt):
+        if self.prompt and isinstance(self.prompt[0], int):  # validated as one of the union's lists: all ints
             return [list(self.prompt)]  # type: ignore[arg-type]
         return list(self.prompt)  # type: ignore[arg-type]
 
