@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.core import EngineCore, Prompt
+from nanovllm_core.engine.core import EngineCore, EngineStats, Prompt
 from nanovllm_core.engine.model_runner import ModelRunner, model_shape
 from nanovllm_core.engine.options import instantiate, validate_plugin_options
 from nanovllm_core.engine.parallel import (
@@ -281,6 +281,12 @@ class LLMEngine(EngineCore):
             self.device = local_device("cuda", 0)
         self.tp_group = TensorParallelGroup(spec, tp)
         weakref.finalize(self, self.tp_group.close)
+
+    def stats(self) -> EngineStats:
+        stats = super().stats()
+        graphs = self.runner.graphs
+        stats.num_cuda_graph_steps = graphs.num_replays if graphs is not None else 0
+        return stats
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (also done when the engine is garbage-collected or at exit)."""

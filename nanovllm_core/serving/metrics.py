@@ -58,6 +58,11 @@ class EngineStatsCollector(Collector):
             ("num_preemptions", "Sequences preempted (their KV is recomputed later).", s.num_preemptions),
             ("prompt_tokens", "Prompt tokens computed.", s.num_prompt_tokens),
             ("generation_tokens", "Tokens generated.", s.num_generation_tokens),
+            (
+                "cuda_graph_steps",
+                "Engine steps replayed from CUDA graphs (pure decode); the other steps ran eagerly.",
+                s.num_cuda_graph_steps,
+            ),
         ]
         if self.loop is not None:
             counters += [

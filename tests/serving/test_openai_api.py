@@ -285,6 +285,7 @@ def test_metrics(server, client):
         "nanovllm:step_loop_busy_seconds_total",
         "nanovllm:step_loop_cpu_seconds_total",
         "nanovllm:step_loop_emit_seconds_total",
+        "nanovllm:cuda_graph_steps_total",
         "process_cpu_seconds_total",
     ):
         assert name in text, name
@@ -297,6 +298,7 @@ def test_metrics(server, client):
     assert values["nanovllm:e2e_request_latency_seconds_count"] >= 1
     assert values["nanovllm:step_loop_steps_total"] >= 3 and values["nanovllm:step_loop_busy_seconds_total"] > 0
     assert 0 < values["nanovllm:step_loop_cpu_seconds_total"]
+    assert values["nanovllm:cuda_graph_steps_total"] == 0  # a CPU engine captures no graphs
     assert 'finished_reason="length"' in text
     # the stall detectors: the engine's slow steps and longest step, the event loop's lag (a 10 ms timer)
     for over in ("0.05", "0.2", "1"):
