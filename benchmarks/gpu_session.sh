@@ -42,7 +42,7 @@ serve_bench() {  # serve_bench NAME ARGS...: `nanovllm bench serve` against the 
     --result-file "$OUT/serve_$name.json" "$@"
   # the server's own account after the run (step-loop busy / emit seconds, front-end CPU): where the time went
   python -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:${PORT:-8000}/metrics').read().decode())" \
-    | grep -E "^(nanovllm:step_loop|process_cpu|nanovllm:generation_tokens|nanovllm:frontend_event_loop_lag)" \
+    | grep -E "^(nanovllm:step_loop|process_cpu|nanovllm:generation_tokens|nanovllm:frontend_event_loop_lag|nanovllm:cuda_graph_steps)" \
     > "$OUT/metrics_$name.txt"
 }
 pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth 1 -type f ! -name logs.tgz -delete); }
