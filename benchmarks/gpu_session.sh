@@ -46,19 +46,38 @@ serve_bench() {  # serve_bench NAME ARGS...: `nanovllm bench serve` against the 
     > "$OUT/metrics_$name.txt"
 }
 pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth 1 -type f ! -name logs.tgz -delete); }
+fifo_serve_lane() {  # fifo_serve_lane N LIMIT: the fifo server all at once (nano-vllm's workload), its saturation
+  # (1,000 sharegpt-synth requests at once), then N requests at each of 30/50/70/90% of it (the rates go to
+  # $OUT/rates.txt for policy_lane), LIMIT seconds for that sweep
+  serve_start fifo
+  TAIL=14 serve_bench fifo_nano --dataset nano --request-rate inf
+  TAIL=3 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 1000 --request-rate inf
+  sat=$(python -c "import json; d = json.load(open('$OUT/serve_fifo_sat.json')); print(d['request_throughput'])")
+  python -c "print(','.join(f'{f * $sat:.1f}' for f in (0.3, 0.5, 0.7, 0.9)))" > "$OUT/rates.txt"
+  BENCH_LIMIT=$2 TAIL=3 serve_bench fifo_rates --dataset sharegpt-synth --num-prompts "$1" --rates "$(cat "$OUT/rates.txt")"
+  serve_stop
+}
+policy_lane() {  # policy_lane N LIMIT: mixed, then priority (two classes, after an idle run), each server started at
+  # once and swept at fifo's rates when fifo_serve_lane has written them: N requests per rate, LIMIT seconds a sweep
+  for policy in mixed priority; do
+    serve_start "$policy" --scheduler "$policy"
+    for _ in $(seq 1 300); do [ -s "$OUT/rates.txt" ] && break; sleep 1; done
+    extra=(); [ "$policy" = priority ] && extra=(--priorities 0,1)
+    [ "$policy" = priority ] && TAIL=3 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 \
+      --request-rate 2 --priorities 0,1
+    BENCH_LIMIT=$2 TAIL=3 serve_bench "${policy}_rates" --dataset sharegpt-synth --num-prompts "$1" \
+      --rates "$(cat "$OUT/rates.txt")" "${extra[@]}"
+    serve_stop
+  done
+}
+join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
   r6)  # round 6, two H200s (about 6 minutes): the offline bench alone (a clean first-run gap), then two lanes: GPU 0
     # the server all at once and fifo against rate, GPU 1 every fp8 GPU test, then mixed and priority at fifo's rates
     (export CUDA_VISIBLE_DEVICES=0; TAIL=8 bench fifo --attention triton --runs 3 --warmup-prompts 1)
     (
       export CUDA_VISIBLE_DEVICES=0 PORT=8000
-      serve_start fifo
-      TAIL=14 serve_bench fifo_nano --dataset nano --request-rate inf
-      TAIL=3 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 1000 --request-rate inf
-      sat=$(python -c "import json; d = json.load(open('$OUT/serve_fifo_sat.json')); print(d['request_throughput'])")
-      python -c "print(','.join(f'{f * $sat:.1f}' for f in (0.3, 0.5, 0.7, 0.9)))" > "$OUT/rates.txt"
-      BENCH_LIMIT=300 TAIL=3 serve_bench fifo_rates --dataset sharegpt-synth --num-prompts 1000 --rates "$(cat "$OUT/rates.txt")"
-      serve_stop
+      fifo_serve_lane 1000 300
     ) > "$OUT/lane0.txt" 2>&1 &
     (
       export CUDA_VISIBLE_DEVICES=1 PORT=8001
@@ -66,20 +85,9 @@ case "${1:?phase}" in
         TAIL=70 step "gemm_$shape" 90 python benchmarks/decode_gemm.py --shape "$shape" --json "$OUT/gemm_$shape.json"
       done
       TAIL=6 step fp8_tests 150 python -m pytest plugins/attention_flash/tests -m gpu -q -k fp8 -rf
-      for policy in mixed priority; do
-        serve_start "$policy" --scheduler "$policy"
-        for _ in $(seq 1 300); do [ -s "$OUT/rates.txt" ] && break; sleep 1; done
-        extra=(); [ "$policy" = priority ] && extra=(--priorities 0,1)
-        [ "$policy" = priority ] && TAIL=3 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 \
-          --request-rate 2 --priorities 0,1
-        BENCH_LIMIT=300 TAIL=3 serve_bench "${policy}_rates" --dataset sharegpt-synth --num-prompts 1000 \
-          --rates "$(cat "$OUT/rates.txt")" "${extra[@]}"
-        serve_stop
-      done
+      policy_lane 1000 300
     ) > "$OUT/lane1.txt" 2>&1 &
-    wait
-    cat "$OUT/lane0.txt" "$OUT/lane1.txt"
-    pack
+    join_lanes
     ;;
   r6-tp)  # round 6, two H200s: every TP/DP GPU test with room to finish (stacks on a hang), then DP=2 offline
     TAIL=40 step tp_tests 420 env PYTHONFAULTHANDLER=1 timeout -s ABRT 400 python -m pytest tests/engine/test_tp_async.py \
@@ -95,62 +103,28 @@ case "${1:?phase}" in
     (
       export CUDA_VISIBLE_DEVICES=0 PORT=8000
       TAIL=8 bench fifo --attention triton --runs 2 --warmup-prompts 1
-      serve_start fifo
-      TAIL=14 serve_bench fifo_nano --dataset nano --request-rate inf
-      TAIL=3 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 1000 --request-rate inf
-      sat=$(python -c "import json; d = json.load(open('$OUT/serve_fifo_sat.json')); print(d['request_throughput'])")
-      python -c "print(','.join(f'{f * $sat:.1f}' for f in (0.3, 0.5, 0.7, 0.9)))" > "$OUT/rates.txt"
-      BENCH_LIMIT=300 TAIL=3 serve_bench fifo_rates --dataset sharegpt-synth --num-prompts 1000 --rates "$(cat "$OUT/rates.txt")"
-      serve_stop
+      fifo_serve_lane 1000 300
       TAIL=4 step fp8_store_tests 120 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -q \
         -k "fp8_store" -rf
     ) > "$OUT/lane0.txt" 2>&1 &
     (
       export CUDA_VISIBLE_DEVICES=1 PORT=8001
-      for policy in mixed priority; do
-        serve_start "$policy" --scheduler "$policy"  # (starts while lane 0 measures the saturation rate)
-        for _ in $(seq 1 300); do [ -s "$OUT/rates.txt" ] && break; sleep 1; done
-        extra=(); [ "$policy" = priority ] && extra=(--priorities 0,1)
-        [ "$policy" = priority ] && TAIL=3 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 \
-          --request-rate 2 --priorities 0,1
-        BENCH_LIMIT=300 TAIL=3 serve_bench "${policy}_rates" --dataset sharegpt-synth --num-prompts 1000 \
-          --rates "$(cat "$OUT/rates.txt")" "${extra[@]}"
-        serve_stop
-      done
+      policy_lane 1000 300
     ) > "$OUT/lane1.txt" 2>&1 &
-    wait
-    cat "$OUT/lane0.txt" "$OUT/lane1.txt"
-    pack
+    join_lanes
     ;;
   r4-serve)  # next round, two H200s: the server after the intake and uvloop changes, 1,500 requests per rate
     # (about 9 minutes: both lanes fit one call)
     (
       export CUDA_VISIBLE_DEVICES=0 PORT=8000
       TAIL=8 bench fifo --attention triton --runs 3 --warmup-prompts 1
-      serve_start fifo
-      TAIL=14 serve_bench fifo_nano --dataset nano --request-rate inf
-      TAIL=3 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 1000 --request-rate inf
-      sat=$(python -c "import json; d = json.load(open('$OUT/serve_fifo_sat.json')); print(d['request_throughput'])")
-      python -c "print(','.join(f'{f * $sat:.1f}' for f in (0.3, 0.5, 0.7, 0.9)))" > "$OUT/rates.txt"
-      BENCH_LIMIT=400 TAIL=3 serve_bench fifo_rates --dataset sharegpt-synth --num-prompts 1500 --rates "$(cat "$OUT/rates.txt")"
-      serve_stop
+      fifo_serve_lane 1500 400
     ) > "$OUT/lane0.txt" 2>&1 &
     (
       export CUDA_VISIBLE_DEVICES=1 PORT=8001
-      for policy in mixed priority; do
-        serve_start "$policy" --scheduler "$policy"  # (starts while lane 0 measures the saturation rate)
-        for _ in $(seq 1 300); do [ -s "$OUT/rates.txt" ] && break; sleep 1; done
-        extra=(); [ "$policy" = priority ] && extra=(--priorities 0,1)
-        [ "$policy" = priority ] && TAIL=3 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 \
-          --request-rate 2 --priorities 0,1
-        BENCH_LIMIT=400 TAIL=3 serve_bench "${policy}_rates" --dataset sharegpt-synth --num-prompts 1500 \
-          --rates "$(cat "$OUT/rates.txt")" "${extra[@]}"
-        serve_stop
-      done
+      policy_lane 1500 400
     ) > "$OUT/lane1.txt" 2>&1 &
-    wait
-    cat "$OUT/lane0.txt" "$OUT/lane1.txt"
-    pack
+    join_lanes
     ;;
   r4-tp)  # next round, two H200s: the TP/DP GPU tests with the bounded shutdown, then the 8B NCCL exit
     step tp_parity 120 python -m pytest tests/gpu/test_gpu_engine.py -m gpu -q -s -k tp2 --durations 3
@@ -194,9 +168,7 @@ case "${1:?phase}" in
         serve_stop
       done
     ) > "$OUT/lane1.txt" 2>&1 &
-    wait
-    cat "$OUT/lane0.txt" "$OUT/lane1.txt"
-    pack
+    join_lanes
     ;;
   r3-tp)  # two GPUs: TP and DP tests, all-reduce micro-benchmark, the 0.6B workload at TP=2 and DP=2
     step tp_parity 120 python -m pytest tests/gpu/test_gpu_engine.py -m gpu -q -s -k tp2 --durations 3
