@@ -295,10 +295,7 @@ class LLMEngine(EngineCore):
             runner = getattr(self, "runner", None)
             healthy = group.failure is None and all(p.is_alive() for p in group.processes)
             if runner is not None and not group.closed and healthy:  # (a stuck collective would never sync)
-                try:
-                    runner.release_cuda_graphs()  # before the NCCL group is left (see there)
-                except Exception:  # noqa: BLE001 - a failed device or worker: the group still closes
-                    logger.debug("releasing the CUDA graphs failed", exc_info=True)
+                runner.release_cuda_graphs()  # before the NCCL group is left (see there)
             group.close()
 
     @staticmethod

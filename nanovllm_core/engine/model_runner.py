@@ -617,13 +617,17 @@ class ModelRunner:
     def release_cuda_graphs(self) -> None:
         """Drop the captured decode graphs once the device is idle. Under tensor parallelism this comes before
         leaving the NCCL group: the abort of a communicator whose collectives live on in captured graphs hangs
-        (pytorch/pytorch#115388; seen on two H200s as both ranks stuck in the abort)."""
+        (pytorch/pytorch#115388; seen on two H200s as both ranks stuck in the abort). Best effort: on a failed
+        device it logs why and returns, and shutdown goes on."""
         if self.graphs is None:
             return
-        torch.cuda.synchronize(self.device)
-        self.graphs = None
-        gc.collect()  # a reference cycle may hold a graph: its executable goes with it
-        torch.cuda.synchronize(self.device)
+        try:
+            torch.cuda.synchronize(self.device)
+            self.graphs = None
+            gc.collect()  # a reference cycle may hold a graph: its executable goes with it
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - a failed device or worker: leaving the group goes on regardless
+            logger.debug("releasing the CUDA graphs failed", exc_info=True)
 
     def timing_summary(self) -> dict[str, float]:
         """Host time spent turning batches into tensors; with ``track_gpu_time``, GPU busy and idle time
