@@ -6,7 +6,8 @@
 A decode step multiplies ``rows`` activations (one per running sequence) by every weight matrix once: at small
 ``rows`` the step should stream the weights at the copy rate. For each projection of the shape (``qkv``, ``o``,
 ``gate_up``, ``down`` and ``lm_head``, as the engine's fused layers hold them, unsharded) and each row count this
-times ``F.linear`` in bf16 (CUDA events, the mean of ``--iters`` calls after a warm-up, the median of 5 such runs)
+times ``F.linear`` in bf16 (CUDA events, the mean of ``--iters`` calls after a warm-up, the median of 5 such runs;
+each call takes the next of enough copies of the matrix to outgrow the L2 cache, as the layers of a step do)
 and reports microseconds, TFLOP/s and the weights' read rate in TB/s against the device's copy rate (the
 ``nanovllm bench`` bound's). ``--blas`` names PyTorch's BLAS back-ends to compare
 (``torch.backends.cuda.preferred_blas_library``). The one-GPU issue puts the 0.6B step's small-M GEMMs at about
@@ -47,26 +48,30 @@ def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
     }
 
 
-def time_linear(x: torch.Tensor, w: torch.Tensor, iters: int) -> float:
-    """Seconds per ``F.linear(x, w)``."""
-    for _ in range(3):
+def time_linear(x: torch.Tensor, weights: list[torch.Tensor], iters: int) -> float:
+    """Seconds per ``F.linear(x, w)``, ``w`` taken in turn from ``weights`` (copies of one matrix that together
+    outgrow the L2 cache, as a step's layers do: each call reads its weights from DRAM, not from L2)."""
+    for w in weights[:3]:
         F.linear(x, w)
     runs = []
     for _ in range(5):
         if x.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(iters):
-                F.linear(x, w)
+            for i in range(iters):
+                F.linear(x, weights[i % len(weights)])
             end.record()
             torch.cuda.synchronize()
             runs.append(start.elapsed_time(end) / 1e3 / iters)
         else:
             t0 = time.perf_counter()
-            for _ in range(iters):
-                F.linear(x, w)
+            for i in range(iters):
+                F.linear(x, weights[i % len(weights)])
             runs.append((time.perf_counter() - t0) / iters)
     return statistics.median(runs)
+
+
+COLD_BYTES = 256 << 20  # the copies of a weight matrix one timing cycles through: several times an H200's L2
 
 
 def measure(shape_name: str, rows: list[int], blas: list[str], iters: int) -> dict[str, Any]:
@@ -79,15 +84,17 @@ def measure(shape_name: str, rows: list[int], blas: list[str], iters: int) -> di
             torch.backends.cuda.preferred_blas_library(backend)
         for name, (k, n) in projections(SHAPES[shape_name]).items():
             w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
+            weight_bytes = w.numel() * w.element_size()
+            copies = min(64, -(-COLD_BYTES // weight_bytes)) if device.type == "cuda" else 1
+            weights = [w] + [w.clone() for _ in range(copies - 1)]
             for m in rows:
                 x = torch.randn(m, k, dtype=dtype, device=device)
-                seconds = time_linear(x, w, iters)
-                weight_bytes = w.numel() * w.element_size()
+                seconds = time_linear(x, weights, iters)
                 results.append({
                     "blas": backend, "layer": name, "rows": m, "in": k, "out": n, "us": seconds * 1e6,
                     "tflops": 2 * m * k * n / seconds / 1e12, "weight_tb_per_s": weight_bytes / seconds / 1e12,
                 })  # fmt: skip
-            del w
+            del w, weights
         if device.type == "cuda":
             torch.backends.cuda.preferred_blas_library("default")
     return {

@@ -72,6 +72,18 @@ policy_lane() {  # policy_lane N LIMIT: mixed, then priority (two classes, after
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+case "${1:?phase}" in
+  r7-a)  # round 7, one H200 (about 6 minutes): every fp8 GPU test (the byte-building store kernel), the offline
+    # bench alone (first run against steady), the decode GEMMs with L2-cold weights, the server all at once
+    TAIL=8 step fp8_tests 170 python -m pytest plugins/attention_flash/tests -m gpu -q -k fp8 -rf
+    TAIL=8 bench fifo --attention triton --runs 3 --warmup-prompts 1
+    TAIL=40 step gemm_qwen3-0.6b 90 python benchmarks/decode_gemm.py --shape qwen3-0.6b --json "$OUT/gemm_qwen3-0.6b.json"
+    serve_start fifo
+    TAIL=14 serve_bench fifo_nano --dataset nano --request-rate inf
+    TAIL=4 serve_bench fifo_sat --dataset sharegpt-synth --num-prompts 1000 --request-rate inf
+    serve_stop
+    pack
+    ;;
   r6)  # round 6, two H200s (about 6 minutes): the offline bench alone (a clean first-run gap), then two lanes: GPU 0
     # the server all at once and fifo against rate, GPU 1 every fp8 GPU test, then mixed and priority at fifo's rates
     (export CUDA_VISIBLE_DEVICES=0; TAIL=8 bench fifo --attention triton --runs 3 --warmup-prompts 1)

@@ -107,9 +107,10 @@ def _store_kv_fp8_kernel(
     """One program per token: quantise its key and value rows to e4m3, one scale per KV head (``fp8_cache``):
     ``scale = amax / 448``, ``value = rne(row / scale)``, both divisions IEEE-rounded (``div_rn``) as in PyTorch.
 
-    The row is rounded to the e4m3 grid in float32 before the cast (the exponent picks the grid step:
-    ``2**(e - 3)``, at least ``2**-9``, the subnormal step), so the cast itself is exact: Triton's interpreter
-    rounds float-to-fp8 casts wrongly (a carry into the exponent is lost), the GPU's cast would round the same.
+    The row is rounded to the e4m3 grid in float32 (the exponent picks the grid step: ``2**(e - 3)``, at least
+    ``2**-9``, the subnormal step), then its e4m3 byte is assembled from the bits and stored through a byte view
+    of the cache (``KEY_CACHE``/``VALUE_CACHE`` are ``uint8``): no float-to-fp8 conversion, whose rounding
+    differs between Triton's interpreter (a carry into the exponent is lost) and the GPU (-0 becomes +0).
     """
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + token)
@@ -137,11 +138,14 @@ def _store_kv_fp8_kernel(
         step_exp = tl.maximum((bits >> 23) & 0xFF, 121) - 3  # biased exponent of the grid step
         inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
         step = (step_exp << 23).to(tl.float32, bitcast=True)
-        rounded = ((y * inv_step + 12582912.0) - 12582912.0) * step  # 1.5 * 2**23: round to nearest even
-        # meant to keep the sign of a negative value rounded to 0: the interpreter does, the H200's conversion to
-        # e4m3 writes it as +0 (docs/benchmarks.md, rounds 4 and 5)
-        y = tl.where(bits < 0, -tl.abs(rounded), rounded)
-        tl.store(cache + dst, y.to(cache.dtype.element_ty), mask=mask)
+        magnitude = tl.abs(((y * inv_step + 12582912.0) - 12582912.0) * step)  # 1.5 * 2**23: ties to even
+        # The e4m3 byte is built from the rounded value's bits, not by a conversion: the H200's float-to-e4m3
+        # conversion writes a negative value rounded to zero as +0 (docs/benchmarks.md, rounds 4 and 5).
+        mag_bits = magnitude.to(tl.int32, bitcast=True)
+        exponent = (mag_bits >> 23) - 120  # e4m3's biased exponent (bias 7 against float32's 127)
+        code = tl.where(exponent > 0, (exponent << 3) | ((mag_bits >> 20) & 7), (magnitude * 512.0).to(tl.int32))
+        code = tl.where(magnitude != magnitude, 0x7F, code) | tl.where(bits < 0, 0x80, 0)  # NaN; the sign
+        tl.store(cache + dst, code.to(tl.uint8), mask=mask)
         tl.store(scales + block * stride_s_block + offs_h * stride_s_head + row, scale, mask=head_mask)
 
 
@@ -701,8 +705,8 @@ def store_kv_fp8(
     _kernels_for(k.device).store_kv_fp8[(num_tokens,)](
         k,
         v,
-        key_cache,
-        value_cache,
+        key_cache.view(torch.uint8),
+        value_cache.view(torch.uint8),
         key_scales,
         value_scales,
         slot_mapping,

@@ -99,6 +99,23 @@ def test_fp8_store_kernel_is_bit_exact() -> None:
     assert torch.equal(ours, expected)
 
 
+def test_fp8_store_kernel_writes_every_e4m3_code() -> None:
+    """Rows whose largest value is 448 (scale 1: every value is stored as it is) holding each of the 254
+    non-NaN e4m3 values, -0 and the subnormals included: the cache holds exactly their codes."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).float()
+    rows = torch.full((6, 64), 448.0)
+    flat = torch.cat([values, torch.zeros(6 * 63 - values.numel())])
+    rows[:, 1:] = flat.view(6, 63)
+    k = rows.view(6, 1, 64)
+    cache = torch.zeros(fp8_cache_shape(1, 16, 1, 64), dtype=torch.uint8)
+    views = fp8_views(cache, 16, 1, 64)
+    tk.store_kv_fp8(k, k, views.values[0], views.values[1], views.scales[0], views.scales[1], torch.arange(6))
+    stored = views.values[0][0, :6, 0].contiguous().view(torch.uint8)[:, 1:].reshape(-1)[: codes.numel()]
+    assert torch.equal(stored, codes), (stored != codes).nonzero().flatten().tolist()
+    assert torch.equal(views.scales[0][0, 0, :6], torch.ones(6))
+
+
 def test_fp8_store_kernel_rounds_like_the_exact_reference() -> None:
     """bfloat16 rows with many values exactly halfway between two e4m3 numbers (``testing.bf16_rows``): the
     kernel's values and scales equal the exact float64 reference (ties to even, signed zeros kept)."""
