@@ -70,9 +70,50 @@ policy_lane() {  # policy_lane N LIMIT: mixed, then priority (two classes, after
     serve_stop
   done
 }
+summarize() {  # summarize JSON...: one line per rate of each `bench serve` result file
+  python - "$@" <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    data = json.load(open(path))
+    for r in data.get("runs", [data]):
+        print(f"{path.rsplit('/', 1)[-1]} rate {r['request_rate']}: {r['completed']} done in {r['duration']:.1f} s, "
+              f"TTFT p50/p99 {r['median_ttft_ms']:.0f}/{r['p99_ttft_ms']:.0f} ms, ITL p50/p99 "
+              f"{r['median_itl_ms']:.1f}/{r['p99_itl_ms']:.1f} ms, TPOT p50 {r['median_tpot_ms']:.2f} ms")
+PY
+}
+rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept at RATES, its metrics kept
+  local rates=$1; shift
+  for lane in "$@"; do
+    set -- $lane; local name=$1; shift
+    serve_start "$name" "$@" || continue
+    BENCH_LIMIT=150 TAIL=2 serve_bench "${name}_rates" --dataset sharegpt-synth --num-prompts 1000 --rates "$rates"
+    serve_stop
+    summarize "$OUT/serve_${name}_rates.json"
+    grep -E "cuda_graph_steps|step_loop_steps_total|slow_steps|longest" "$OUT/metrics_${name}_rates.txt"
+  done
+}
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
-case "${1:?phase}" in
+  r7-b)  # round 7, one H200 (about 8 minutes): the mixed-step CUDA graphs: their GPU tests, mixed offline
+    # (2,048-token steps), then fifo and mixed (2,048-token steps) against rate at $RATES (30/50/70/90% of r7-a's
+    # saturation), 1,000 sharegpt-synth requests per rate
+    TAIL=12 step graph_tests 200 python -m pytest tests/gpu/test_gpu_engine.py \
+      plugins/attention_flash/tests/test_conformance_attention.py -m gpu -q -s -rf -k "replay_graphs or Triton or triton"
+    TAIL=6 bench mixed_2048 --attention triton --scheduler mixed --max-num-batched-tokens 2048 --runs 2 --warmup-prompts 1
+    rate_lanes "${RATES:?30/50/70/90% of saturation}" fifo "mixed --scheduler mixed --max-num-batched-tokens 2048"
+    pack
+    ;;
+  r7-c)  # round 7, one H200: priority (2,048-token steps, two classes) after an idle run, at $RATES; the decode GEMMs
+    TAIL=3 step gemm_qwen3-0.6b 90 python benchmarks/decode_gemm.py --shape qwen3-0.6b --json "$OUT/gemm_qwen3-0.6b.json"
+    TAIL=3 step gemm_qwen3-8b 90 python benchmarks/decode_gemm.py --shape qwen3-8b --json "$OUT/gemm_qwen3-8b.json"
+    serve_start priority --scheduler priority --max-num-batched-tokens 2048
+    TAIL=3 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 --request-rate 2 --priorities 0,1
+    BENCH_LIMIT=150 TAIL=3 serve_bench priority_rates --dataset sharegpt-synth --num-prompts 1000 --rates "$RATES" \
+      --priorities 0,1
+    serve_stop
+    summarize "$OUT"/serve_priority_*.json
+    pack
+    ;;
   r7-a)  # round 7, one H200 (about 6 minutes): every fp8 GPU test (the byte-building store kernel), the offline
     # bench alone (first run against steady), the decode GEMMs with L2-cold weights, the server all at once
     TAIL=8 step fp8_tests 170 python -m pytest plugins/attention_flash/tests -m gpu -q -k fp8 -rf

@@ -420,6 +420,8 @@ class AttentionBackend(ABC):
     name: ClassVar[str] = ""
     priority: ClassVar[int] = 0  # `auto` picks the available backend with the highest priority
     supports_cuda_graph: ClassVar[bool] = False
+    # steps with prompt tokens captured too (``build_graph_metadata``); needs ``supports_cuda_graph``
+    supports_cuda_graph_mixed: ClassVar[bool] = False
 
     @classmethod
     def check_available(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -490,6 +492,18 @@ class AttentionBackend(ABC):
     def build_metadata(self, batch: AttentionBatch) -> Any:
         """Turn the runner's batch description into whatever ``forward`` needs (called once per step)."""
         return batch
+
+    def build_graph_metadata(self, batch: AttentionBatch) -> Any:
+        """Metadata for a CUDA graph that replays steps with prompt tokens (``supports_cuda_graph_mixed``).
+
+        ``batch`` is a static batch of ``num_tokens`` tokens over ``num_seqs`` sequence rows, built once per
+        token bucket; before each replay the runner refills its tensors with a step of at most that many tokens
+        and rows, with any mix of query lengths: rows past the step's are padding (query length 0, ``seq_lens``
+        0) and tokens past the step's belong to no sequence (``query_start_loc[-1]`` is the step's token count;
+        their slots are -1). ``forward`` must attend the step's tokens exactly as for that step's own batch,
+        leave the others alone (their output rows are never read), read no host list of ``batch`` (they keep
+        the capture-time values) and make no host-device sync. Default: not supported."""
+        raise NotImplementedError(f"the {self.name!r} backend does not capture steps with prompt tokens")
 
     @abstractmethod
     def forward(

@@ -54,7 +54,7 @@ class EngineStats:
     num_prompt_tokens: int  # prompt tokens computed (recomputation after preemption included)
     num_generation_tokens: int
     num_finished_requests: int
-    num_cuda_graph_steps: int = 0  # steps replayed from CUDA graphs (the rest, with prompt chunks, run eagerly)
+    num_cuda_graph_steps: int = 0  # steps replayed from CUDA graphs (the rest ran eagerly)
 
     @property
     def kv_cache_usage(self) -> float:

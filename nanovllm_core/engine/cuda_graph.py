@@ -1,7 +1,14 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+"""Steps replayed from CUDA graphs: decode steps per batch-size bucket, steps with prompt tokens per token bucket.
 
-A pure-decode step (one new token per sequence) launches hundreds of small kernels; capturing them once
-per batch size and replaying removes the launch cost. The graphs read every input from static buffers:
+A step launches hundreds of small kernels; capturing them once per bucket and replaying removes the launch
+cost (on an H200 an eager step of the 0.6B model costs tens of milliseconds of launches, a replay a few).
+``CudaGraphDecoder`` replays pure-decode steps (one new token per sequence), one graph per batch size.
+``CudaGraphMixed`` replays steps that carry prompt tokens (prefill chunks, alone or beside decode tokens: what
+a mixed-batch scheduler runs in most steps under load) of up to ``max_tokens`` tokens, one graph per token-count
+bucket, each over ``max_seqs`` sequence rows: a step's rows are copied in, the rest are padding (query length
+0, context 0) and its tokens past the step's own are owned by no sequence (slot -1: nothing stored, their
+hidden rows are garbage the runner never reads). Backends opt in with ``supports_cuda_graph_mixed`` and build
+such a step's metadata with ``build_graph_metadata``. The graphs read every input from static buffers:
 a step copies its inputs into them, pads the rows up to the bucket size (slot -1: nothing stored; sequence
 length 0: nothing attended), and replays. Backends opt in with ``supports_cuda_graph``; their
 ``build_metadata`` is called once per bucket on the static buffers and must keep only references to them
@@ -15,6 +22,8 @@ the whole forward, communication included, with no Python in between.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +31,39 @@ from torch import nn
 from nanovllm_core.distributed import get_tp_size
 from nanovllm_core.forward_context import forward_context
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch
+
+
+def capture_graphs(
+    model: nn.Module,
+    backend: AttentionBackend,
+    buckets: list[tuple[int, int, Any]],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    hidden: torch.Tensor,
+    pool: Any = None,
+) -> tuple[dict[int, torch.cuda.CUDAGraph], Any]:
+    """One graph per ``(key, num_tokens, metadata)`` bucket, largest first, all in one memory pool (``pool``, or a
+    new one): the model over the first ``num_tokens`` rows of the static buffers, into ``hidden``."""
+    # Tensor parallel: the warm-up's collectives leave work that NCCL's watchdog thread polls with event
+    # queries, which a process-wide ("global") capture forbids from any thread; capture in this thread's
+    # mode only, after the warm-up has finished on the device. Every rank captures the same sizes in the
+    # same order, so the collectives inside the graphs pair up when the ranks replay the same step.
+    distributed = get_tp_size() > 1
+    mode = "thread_local" if distributed else "global"
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    for key, n, metadata in buckets:
+        with forward_context(backend, metadata):
+            hidden[:n] = model(input_ids[:n], positions[:n])  # warm-up
+            if distributed:
+                torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool, capture_error_mode=mode):
+                hidden[:n] = model(input_ids[:n], positions[:n])
+        if pool is None:
+            pool = graph.pool()
+        graphs[key] = graph
+        torch.cuda.synchronize()
+    return graphs, pool
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -69,26 +111,10 @@ class CudaGraphDecoder:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        pool = None
-        # Tensor parallel: the warm-up's collectives leave work that NCCL's watchdog thread polls with event
-        # queries, which a process-wide ("global") capture forbids from any thread; capture in this thread's
-        # mode only, after the warm-up has finished on the device. Every rank captures the same sizes in the
-        # same order, so the collectives inside the graphs pair up when the ranks replay the same step.
-        distributed = get_tp_size() > 1
-        mode = "thread_local" if distributed else "global"
-        for bs in reversed(self.sizes):
-            metadata = self.backend.build_metadata(self.batch.head(bs))
-            with forward_context(self.backend, metadata):
-                self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up
-                if distributed:
-                    torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool, capture_error_mode=mode):
-                    self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
+        buckets = [(bs, bs, self.backend.build_metadata(self.batch.head(bs))) for bs in reversed(self.sizes)]
+        self.graphs, self.pool = capture_graphs(
+            self.model, self.backend, buckets, self.input_ids, self.positions, self.hidden
+        )
 
     def can_run(self, batch: AttentionBatch) -> bool:
         return batch.max_query_len == 1 and batch.num_seqs <= self.max_batch
@@ -108,3 +134,96 @@ class CudaGraphDecoder:
         self.graphs[bs].replay()
         self.num_replays += 1
         return self.hidden[:n]
+
+
+def mixed_token_sizes(max_tokens: int) -> list[int]:
+    """Token-count buckets of the mixed-step graphs: powers of two to 256, then every 128 up to ``max_tokens``."""
+    sizes = [t for t in (16, 32, 64, 128, 256) if t < max_tokens] + list(range(384, max_tokens + 1, 128))
+    if not sizes or sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
+    return sizes
+
+
+class MixedStepBuffers:
+    """The static inputs of the mixed-step graphs: ``max_seqs`` sequence rows and ``max_tokens`` tokens, and how
+    a step is copied into them (device-agnostic: the CPU tests run the kernels on them in Triton's interpreter)."""
+
+    def __init__(self, max_seqs: int, max_tokens: int, max_model_len: int, block_size: int, device: torch.device):
+        self.sizes = mixed_token_sizes(max_tokens)
+        self.max_tokens = self.sizes[-1]
+        self.max_seqs = max_seqs
+        self.max_blocks = -(-max_model_len // block_size)
+        n = self.max_tokens
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        # every row and token is padding until a step copies its own in: no sequence owns a token
+        self.batch = AttentionBatch.build(
+            query_start_loc=[0] * (max_seqs + 1),
+            seq_lens=[0] * max_seqs,
+            block_tables=torch.zeros((max_seqs, self.max_blocks), dtype=torch.int32, device=device),
+            slot_mapping=[-1] * n,
+            block_size=block_size,
+            device=device,
+            max_query_len=n,
+            max_seq_len=max_model_len,
+        )
+
+    def bucket(self, num_tokens: int) -> AttentionBatch:
+        """The static batch of the ``num_tokens`` bucket: every sequence row, the first ``num_tokens`` slots."""
+        slots = self.batch.slot_mapping[:num_tokens]
+        return dataclasses.replace(self.batch, slot_mapping=slots, num_tokens=num_tokens, max_query_len=num_tokens)
+
+    def can_run(self, batch: AttentionBatch) -> bool:
+        return (
+            batch.max_query_len > 1
+            and batch.num_tokens <= self.max_tokens
+            and batch.num_seqs <= self.max_seqs
+            and batch.block_tables.size(1) <= self.max_blocks
+        )
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> int:
+        """Copy the step into the static buffers, padding up to its bucket; returns the bucket (no sync)."""
+        n, rows = batch.num_tokens, batch.num_seqs
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        static = self.batch
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        static.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+        static.slot_mapping[n:size].fill_(-1)
+        static.query_start_loc[: rows + 1].copy_(batch.query_start_loc, non_blocking=True)
+        static.query_start_loc[rows + 1 :].fill_(n)
+        static.seq_lens[:rows].copy_(batch.seq_lens, non_blocking=True)
+        static.seq_lens[rows:].zero_()
+        static.block_tables[:rows, : batch.block_tables.size(1)].copy_(batch.block_tables, non_blocking=True)
+        return size
+
+
+class CudaGraphMixed(MixedStepBuffers):
+    """Steps with prompt tokens of up to ``max_tokens`` tokens over up to ``max_seqs`` sequences, from graphs."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        max_seqs: int,
+        max_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pool: Any = None,
+    ) -> None:
+        super().__init__(max_seqs, max_tokens, max_model_len, block_size, device)
+        self.hidden = torch.zeros((self.max_tokens, hidden_size), dtype=dtype, device=device)
+        self.num_replays = 0  # steps run from a graph (tests and benchmarks read it)
+        with torch.inference_mode():
+            buckets = [(t, t, backend.build_graph_metadata(self.bucket(t))) for t in reversed(self.sizes)]
+            self.graphs, self.pool = capture_graphs(
+                model, backend, buckets, self.input_ids, self.positions, self.hidden, pool
+            )
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        self.graphs[self.load(input_ids, positions, batch)].replay()
+        self.num_replays += 1
+        return self.hidden[: batch.num_tokens]

@@ -284,8 +284,8 @@ class LLMEngine(EngineCore):
 
     def stats(self) -> EngineStats:
         stats = super().stats()
-        graphs = self.runner.graphs
-        stats.num_cuda_graph_steps = graphs.num_replays if graphs is not None else 0
+        runner = self.runner
+        stats.num_cuda_graph_steps = sum(g.num_replays for g in (runner.graphs, runner.mixed_graphs) if g is not None)
         return stats
 
     def shutdown(self) -> None:

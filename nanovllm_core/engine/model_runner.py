@@ -15,7 +15,7 @@ from torch import nn
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.distributed import all_reduce, broadcast_from_first, get_tp_rank
-from nanovllm_core.engine.cuda_graph import CudaGraphDecoder
+from nanovllm_core.engine.cuda_graph import CudaGraphDecoder, CudaGraphMixed
 from nanovllm_core.engine.options import instantiate
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.forward_context import forward_context
@@ -406,6 +406,28 @@ class ModelRunner:
                 dtype=dtype,
                 device=device,
             )
+        self.mixed_graphs: CudaGraphMixed | None = None
+        mixed_tokens = min(config.cuda_graph_max_mixed_tokens, config.max_num_batched_tokens)
+        if self.graphs is not None and mixed_tokens > 1 and backend_cls.supports_cuda_graph_mixed:
+            started = time.perf_counter()
+            self.mixed_graphs = CudaGraphMixed(
+                self.model,
+                self.backend,
+                max_seqs=self.graphs.max_batch,
+                max_tokens=mixed_tokens,
+                max_model_len=self.max_model_len,
+                block_size=self.block_size,
+                hidden_size=hf_config.hidden_size,
+                dtype=dtype,
+                device=device,
+                pool=self.graphs.pool,
+            )
+            logger.info(
+                "captured %d CUDA graphs for steps with prompt tokens (up to %d tokens) in %.1f s",
+                len(self.mixed_graphs.sizes),
+                self.mixed_graphs.max_tokens,
+                time.perf_counter() - started,
+            )
         self.host_prepare_s = 0.0
         self.num_steps = 0
         self.on_step: Callable[[HostBatch], None] | None = None  # tensor parallel: tell the workers
@@ -521,9 +543,10 @@ class ModelRunner:
 
     def _forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The model over the step's tokens: (logits of the tokens that sample, hidden states of every token)."""
-        if self.graphs is not None and self.graphs.can_run(inputs.attention):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attention)
-            return self.model.compute_logits(hidden[inputs.logits_indices]), hidden
+        for graphs in (self.graphs, self.mixed_graphs):
+            if graphs is not None and graphs.can_run(inputs.attention):
+                hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attention)
+                return self.model.compute_logits(hidden[inputs.logits_indices]), hidden
         metadata = self.backend.build_metadata(inputs.attention)
         with forward_context(self.backend, metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
@@ -615,15 +638,15 @@ class ModelRunner:
         return self.launch(batch).tokens()
 
     def release_cuda_graphs(self) -> None:
-        """Drop the captured decode graphs once the device is idle. Under tensor parallelism this comes before
+        """Drop the captured graphs once the device is idle. Under tensor parallelism this comes before
         leaving the NCCL group: the abort of a communicator whose collectives live on in captured graphs hangs
         (pytorch/pytorch#115388; seen on two H200s as both ranks stuck in the abort). Best effort: on a failed
         device it logs why and returns, and shutdown goes on."""
-        if self.graphs is None:
+        if self.graphs is None and self.mixed_graphs is None:
             return
         try:
             torch.cuda.synchronize(self.device)
-            self.graphs = None
+            self.graphs = self.mixed_graphs = None
             gc.collect()  # a reference cycle may hold a graph: its executable goes with it
             torch.cuda.synchronize(self.device)
         except Exception:  # noqa: BLE001 - a failed device or worker: leaving the group goes on regardless

@@ -60,7 +60,8 @@ class EngineStatsCollector(Collector):
             ("generation_tokens", "Tokens generated.", s.num_generation_tokens),
             (
                 "cuda_graph_steps",
-                "Engine steps replayed from CUDA graphs (pure decode); the other steps ran eagerly.",
+                "Engine steps replayed from CUDA graphs (decode steps, and steps with prompt tokens up to "
+                "cuda_graph_max_mixed_tokens); the other steps ran eagerly.",
                 s.num_cuda_graph_steps,
             ),
         ]

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from nanovllm_core.engine.cuda_graph import MixedStepBuffers
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.engine.options import instantiate
 from nanovllm_core.errors import InvalidRequestError, ModelLoadError
@@ -694,7 +695,9 @@ class AttentionBackendConformance:
 
     Three steps over six sequences of a paged cache with shuffled blocks and two layers: prompts only, then
     prompt chunks over cached context beside decode tokens and a new prompt, then decode only. Every output
-    is compared with :func:`dense_attention`. Skipped where ``check_available`` says the backend cannot run.
+    is compared with :func:`dense_attention`; a backend with ``supports_cuda_graph_mixed`` runs the steps with
+    prompt tokens a second time through a CUDA graph's padded static batch. Skipped where ``check_available``
+    says the backend cannot run.
     """
 
     backend_cls: ClassVar[type[AttentionBackend]]
@@ -730,6 +733,18 @@ class AttentionBackendConformance:
 
     @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
     def test_ragged_batches_match_dense_attention(self, num_heads: int, num_kv_heads: int) -> None:
+        self._check_ragged_batches(num_heads, num_kv_heads, graph_buffers=False)
+
+    @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+    def test_graph_batches_match_dense_attention(self, num_heads: int, num_kv_heads: int) -> None:
+        """Backends with ``supports_cuda_graph_mixed``: the steps with prompt tokens go through the static batch
+        a captured graph replays (``MixedStepBuffers``: padding rows, tokens owned by no sequence holding NaN,
+        metadata from ``build_graph_metadata``), as the model runner's graphs do."""
+        if not self.backend_cls.supports_cuda_graph_mixed:
+            pytest.skip(f"{self.backend_cls.__name__} does not capture steps with prompt tokens")
+        self._check_ragged_batches(num_heads, num_kv_heads, graph_buffers=True)
+
+    def _check_ragged_batches(self, num_heads: int, num_kv_heads: int, graph_buffers: bool) -> None:
         device, bs = self._setup()
         d, dtype, num_layers = self.head_dim, self.dtype, 2
         # Positions that each sequence has computed after steps 0, 1, 2, 3.
@@ -763,14 +778,26 @@ class AttentionBackendConformance:
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=d, scale=scale, block_size=bs, dtype=dtype,
             device=device, **self.backend_options,
         )
+        step_tokens = [sum(plan[step + 1] - plan[step] for plan in plans) for step in range(3)]
+        buffers = MixedStepBuffers(len(plans) + 2, max(step_tokens) + 5, max(lengths) + bs, bs, device)
         for step in range(3):
             rows = [(i, plan[step], plan[step + 1]) for i, plan in enumerate(plans) if plan[step + 1] > plan[step]]
             batch = AttentionBatch.from_spans([tables[i] for i, _, _ in rows], [(s, e) for _, s, e in rows], bs, device)
-            metadata = backend.build_metadata(batch)
+            padded = graph_buffers and buffers.can_run(batch)
+            if padded:
+                no_ids = torch.zeros(batch.num_tokens, dtype=torch.int64, device=device)
+                size = buffers.load(no_ids, no_ids, batch)
+                metadata = backend.build_graph_metadata(buffers.bucket(size))
+            else:
+                metadata = backend.build_metadata(batch)
             for layer in range(num_layers):
                 qs, ks, vs = ([x[layer][i][s:e] for i, s, e in rows] for x in (q, k, v))
                 qkv = [torch.cat(x).to(device) for x in (qs, ks, vs)]
+                if padded:  # the bucket's tokens past the step's: owned by no sequence, never stored or read
+                    qkv = [torch.cat([x, x.new_full((size - len(x), *x.shape[1:]), torch.nan)]) for x in qkv]
                 out = backend.forward(*qkv, caches[layer], metadata)
+                if padded:
+                    out = out[: batch.num_tokens]
                 assert out.shape == (batch.num_tokens, num_heads, d), f"output shape {tuple(out.shape)}"
                 offset = 0
                 for i, s, e in rows:

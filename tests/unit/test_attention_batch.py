@@ -101,3 +101,30 @@ def test_cuda_graph_buckets_are_built_by_the_builder():
     hidden = graphs.run(torch.tensor([1, 2, 3], device=device), torch.tensor([4, 0, 9], device=device), step)
     assert hidden[:, 0].tolist() == [14.0, 20.0, 39.0]
     assert graphs.batch.seq_lens[:4].tolist() == [5, 1, 10, 0]  # the padding row of the 4-bucket attends nothing
+
+
+def test_mixed_step_buffers_pad_each_step_to_its_bucket():
+    """A step copied into the static batch of the mixed-step graphs: its rows and tokens, then padding rows (no
+    query token, no context) and tokens owned by no sequence (slot -1), whatever an earlier, larger step left."""
+    from nanovllm_core.engine.cuda_graph import MixedStepBuffers, mixed_token_sizes
+
+    assert mixed_token_sizes(2048)[:7] == [16, 32, 64, 128, 256, 384, 512] and mixed_token_sizes(2048)[-1] == 2048
+    assert mixed_token_sizes(100) == [16, 32, 64, 100] and mixed_token_sizes(8) == [8]
+    device = torch.device("cpu")
+    buffers = MixedStepBuffers(max_seqs=5, max_tokens=40, max_model_len=100, block_size=BLOCK, device=device)
+    big = AttentionBatch.from_spans([[1, 2], [3], [4], [5]], [(0, 20), (0, 1), (4, 9), (9, 10)], BLOCK, device)
+    assert buffers.can_run(big) and buffers.load(torch.arange(27), torch.arange(27), big) == 32
+    step = AttentionBatch.from_spans([[6], [7]], [(3, 4), (0, 6)], BLOCK, device)
+    assert buffers.can_run(step)
+    assert buffers.load(torch.arange(7) + 100, torch.arange(7), step) == 16
+    static = buffers.bucket(16)
+    assert (static.num_tokens, static.num_seqs, static.max_query_len) == (16, 5, 16)
+    assert static.query_start_loc.tolist() == [0, 1, 7, 7, 7, 7]
+    assert static.seq_lens.tolist() == [4, 6, 0, 0, 0]
+    assert static.slot_mapping.tolist() == step.slot_mapping.tolist() + [-1] * 9
+    assert static.block_tables[:2, 0].tolist() == [6, 7]
+    assert buffers.input_ids[:7].tolist() == list(range(100, 107))
+    decode = AttentionBatch.from_spans([[1]], [(3, 4)], BLOCK, device)
+    too_many = AttentionBatch.from_spans([[1]] * 6, [(0, 2)] * 6, BLOCK, device)
+    too_long = AttentionBatch.from_spans([[1, 2, 3]], [(0, 41)], BLOCK, device)
+    assert not any(buffers.can_run(b) for b in (decode, too_many, too_long))

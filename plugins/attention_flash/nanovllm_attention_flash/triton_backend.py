@@ -68,6 +68,7 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
     name = "triton"
     priority = 30  # the fastest end to end on an H200 (docs/benchmarks.md), so `auto` takes it first
     supports_cuda_graph = True
+    supports_cuda_graph_mixed = True  # both kernels' grids follow from num_tokens and num_seqs alone
 
     class Options(BaseModel):
         """``[plugins] attention_options`` understood by this backend (all optional; for tuning)."""
@@ -181,6 +182,12 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
         qsl = batch.query_start_loc_cpu
         single = sum(1 for a, b in zip(qsl, qsl[1:]) if b - a == 1) if qsl else 0
         return TritonMetadata(batch, False, self._num_splits(single, batch) if single else 1, single)
+
+    def build_graph_metadata(self, batch: AttentionBatch) -> TritonMetadata:
+        """A captured step with prompt tokens: the prefill kernel over every row (padding rows have no query
+        token and exit), the decode kernel beside it for the rows with one query token, its split count fixed
+        by the row count."""
+        return TritonMetadata(batch, False, self._num_splits(batch.num_seqs, batch), batch.num_seqs)
 
     def warmup(self, kv_cache: torch.Tensor) -> None:
         """Compile and load every kernel variant ``forward`` can launch on caches like ``kv_cache`` (one layer's),
