@@ -6,8 +6,9 @@
 A decode step multiplies ``rows`` activations (one per running sequence) by every weight matrix once: at small
 ``rows`` the step should stream the weights at the copy rate. For each projection of the shape (``qkv``, ``o``,
 ``gate_up``, ``down`` and ``lm_head``, as the engine's fused layers hold them, unsharded) and each row count this
-times ``F.linear`` in bf16 (CUDA events, the mean of ``--iters`` calls after a warm-up, the median of 5 such runs;
-each call takes the next of enough copies of the matrix to outgrow the L2 cache, as the layers of a step do)
+times ``F.linear`` in bf16 (``--iters`` calls captured in a CUDA graph, as the engine replays a decode step; CUDA
+events around 5 replays, the median per call; each call takes the next of enough copies of the matrix to outgrow
+the L2 cache, as the layers of a step do)
 and reports microseconds, TFLOP/s and the weights' read rate in TB/s against the device's copy rate (the
 ``nanovllm bench`` bound's). ``--blas`` names PyTorch's BLAS back-ends to compare
 (``torch.backends.cuda.preferred_blas_library``). The one-GPU issue puts the 0.6B step's small-M GEMMs at about
@@ -50,23 +51,35 @@ def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 def time_linear(x: torch.Tensor, weights: list[torch.Tensor], iters: int) -> float:
     """Seconds per ``F.linear(x, w)``, ``w`` taken in turn from ``weights`` (copies of one matrix that together
-    outgrow the L2 cache, as a step's layers do: each call reads its weights from DRAM, not from L2)."""
-    for w in weights[:3]:
-        F.linear(x, w)
+    outgrow the L2 cache, as a step's layers do: each call reads its weights from DRAM, not from L2).
+
+    On CUDA the ``iters`` calls are captured in one CUDA graph and the replays are timed, as the engine's decode
+    steps run them: launched back to back from Python, a GEMM of a few microseconds waits on its launch."""
+
+    def calls() -> None:
+        for i in range(iters):
+            F.linear(x, weights[i % len(weights)])
+
     runs = []
-    for _ in range(5):
-        if x.is_cuda:
+    if x.is_cuda:
+        calls()  # warm-up: cuBLAS picks its kernels and workspace outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+        graph.replay()
+        for _ in range(5):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for i in range(iters):
-                F.linear(x, weights[i % len(weights)])
+            graph.replay()
             end.record()
             torch.cuda.synchronize()
             runs.append(start.elapsed_time(end) / 1e3 / iters)
-        else:
+    else:
+        calls()
+        for _ in range(5):
             t0 = time.perf_counter()
-            for i in range(iters):
-                F.linear(x, weights[i % len(weights)])
+            calls()
             runs.append((time.perf_counter() - t0) / iters)
     return statistics.median(runs)
 

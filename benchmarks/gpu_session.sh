@@ -103,15 +103,29 @@ case "${1:?phase}" in
     rate_lanes "${RATES:?30/50/70/90% of saturation}" fifo "mixed --scheduler mixed --max-num-batched-tokens 2048"
     pack
     ;;
-  r7-c)  # round 7, one H200: priority (2,048-token steps, two classes) after an idle run, at $RATES; the decode GEMMs
-    TAIL=3 step gemm_qwen3-0.6b 90 python benchmarks/decode_gemm.py --shape qwen3-0.6b --json "$OUT/gemm_qwen3-0.6b.json"
-    TAIL=3 step gemm_qwen3-8b 90 python benchmarks/decode_gemm.py --shape qwen3-8b --json "$OUT/gemm_qwen3-8b.json"
+  r7-c)  # round 7, one H200 (about 7 minutes): the decode GEMMs (graph-timed); fifo, mixed and priority offline back
+    # to back; priority (two classes, 2,048-token steps) after an idle run at $RATES; then the nano-vllm workload's
+    # long prompts arriving at $NANO_RATE req/s (70% of its all-at-once rate) through fifo and mixed
+    for shape in qwen3-0.6b qwen3-8b; do
+      TAIL=3 step "gemm_$shape" 90 python benchmarks/decode_gemm.py --shape "$shape" --json "$OUT/gemm_$shape.json"
+    done
+    TAIL=4 bench fifo --attention triton --runs 2 --warmup-prompts 1
+    TAIL=4 bench mixed_2048 --attention triton --scheduler mixed --max-num-batched-tokens 2048 --runs 2 --warmup-prompts 1
+    TAIL=4 bench priority_2048 --attention triton --scheduler priority --max-num-batched-tokens 2048 --runs 2 \
+      --warmup-prompts 1
     serve_start priority --scheduler priority --max-num-batched-tokens 2048
-    TAIL=3 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 --request-rate 2 --priorities 0,1
-    BENCH_LIMIT=150 TAIL=3 serve_bench priority_rates --dataset sharegpt-synth --num-prompts 1000 --rates "$RATES" \
+    TAIL=2 serve_bench priority_idle --dataset sharegpt-synth --num-prompts 20 --request-rate 2 --priorities 0,1
+    BENCH_LIMIT=150 TAIL=2 serve_bench priority_rates --dataset sharegpt-synth --num-prompts 1000 --rates "$RATES" \
       --priorities 0,1
     serve_stop
-    summarize "$OUT"/serve_priority_*.json
+    summarize "$OUT"/serve_priority_idle.json "$OUT"/serve_priority_rates.json
+    for lane in "fifo" "mixed --scheduler mixed --max-num-batched-tokens 2048"; do
+      set -- $lane; name=$1; shift
+      serve_start "$name" "$@" || continue
+      TAIL=2 serve_bench "${name}_nano_rate" --dataset nano --request-rate "${NANO_RATE:?req/s}"
+      serve_stop
+      summarize "$OUT/serve_${name}_nano_rate.json"
+    done
     pack
     ;;
   r7-a)  # round 7, one H200 (about 6 minutes): every fp8 GPU test (the byte-building store kernel), the offline
