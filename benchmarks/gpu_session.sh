@@ -103,6 +103,13 @@ case "${1:?phase}" in
     rate_lanes "${RATES:?30/50/70/90% of saturation}" fifo "mixed --scheduler mixed --max-num-batched-tokens 2048"
     pack
     ;;
+  r7-d)  # round 7, one H200 (about 5 minutes): the GPU tests the mixed-step graphs touch (engine parity, logprobs,
+    # sampling, the model plugin's kernels, the fp8 engine), then what the first generate compiles or allocates
+    TAIL=10 step gpu_tests 210 python -m pytest tests/gpu tests/engine/test_logprobs.py tests/unit/test_sampling_kernel.py \
+      plugins/models_qwen3/tests plugins/attention_flash/tests/test_gpu_fp8_engine.py -m gpu -q -rf -k "not tp2"
+    TAIL=30 step cold_paths 120 env TORCH_LOGS=recompiles python benchmarks/cold_paths.py --json "$OUT/cold_paths.json"
+    pack
+    ;;
   r7-c)  # round 7, one H200 (about 7 minutes): the decode GEMMs (graph-timed); fifo, mixed and priority offline back
     # to back; priority (two classes, 2,048-token steps) after an idle run at $RATES; then the nano-vllm workload's
     # long prompts arriving at $NANO_RATE req/s (70% of its all-at-once rate) through fifo and mixed
