@@ -428,6 +428,10 @@ class ModelRunner:
                 self.mixed_graphs.max_tokens,
                 time.perf_counter() - started,
             )
+        if device.type == "cuda":
+            with torch.inference_mode():
+                hidden = torch.zeros((1, hf_config.hidden_size), dtype=dtype, device=device)
+                self.sampler.warmup(self.model.compute_logits(hidden))
         self.host_prepare_s = 0.0
         self.num_steps = 0
         self.on_step: Callable[[HostBatch], None] | None = None  # tensor parallel: tell the workers

@@ -175,6 +175,14 @@ class Sampler:
         return sampled
 
     @staticmethod
+    def warmup(logits: torch.Tensor) -> None:
+        """Compile the sampling kernel's variants for logits like these (the model's) now, at start-up, instead
+        of in the first requests whose row counts need them."""
+        kernels = _sampling_kernel()
+        if logits.is_cuda and fused_enabled() and kernels is not None:
+            kernels.warmup(logits)
+
+    @staticmethod
     def _use_kernel(logits: torch.Tensor, batch: SamplingBatch) -> bool:
         return logits.is_cuda and fused_enabled() and kernel_eligible(batch) and _sampling_kernel() is not None
 

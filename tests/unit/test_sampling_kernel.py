@@ -222,3 +222,37 @@ def test_cuda_kernel():
     freqs = (out.cpu()[:, None] == buckets).double().mean(dim=0)
     stderr = (probs[buckets] * (1 - probs[buckets]) / 4096).sqrt()
     assert ((freqs - probs[buckets]).abs() < 5 * stderr).all(), (freqs, probs[buckets])
+
+
+def test_warmup_launches_each_split_bucket_once():
+    """``warmup`` runs one launch per power-of-two bucket of split counts (what the merge kernel is compiled for):
+    10 tiles of 4 logits give split counts 1, 2, 3, 4, 5, 10: buckets 1, 2, 4, 8, 16."""
+    from nanovllm_core.layers import sampling_kernel
+
+    assert sampling_kernel.warmup(torch.zeros(3, 40), block=4) == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_after_warmup_no_row_count_compiles_a_kernel(monkeypatch: pytest.MonkeyPatch):
+    """Every row count a step can have (1 to 600) samples with kernels the warm-up compiled (the first
+    ``generate`` on an H200 compiled four merge variants before this warm-up existed)."""
+    from triton.runtime.jit import JITFunction
+
+    from nanovllm_core.layers import sampling_kernel
+
+    logits = torch.randn(600, 151936, device="cuda", dtype=torch.bfloat16)
+    sampling_kernel.warmup(logits)
+    compiled = []
+    original = JITFunction._do_compile
+
+    def record(self, *args, **kwargs):
+        compiled.append(self.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", record)
+    temperatures = torch.ones(600, device="cuda")
+    for rows in range(1, 601):
+        sample_temperature(logits[:rows], temperatures[:rows], rows)
+    torch.cuda.synchronize()
+    assert compiled == []
