@@ -22,7 +22,7 @@ def free_port() -> int:
 
 def start(tiny_path, port: int, shutdown_timeout: float, *flags: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "nanovllm_core.cli", "serve", str(tiny_path), "--port", str(port), *flags]
-    cmd += ["--device", "cpu", "--max-model-len", "512", "--kvcache-block-size", "16", "--num-kvcache-blocks", "64"]
+    cmd += ["--device", "cpu", "--max-model-len", "1024", "--kvcache-block-size", "16", "--num-kvcache-blocks", "64"]
     cmd += ["--shutdown-timeout", str(shutdown_timeout), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 90
@@ -61,8 +61,9 @@ def stream_after_signal(port: int, proc: subprocess.Popen, sig: int, max_tokens:
     ("sig", "shutdown_timeout", "max_tokens", "finishes", "flags"),
     [
         (signal.SIGTERM, 30, 40, True, ()),
-        (signal.SIGINT, 0.5, 480, False, ()),
-        (signal.SIGTERM, 0.5, 480, False, ("--no-engine-process",)),
+        # 1,000 tokens: more than the tiny model streams within the 0.5 s deadline on a 2-core CPU (480 was not)
+        (signal.SIGINT, 0.5, 1000, False, ()),
+        (signal.SIGTERM, 0.5, 1000, False, ("--no-engine-process",)),
     ],
     ids=["sigterm-drains", "sigint-aborts-at-deadline", "thread-sigterm-aborts"],
 )
