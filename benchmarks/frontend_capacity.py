@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from nanovllm_core.gc_heap import GCPauses, freeze_startup_heap
 from nanovllm_core.testing.scripted import build_scripted_engine
 
 
@@ -65,11 +66,13 @@ async def serve_and_measure(args: argparse.Namespace, model: str) -> dict[str, A
     client += ["--dataset", "nano", "--num-prompts", str(args.num_prompts), "--request-rate", "inf"]
     client += ["--max-input-len", str(args.max_len), "--max-output-len", str(args.max_len), "--warmup", "0"]
     client += ["--result-file", str(result_file)]
+    freeze_startup_heap()  # as `nanovllm serve` does once it is up
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
     client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     account_before = engine.account
-    process = await asyncio.create_subprocess_exec(*client, stdout=subprocess.DEVNULL)
-    await process.wait()
+    with GCPauses() as pauses:
+        process = await asyncio.create_subprocess_exec(*client, stdout=subprocess.DEVNULL)
+        await process.wait()
     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
     client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     account = engine.account
@@ -90,6 +93,8 @@ async def serve_and_measure(args: argparse.Namespace, model: str) -> dict[str, A
         "engine_alone_tok_per_s": tokens / (steps * args.step_ms / 1000) if steps else 0.0,
         "frontend_cpu_us_per_token": 1e6 * cpu / tokens if tokens else 0.0,
         "client_cpu_us_per_token": 1e6 * client_cpu / tokens if tokens else 0.0,
+        "frontend_gc": pauses.summary(),
+        "frontend_gc_s": sum(pauses.seconds),
         "emit_ms_per_step": 1000 * (account.emit_seconds - account_before.emit_seconds) / steps if steps else 0.0,
         "median_tpot_ms": summary["median_tpot_ms"],
         "median_ttft_ms": summary["median_ttft_ms"],
@@ -150,7 +155,7 @@ def main() -> None:
         f"{result['client_cpu_us_per_token']:.1f} us/token; engine handing outputs over "
         f"{result['emit_ms_per_step']:.2f} ms/step; TTFT p50 {result['median_ttft_ms']:.0f} ms, p99 "
         f"{result['p99_ttft_ms']:.0f} ms; TPOT p50 {result['median_tpot_ms']:.1f} ms, ITL p99 "
-        f"{result['p99_itl_ms']:.1f} ms"
+        f"{result['p99_itl_ms']:.1f} ms; front-end garbage collection: {result['frontend_gc']}"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -19,16 +19,17 @@ SCRIPT = textwrap.dedent(
     frozen = freeze_startup_heap()
     after = time.perf_counter(); gc.collect(); after = time.perf_counter() - after
     assert frozen > 10_000 and gc.get_freeze_count() == frozen, frozen
+    assert gc.get_threshold()[0] == 10_000  # the youngest generation collected less often
 
     class Node:
         pass
 
-    a, b = Node(), Node()  # garbage made after the freeze is still collected
+    a, b = Node(), Node()  # garbage made after the freeze is still collected (also without an explicit collect)
     a.other, b.other = b, a
     gone = weakref.ref(a)
     del a, b
-    gc.collect()
-    assert gone() is None
+    kept = [[] for _ in range(12_000)]  # net allocations past the young threshold: a collection frees the cycle
+    assert gone() is None and len(kept) == 12_000
     print(f"{frozen} {full * 1e3:.1f} {after * 1e3:.1f}")
     """
 )
