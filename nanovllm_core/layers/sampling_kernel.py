@@ -237,7 +237,6 @@ def sample_temperature(
     return out
 
 
-
 def warmup(logits: torch.Tensor, *, block: int = 4096) -> int:
     """Compile every variant ``sample_temperature`` can launch on logits like ``logits`` (``[rows, vocab]``, the
     model's: dtype and vocabulary matter): one split and each power-of-two bucket of split counts the merge kernel
