@@ -12,9 +12,11 @@ Run it with ``TORCH_LOGS=recompiles`` to see torch.compile recompilations too (t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -55,18 +57,24 @@ class Phases:
         entry = self.report[self.name]
         entry["new_segments"] = _segments() - entry.pop("segments_before")
 
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
 
 def _segments() -> int:
     return torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0
 
 
-def watch_triton(phases: Phases) -> bool:
-    """Log every Triton JIT compilation into ``phases``; False where this Triton has no hook for it."""
+@contextlib.contextmanager
+def watch_triton(phases: Phases) -> Iterator[bool]:
+    """Log every Triton JIT compilation into ``phases`` while inside; yields False where this Triton has no hook."""
     from triton.runtime.jit import JITFunction
 
     original = getattr(JITFunction, "_do_compile", None)
     if original is None:
-        return False
+        yield False
+        return
 
     def logged(self, *args, **kwargs):
         start = time.perf_counter()
@@ -75,7 +83,10 @@ def watch_triton(phases: Phases) -> bool:
         return kernel
 
     JITFunction._do_compile = logged
-    return True
+    try:
+        yield True
+    finally:
+        JITFunction._do_compile = original
 
 
 def timed_steps(llm: Any) -> list[float]:
@@ -100,33 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="triton")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
-    from nanovllm_core import LLM, SamplingParams
 
     phases = Phases()
-    hooked = watch_triton(phases)
-    cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if cuda else torch.float32
-    prompts, max_tokens = workload(256, 1024, 1024) if cuda else workload(4, 100, 100)  # CPU: a check of the script
-    llm = LLM(str(random_checkpoint(args.shape, dtype)), max_model_len=4096, plugins={"attention": args.attention})
-    vocab = llm.hf_config.vocab_size
-    phases.start("warm-up")
-    warm = SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True)
-    llm.generate([[(t + 1000) % vocab for t in prompts[0]]], warm, use_tqdm=False)
-    durations = timed_steps(llm)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
-    for run in range(args.runs):
-        phases.start(f"run {run + 1}")
-        durations.clear()
-        start = time.perf_counter()
-        outputs = llm.generate([[(t + run) % vocab for t in p] for p in prompts], params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        slowest = sorted(range(len(durations)), key=durations.__getitem__, reverse=True)[:8]
-        phases.report[phases.name].update(
-            seconds=round(elapsed, 3), tok_per_s=round(tokens / elapsed), steps=len(durations),
-            slowest_steps=[{"step": i, "ms": round(1e3 * durations[i], 2)} for i in slowest],
-        )  # fmt: skip
-    phases.end()
+    try:
+        with watch_triton(phases) as hooked:
+            run(args, phases)
+    finally:
+        phases.close()
     report = {"shape": args.shape, "triton_compiles_watched": hooked, "phases": phases.report}
     for name, entry in phases.report.items():
         compiles = entry["compiles"]
@@ -142,6 +133,36 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def run(args: argparse.Namespace, phases: Phases) -> None:
+    """The start-up, the warm-up and the timed runs, each in its phase."""
+    from nanovllm_core import LLM, SamplingParams
+
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    prompts, max_tokens = workload(256, 1024, 1024) if cuda else workload(4, 100, 100)  # CPU: a check of the script
+    llm = LLM(str(random_checkpoint(args.shape, dtype)), max_model_len=4096, plugins={"attention": args.attention})
+    vocab = llm.hf_config.vocab_size
+    phases.start("warm-up")
+    warm = SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True)
+    llm.generate([[(t + 1000) % vocab for t in prompts[0]]], warm, use_tqdm=False)
+    durations = timed_steps(llm)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    for index in range(args.runs):
+        phases.start(f"run {index + 1}")
+        durations.clear()
+        start = time.perf_counter()
+        outputs = llm.generate([[(t + index) % vocab for t in p] for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        slowest = sorted(range(len(durations)), key=durations.__getitem__, reverse=True)[:8]
+        phases.report[phases.name].update(
+            seconds=round(elapsed, 3), tok_per_s=round(tokens / elapsed), steps=len(durations),
+            slowest_steps=[{"step": i, "ms": round(1e3 * durations[i], 2)} for i in slowest],
+        )  # fmt: skip
+    phases.end()
+    llm.shutdown()
 
 
 if __name__ == "__main__":
