@@ -220,11 +220,18 @@ class LLMEngine(EngineCore):
         collect_start = time.perf_counter()
         gc.collect()
         collect_s = time.perf_counter() - collect_start
+        runner = self.runner
+        graphs = ""
+        if runner.graphs is not None:
+            graphs = f", {len(runner.graphs.sizes)} CUDA graphs of decode steps"
+            if runner.mixed_graphs is not None:
+                graphs += f" and {len(runner.mixed_graphs.sizes)} of steps with prompt tokens"
+            graphs += f" ({runner.graph_capture_s:.1f} s)"
         logger.info(
             "start-up took %.1f s: weights, KV cache%s, a %.1f s warm-up that compiled the kernels for prompt "
             "chunks, decode steps and sampling, and a %.2f s garbage collection",
             time.perf_counter() - started,
-            " and CUDA graphs" if self.runner.graphs is not None else "",
+            graphs,
             warmup_s,
             collect_s,
         )

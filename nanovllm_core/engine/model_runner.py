@@ -395,6 +395,7 @@ class ModelRunner:
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.backend.warmup(self.attention_layers[0].kv_cache)  # compile every attention kernel variant now
         self.graphs: CudaGraphDecoder | None = None
+        started = time.perf_counter()
         if device.type == "cuda" and not config.enforce_eager and backend_cls.supports_cuda_graph:
             self.graphs = CudaGraphDecoder(
                 self.model,
@@ -409,7 +410,6 @@ class ModelRunner:
         self.mixed_graphs: CudaGraphMixed | None = None
         mixed_tokens = min(config.cuda_graph_max_mixed_tokens, config.max_num_batched_tokens)
         if self.graphs is not None and mixed_tokens > 1 and backend_cls.supports_cuda_graph_mixed:
-            started = time.perf_counter()
             self.mixed_graphs = CudaGraphMixed(
                 self.model,
                 self.backend,
@@ -422,12 +422,7 @@ class ModelRunner:
                 device=device,
                 pool=self.graphs.pool,
             )
-            logger.info(
-                "captured %d CUDA graphs for steps with prompt tokens (up to %d tokens) in %.1f s",
-                len(self.mixed_graphs.sizes),
-                self.mixed_graphs.max_tokens,
-                time.perf_counter() - started,
-            )
+        self.graph_capture_s = time.perf_counter() - started
         if device.type == "cuda":
             with torch.inference_mode():
                 hidden = torch.zeros((1, hf_config.hidden_size), dtype=dtype, device=device)
