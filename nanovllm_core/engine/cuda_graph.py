@@ -105,16 +105,12 @@ class CudaGraphDecoder:
             max_query_len=1,
             max_seq_len=max_model_len,
         )
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0  # decode steps run from a graph (tests and benchmarks read it)
-        self._capture()
-
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        buckets = [(bs, bs, self.backend.build_metadata(self.batch.head(bs))) for bs in reversed(self.sizes)]
-        self.graphs, self.pool = capture_graphs(
-            self.model, self.backend, buckets, self.input_ids, self.positions, self.hidden
-        )
+        with torch.inference_mode():
+            buckets = [(bs, bs, backend.build_metadata(self.batch.head(bs))) for bs in reversed(self.sizes)]
+            self.graphs, self.pool = capture_graphs(
+                model, backend, buckets, self.input_ids, self.positions, self.hidden
+            )
 
     def can_run(self, batch: AttentionBatch) -> bool:
         return batch.max_query_len == 1 and batch.num_seqs <= self.max_batch

@@ -162,16 +162,21 @@ def test_flags_are_parsed_into_their_types_under_strict_validation(capsys: pytes
     assert "max_num_seqs = 64" in out and "enforce_eager = true" in out and "gpu_memory_utilization = 1.0" in out
 
 
-def test_decode_gemm_benchmark_reports_every_projection_and_row_count(tmp_path, capsys):
-    """benchmarks/decode_gemm.py on the CPU (on a GPU it is the measurement): one row per layer and batch size."""
+def load_benchmark(name: str):
+    """The module of ``benchmarks/NAME.py`` (the benchmarks are scripts, not a package)."""
     import importlib.util
-    import json
-    from pathlib import Path
 
-    script = Path(__file__).parents[2] / "benchmarks" / "decode_gemm.py"
-    spec = importlib.util.spec_from_file_location("decode_gemm", script)
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_gemm_benchmark_reports_every_projection_and_row_count(tmp_path, capsys):
+    """benchmarks/decode_gemm.py on the CPU (on a GPU it is the measurement): one row per layer and batch size."""
+    import json
+
+    module = load_benchmark("decode_gemm")
     out = tmp_path / "gemm.json"
     assert module.main(["--shape", "tiny", "--rows", "1,8", "--iters", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -186,14 +191,9 @@ def test_decode_gemm_benchmark_reports_every_projection_and_row_count(tmp_path, 
 def test_cold_paths_benchmark_reports_each_phase(tmp_path, capsys):
     """benchmarks/cold_paths.py on the CPU (on a GPU it is the measurement): start-up, warm-up and each run, with
     their compilations, GC pauses and slowest steps."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    script = Path(__file__).parents[2] / "benchmarks" / "cold_paths.py"
-    spec = importlib.util.spec_from_file_location("cold_paths", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("cold_paths")
     out = tmp_path / "cold.json"
     assert module.main(["--shape", "tiny", "--attention", "torch", "--runs", "2", "--json", str(out)]) == 0
     phases = json.loads(out.read_text())["phases"]
