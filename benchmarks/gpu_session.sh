@@ -42,8 +42,34 @@ serve_bench() {  # serve_bench NAME ARGS...: `nanovllm bench serve` against the 
     --result-file "$OUT/serve_$name.json" "$@"
   # the server's own account after the run (step-loop busy / emit seconds, front-end CPU): where the time went
   python -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:${PORT:-8000}/metrics').read().decode())" \
-    | grep -E "^(nanovllm:step_loop|process_cpu|nanovllm:generation_tokens|nanovllm:frontend_event_loop_lag|nanovllm:cuda_graph_steps)" \
+    | grep -E "^(nanovllm:step_loop|process_cpu|nanovllm:generation_tokens|nanovllm:frontend_event_loop_lag|nanovllm:cuda_graph_steps|nanovllm:request_(queue|prefill|intake)_time|nanovllm:output_delivery_lag|nanovllm:num_preemptions)" \
     > "$OUT/metrics_$name.txt"
+}
+stages() {  # stages NAME [BEFORE]: the mean request stages and hand-overs (ms) in the server's /metrics after
+  # serve_bench NAME, less those after serve_bench BEFORE (the same server's previous run: the metrics add up)
+  python - "$OUT/metrics_$1.txt" ${2:+"$OUT/metrics_$2.txt"} <<'PY'
+import re, sys
+def read(path):
+    values = {}
+    for line in open(path):
+        m = re.match(r"(nanovllm:[a-z_]+?)_(sum|count)\{[^}]*\} (\S+)", line)
+        if m:
+            values[(m[1], m[2])] = float(m[3])
+    return values
+after = read(sys.argv[1])
+before = read(sys.argv[2]) if len(sys.argv) > 2 else {}
+parts = []
+for name in ("request_intake_time", "request_queue_time", "request_prefill_time", "output_delivery_lag"):
+    key = f"nanovllm:{name}_seconds"
+    count = after.get((key, "count"), 0) - before.get((key, "count"), 0)
+    if count:
+        total = after[(key, "sum")] - before.get((key, "sum"), 0)
+        parts.append(f"{name} {1000 * total / count:.2f}")
+print(f"== {sys.argv[1].rsplit('/', 1)[-1]}: mean ms " + ", ".join(parts))
+PY
+}
+rate_of() {  # rate_of JSON FRACTION: FRACTION of the request throughput a `bench serve` all-at-once run measured
+  python -c "import json; print(f\"{$2 * json.load(open('$1'))['request_throughput']:.1f}\")"
 }
 pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth 1 -type f ! -name logs.tgz -delete); }
 fifo_serve_lane() {  # fifo_serve_lane N LIMIT: the fifo server all at once (nano-vllm's workload), its saturation
@@ -79,6 +105,9 @@ for path in sys.argv[1:]:
         print(f"{path.rsplit('/', 1)[-1]} rate {r['request_rate']}: {r['completed']} done in {r['duration']:.1f} s, "
               f"TTFT p50/p99 {r['median_ttft_ms']:.0f}/{r['p99_ttft_ms']:.0f} ms, ITL p50/p99 "
               f"{r['median_itl_ms']:.1f}/{r['p99_itl_ms']:.1f} ms, TPOT p50 {r['median_tpot_ms']:.2f} ms")
+        for p, c in r.get("by_priority", {}).items():
+            print(f"    priority {p}: TTFT p50/p99 {c['median_ttft_ms']:.1f}/{c['p99_ttft_ms']:.1f} ms, "
+                  f"ITL p50/p99 {c['median_itl_ms']:.1f}/{c['p99_itl_ms']:.1f} ms")
 PY
 }
 rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept at RATES, its metrics kept
@@ -94,6 +123,45 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r8-sched)  # round 8, one H200 (about 6 minutes): the policies on an engine-bound load. Long prompts (vLLM's random
+    # dataset, 2,250-3,750 prompt tokens, 192-320 output tokens) at 70% of fifo's all-at-once rate through fifo and
+    # mixed; priority (two classes) idle and at 70% load on the nano-vllm workload and on the long prompts; then
+    # sharegpt-synth at 70% through priority again. Each run's request stages from /metrics (one warm-up a server)
+    long=(--dataset random --random-input-len 3000 --random-output-len 256 --random-range-ratio 0.25)
+    serve_start fifo
+    TAIL=3 serve_bench fifo_long_sat "${long[@]}" --num-prompts 400 --request-rate inf
+    TAIL=3 serve_bench fifo_nano_sat --dataset nano --num-prompts 512 --request-rate inf --warmup 0
+    TAIL=3 serve_bench fifo_synth_sat --dataset sharegpt-synth --num-prompts 1000 --request-rate inf --warmup 0
+    LONG_RATE=$(rate_of "$OUT/serve_fifo_long_sat.json" 0.7); NANO_RATE=$(rate_of "$OUT/serve_fifo_nano_sat.json" 0.7)
+    SYNTH_RATE=$(rate_of "$OUT/serve_fifo_synth_sat.json" 0.7)
+    echo "== 70% rates: long $LONG_RATE, nano $NANO_RATE, sharegpt-synth $SYNTH_RATE req/s" | tee "$OUT/rates.txt"
+    TAIL=2 serve_bench fifo_long_70 "${long[@]}" --num-prompts 600 --request-rate "$LONG_RATE" --warmup 0
+    stages fifo_long_70 fifo_synth_sat
+    TAIL=2 serve_bench fifo_nano_70 --dataset nano --num-prompts 512 --request-rate "$NANO_RATE" --warmup 0
+    stages fifo_nano_70 fifo_long_70
+    serve_stop
+    serve_start mixed --scheduler mixed --max-num-batched-tokens 2048
+    TAIL=2 serve_bench mixed_long_70 "${long[@]}" --num-prompts 600 --request-rate "$LONG_RATE"
+    stages mixed_long_70
+    TAIL=2 serve_bench mixed_nano_70 --dataset nano --num-prompts 512 --request-rate "$NANO_RATE" --warmup 0
+    stages mixed_nano_70 mixed_long_70
+    serve_stop
+    serve_start priority --scheduler priority --max-num-batched-tokens 2048
+    TAIL=3 serve_bench priority_nano_idle --dataset nano --num-prompts 24 --request-rate 2 --priorities 0,1
+    TAIL=3 serve_bench priority_nano_70 --dataset nano --num-prompts 512 --request-rate "$NANO_RATE" --priorities 0,1 \
+      --warmup 0
+    stages priority_nano_70 priority_nano_idle
+    TAIL=3 serve_bench priority_long_idle "${long[@]}" --num-prompts 24 --request-rate 2 --priorities 0,1 --warmup 0
+    TAIL=3 serve_bench priority_long_70 "${long[@]}" --num-prompts 600 --request-rate "$LONG_RATE" --priorities 0,1 \
+      --warmup 0
+    stages priority_long_70 priority_long_idle
+    TAIL=3 serve_bench priority_synth_70 --dataset sharegpt-synth --num-prompts 1000 --request-rate "$SYNTH_RATE" \
+      --priorities 0,1 --warmup 0
+    stages priority_synth_70 priority_long_70
+    serve_stop
+    summarize "$OUT"/serve_*.json
+    pack
+    ;;
   r7-b)  # round 7, one H200 (about 8 minutes): the mixed-step CUDA graphs: their GPU tests, mixed offline
     # (2,048-token steps), then fifo and mixed (2,048-token steps) against rate at $RATES (30/50/70/90% of r7-a's
     # saturation), 1,000 sharegpt-synth requests per rate

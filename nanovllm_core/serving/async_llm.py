@@ -24,7 +24,7 @@ from nanovllm_core.engine.detokenizer import Decode, IncrementalDetokenizer, dec
 from nanovllm_core.engine.llm import data_parallel_size_of
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError, NanoVLLMError
-from nanovllm_core.outputs import CompletionOutput, RequestOutput
+from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.serving.step_loop import EngineProcess, EngineThread, LoopAccount
 
@@ -43,6 +43,13 @@ class OutputObserver(Protocol):
     def inter_token(self, seconds: float) -> None: ...
 
     def finished(self, seconds: float, finish_reason: str | None) -> None: ...
+
+    def stages(self, frontend_arrival: float, metrics: RequestMetrics) -> None:
+        """A finished request's engine timestamps, beside its arrival in the front-end (both ``time.monotonic()``,
+        one clock across processes)."""
+
+    def delivery_lag(self, seconds: float) -> None:
+        """How long a step's outputs took from the engine's hand-over to the front-end acting on them."""
 
 
 def merge_deltas(items: list[RequestOutput]) -> RequestOutput:
@@ -350,6 +357,8 @@ class AsyncLLM:
     def _deliver(self, results: list, outputs: list[RequestOutput], now: float, account: LoopAccount) -> None:
         """On the event loop: resolve the commands' futures, then hand each output to its stream."""
         self.account = account
+        if outputs and self.observer is not None:
+            self.observer.delivery_lag(time.monotonic() - now)
         for call_id, result, exc in results:
             future = self._calls.get(call_id) if call_id is not None else None
             if future is not None and not future.done():
@@ -385,6 +394,8 @@ class AsyncLLM:
             reasons = {c.finish_reason for c in out.outputs if c.finish_reason is not None}
             reason = "abort" if "abort" in reasons else (reasons.pop() if len(reasons) == 1 else "stop")
             self.observer.finished(now - stream.arrival, reason)
+            if out.metrics is not None:
+                self.observer.stages(stream.arrival, out.metrics)
 
     def _fail_all(self, exc: BaseException) -> None:
         self._dead = exc

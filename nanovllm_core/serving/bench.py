@@ -11,6 +11,9 @@ Workloads (token-id prompts, ``ignore_eos`` so every request produces exactly it
 - ``sharegpt-synth``: a synthetic ShareGPT-like length mix: prompt lengths LogNormal(ln 120, 1.1) and output
   lengths LogNormal(ln 140, 0.8), rounded and clipped to [4, 1024] (means about 220 and 190 tokens, a long
   tail, like the ShareGPT V3 conversations vLLM samples); token ids uniform in ``[0, --vocab-size)``.
+- ``random``: vLLM's random dataset: prompt and output lengths uniform in ``[len * (1 - r), len * (1 + r)]`` for
+  ``--random-input-len``, ``--random-output-len`` and ``--random-range-ratio`` ``r`` (1024, 128, 0: fixed
+  lengths), token ids uniform in ``[0, --vocab-size)``. Long prompts are where prefill scheduling shows.
 
 Arrivals are a Poisson process at ``--request-rate`` requests/s (``inf``: all at once); ``--rates 1,2,inf``
 runs the workload once per rate for a latency-vs-rate curve (``benchmarks/plot_serving.py`` draws it).
@@ -75,6 +78,25 @@ def synthetic_sharegpt(num_prompts: int, vocab_size: int, seed: int) -> list[Ben
     for _ in range(num_prompts):
         prompt_len, output_len = draw(SYNTH_PROMPT), draw(SYNTH_OUTPUT)
         requests.append(BenchRequest([rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
+    return requests
+
+
+def random_dataset(
+    num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int
+) -> list[BenchRequest]:
+    if input_len < 1 or output_len < 1:
+        raise ConfigError(f"--random-input-len {input_len} / --random-output-len {output_len}: at least 1 each")
+    if not 0 <= range_ratio < 1:
+        raise ConfigError(f"--random-range-ratio {range_ratio}: from 0 (fixed lengths) up to, not including, 1")
+    rng = random.Random(seed)
+
+    def draw(length: int) -> int:
+        return max(1, rng.randint(round(length * (1 - range_ratio)), round(length * (1 + range_ratio))))
+
+    requests = []
+    for _ in range(num_prompts):
+        prompt_len, out_len = draw(input_len), draw(output_len)
+        requests.append(BenchRequest([rng.randrange(vocab_size) for _ in range(prompt_len)], out_len))
     return requests
 
 
@@ -297,14 +319,21 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
     parser.add_argument("--served-model-name", dest="served_model", help="model name to send (default: none)")
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    parser.add_argument("--dataset", choices=["nano", "sharegpt-synth"], default="nano")
+    parser.add_argument("--dataset", choices=["nano", "sharegpt-synth", "random"], default="nano")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: inf)")
     parser.add_argument("--rates", help="comma-separated request rates, one run each (e.g. 2,4,8,inf)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     parser.add_argument("--max-input-len", type=int, default=1024, help="nano workload: longest prompt")
     parser.add_argument("--max-output-len", type=int, default=1024, help="nano workload: longest output")
-    parser.add_argument("--vocab-size", type=int, default=10000, help="sharegpt-synth: token ids are below this")
+    parser.add_argument("--random-input-len", type=int, default=1024, help="random: mean prompt length")
+    parser.add_argument("--random-output-len", type=int, default=128, help="random: mean output length")
+    parser.add_argument(
+        "--random-range-ratio", type=float, default=0.0, help="random: lengths vary by up to this fraction (0-1)"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=10000, help="sharegpt-synth, random: token ids are below this"
+    )
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic lengths and the arrivals")
     parser.add_argument("--warmup", type=int, default=32, help="warm-up requests before timing (0: none)")
@@ -331,6 +360,15 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-prompts {args.num_prompts}: at least 1")
     if args.dataset == "nano":
         requests = nano_workload(args.num_prompts, args.max_input_len, args.max_output_len)
+    elif args.dataset == "random":
+        requests = random_dataset(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.vocab_size,
+            args.seed,
+        )
     else:
         requests = synthetic_sharegpt(args.num_prompts, args.vocab_size, args.seed)
     if args.priorities:

@@ -3,9 +3,10 @@
 Engine state (running / waiting requests, KV-cache usage, prefix-cache hits, token and preemption counters)
 is read from ``LLMEngine.stats()`` at scrape time, with the step loop's own account (steps, time inside
 ``step()``, the loop thread's CPU time) and the process's CPU time; request latencies (time to first token, inter-token
-latency, end to end) are observed by the async front-end as outputs arrive, and finished requests are
-counted by finish reason. Two stall detectors: the engine steps over 50 ms / 200 ms / 1 s (and the longest), and
-the front-end event loop's lag.
+latency, end to end) are observed by the async front-end as outputs arrive, the stages of each finished request
+(queue, prefill, decode; the hand-overs to and from the engine) from the engine's timestamps, and finished
+requests are counted by finish reason. Two stall detectors: the engine steps over 50 ms / 200 ms / 1 s (and the
+longest), and the front-end event loop's lag.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from nanovllm_core.outputs import RequestMetrics
 from nanovllm_core.serving.step_loop import SLOW_STEP_SECONDS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -163,7 +165,38 @@ class ServerMetrics:
             "collection), which every stream waits on.",
             LAG_BUCKETS,
         )
-        self.registry.register(HistogramCollector(model_name, [self.ttft, self.itl, self.e2e, self.loop_lag]))
+        # vLLM's request stages, from the engine's timestamps (RequestMetrics, with each finished request)
+        self.queue = histogram(
+            "request_queue_time_seconds",
+            "Time a request waited in the engine's queue: from its arrival in the engine to its first scheduling.",
+            TTFT_BUCKETS,
+        )
+        self.prefill = histogram(
+            "request_prefill_time_seconds", "Time from a request's first scheduling to its first token.", TTFT_BUCKETS
+        )
+        self.decode = histogram(
+            "request_decode_time_seconds", "Time from a request's first token to its last.", E2E_BUCKETS
+        )
+        # and the two hand-overs between the front-end and the engine, which the engine's timestamps leave out
+        self.intake = histogram(
+            "request_intake_time_seconds",
+            "Time from the front-end's arrival of a request to its arrival in the engine (the command pipe, and "
+            "the wait for the running step to end).",
+            LAG_BUCKETS,
+        )
+        self.delivery = histogram(
+            "output_delivery_lag_seconds",
+            "Time from the engine handing a step's outputs over to the front-end acting on them (the output pipe, "
+            "and the front-end's event loop), one observation per step.",
+            LAG_BUCKETS,
+        )
+        self.registry.register(
+            HistogramCollector(
+                model_name,
+                [self.ttft, self.itl, self.e2e, self.loop_lag, self.queue, self.prefill, self.decode, self.intake,
+                 self.delivery],
+            )
+        )
         self.finished_requests = Counter(
             "nanovllm:request_success",
             "Finished requests by finish reason (stop, length, abort).",
@@ -182,6 +215,18 @@ class ServerMetrics:
     def finished(self, seconds: float, finish_reason: str | None) -> None:
         self.e2e.observe(seconds)
         self.finished_requests.labels(self.model_name, finish_reason or "unknown").inc()
+
+    def stages(self, frontend_arrival: float, metrics: RequestMetrics) -> None:
+        self.intake.observe(max(0.0, metrics.arrival_time - frontend_arrival))
+        if metrics.first_scheduled_time is not None:
+            self.queue.observe(metrics.first_scheduled_time - metrics.arrival_time)
+            if metrics.first_token_time is not None:
+                self.prefill.observe(metrics.first_token_time - metrics.first_scheduled_time)
+        if metrics.first_token_time is not None and metrics.last_token_time is not None:
+            self.decode.observe(metrics.last_token_time - metrics.first_token_time)
+
+    def delivery_lag(self, seconds: float) -> None:
+        self.delivery.observe(max(0.0, seconds))
 
     async def watch_event_loop(self, period: float = 0.01) -> None:
         """Observe the event loop's lag until cancelled: sleep ``period``, record how late the wake-up came."""

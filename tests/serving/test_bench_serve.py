@@ -12,7 +12,7 @@ from serving_helpers import start_server
 from nanovllm_core.benchmark import workload
 from nanovllm_core.cli import main
 from nanovllm_core.serving.api_server import ServerSettings
-from nanovllm_core.serving.bench import SYNTH_RANGE, nano_workload, percentile, synthetic_sharegpt
+from nanovllm_core.serving.bench import SYNTH_RANGE, nano_workload, percentile, random_dataset, synthetic_sharegpt
 from nanovllm_core.testing import write_tiny_checkpoint
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -85,6 +85,28 @@ def test_workloads():
     assert all(lo <= len(r.prompt) <= hi and lo <= r.max_tokens <= hi for r in synth)
     assert 180 < sum(len(r.prompt) for r in synth) / 2000 < 260  # means stated in the docs: about 220 and 190
     assert 160 < sum(r.max_tokens for r in synth) / 2000 < 220
+
+
+def test_random_dataset_lengths_and_errors(bench_server, tmp_path, capsys):
+    fixed = random_dataset(50, 300, 20, 0.0, 1000, 0)
+    assert {len(r.prompt) for r in fixed} == {300} and {r.max_tokens for r in fixed} == {20}
+    assert all(0 <= t < 1000 for r in fixed for t in r.prompt)
+    ranged = random_dataset(2000, 400, 100, 0.25, 10000, 1)
+    assert ranged == random_dataset(2000, 400, 100, 0.25, 10000, 1)  # seeded
+    assert min(len(r.prompt) for r in ranged) == 300 and max(len(r.prompt) for r in ranged) == 500
+    assert min(r.max_tokens for r in ranged) == 75 and max(r.max_tokens for r in ranged) == 125
+    assert 390 < sum(len(r.prompt) for r in ranged) / 2000 < 410
+    result_file = tmp_path / "random.json"
+    argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset", "random", "--num-prompts", "3"]
+    argv += ["--random-input-len", "40", "--random-output-len", "5", "--warmup", "0"]
+    assert main([*argv, "--result-file", str(result_file)]) == 0
+    result = json.loads(result_file.read_text())
+    assert result["total_input_tokens"] == 120 and result["total_output_tokens"] == 15
+    assert result["dataset"] == "random"
+    assert main([*argv, "--random-range-ratio", "1.5"]) == 2
+    assert "--random-range-ratio 1.5: from 0" in capsys.readouterr().err
+    assert main([*argv[:-4], "--random-input-len", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
 
 
 def test_percentile_and_bad_rates(capsys):

@@ -281,6 +281,11 @@ def test_metrics(server, client):
         "nanovllm:time_to_first_token_seconds_bucket",
         "nanovllm:inter_token_latency_seconds_bucket",
         "nanovllm:e2e_request_latency_seconds_count",
+        "nanovllm:request_queue_time_seconds_bucket",
+        "nanovllm:request_prefill_time_seconds_bucket",
+        "nanovllm:request_decode_time_seconds_bucket",
+        "nanovllm:request_intake_time_seconds_bucket",
+        "nanovllm:output_delivery_lag_seconds_bucket",
         "nanovllm:request_success_total",
         "nanovllm:step_loop_busy_seconds_total",
         "nanovllm:step_loop_cpu_seconds_total",
@@ -296,6 +301,12 @@ def test_metrics(server, client):
     }
     assert values["nanovllm:generation_tokens_total"] >= 3
     assert values["nanovllm:e2e_request_latency_seconds_count"] >= 1
+    # each finished request's stages, from the engine's timestamps: as many as finished requests
+    for stage in ("queue", "prefill", "decode", "intake"):
+        count = values[f"nanovllm:request_{stage}_time_seconds_count"]
+        assert count == values["nanovllm:e2e_request_latency_seconds_count"], stage
+        assert 0 <= values[f"nanovllm:request_{stage}_time_seconds_sum"] < 60 * count, stage
+    assert values["nanovllm:output_delivery_lag_seconds_count"] >= 3  # one per step with outputs
     assert values["nanovllm:step_loop_steps_total"] >= 3 and values["nanovllm:step_loop_busy_seconds_total"] > 0
     assert 0 < values["nanovllm:step_loop_cpu_seconds_total"]
     assert values["nanovllm:cuda_graph_steps_total"] == 0  # a CPU engine captures no graphs

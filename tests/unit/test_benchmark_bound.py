@@ -1,0 +1,40 @@
+"""The throughput bound `nanovllm bench` reports: the additive form and the per-step form, by hand."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from nanovllm_core.benchmark import bound_seconds
+
+CONFIG = SimpleNamespace(
+    num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+    intermediate_size=16, vocab_size=32,
+)
+MATMUL_PARAMS = 2 * (8 * 4 * 4 + 2 * 4 * 8 + 3 * 8 * 16) + 32 * 8  # layers x (qkv + o + mlp) + LM head
+KV_PER_TOKEN = 2 * 2 * 1 * 4 * 2  # k and v, layers, kv heads, head_dim, bf16 bytes
+
+
+def test_one_sequence_by_hand():
+    # prompt of 3 tokens, 3 output tokens: the prefill gives the first, two decode steps read 4 and 5 tokens
+    bandwidth, gemm = 1000.0, 1e6
+    b = bound_seconds(CONFIG, [[0, 1, 2]], [3], {"copy_bytes_per_s": bandwidth, "gemm_flop_per_s": gemm})
+    weight_bytes = 2 * MATMUL_PARAMS
+    # the additive form (as earlier rounds): reads of 4 + 5 tokens, writes of the prompt and every output token
+    assert b["bytes_moved"] == KV_PER_TOKEN * (4 + 5) + KV_PER_TOKEN * (3 + 3) + 2 * weight_bytes
+    prompt_flops = 2 * MATMUL_PARAMS * 3 + 2 * 2 * 2 * 2 * 4 * 9 / 2  # matmuls, causal QK^T and PV of 3 tokens
+    assert b["flops"] == pytest.approx(prompt_flops + 2 * MATMUL_PARAMS * 3)
+    assert b["bound_s"] == pytest.approx(b["bytes_moved"] / bandwidth + b["flops"] / gemm)
+    expected = max(prompt_flops / gemm, 3 * KV_PER_TOKEN / bandwidth)
+    for read in (4, 5):  # each decode step writes one token and reads the context
+        step_bytes = weight_bytes + KV_PER_TOKEN * (read + 1)
+        expected += max(step_bytes / bandwidth, 2 * MATMUL_PARAMS / gemm)
+    assert b["per_step_bound_s"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("gemm", [1e3, 1e6, 1e12])
+def test_per_step_form_is_never_above_the_sum(gemm):
+    prompts = [[1] * n for n in (5, 1, 9, 3)]
+    b = bound_seconds(CONFIG, prompts, [4, 1, 7, 2], {"copy_bytes_per_s": 1e4, "gemm_flop_per_s": gemm})
+    assert 0 < b["per_step_bound_s"] <= b["bound_s"] + 1e-12
