@@ -123,6 +123,21 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r8-perf)  # round 8, one H200 (about 8 minutes): bf16 and fp8 KV caches on the 0.6B and 8B shapes (offline, the
+    # per-step bound beside the additive one), the fp8 accuracy benchmark; the 8B checkpoint is written meanwhile
+    setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    TAIL=5 bench bf16 --attention triton --runs 2 --warmup-prompts 1
+    TAIL=5 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    TAIL=30 step fp8_accuracy 150 python benchmarks/fp8_accuracy.py --shape qwen3-0.6b --json "$OUT/fp8_accuracy.json"
+    for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
+    tail -2 /tmp/ckpt_8b.log
+    BENCH_LIMIT=200 TAIL=5 bench 8b_bf16 --shape qwen3-8b --attention triton --runs 2 --warmup-prompts 1
+    BENCH_LIMIT=200 TAIL=5 bench 8b_fp8 --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 2 \
+      --warmup-prompts 1
+    pack
+    ;;
   r8-sched)  # round 8, one H200 (about 6 minutes): the policies on an engine-bound load. Long prompts (vLLM's random
     # dataset, 2,250-3,750 prompt tokens, 192-320 output tokens) at 70% of fifo's all-at-once rate through fifo and
     # mixed; priority (two classes) idle and at 70% load on the nano-vllm workload and on the long prompts; then
