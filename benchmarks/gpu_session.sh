@@ -124,7 +124,7 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
   r8-fp8)  # round 8, one H200 (about 7 minutes): FP8 kernels. The decode kernel's float16-dot variant (commit
-    # 0b1ce51, reverted after this phase measured it slower) and then the prefill kernel's (r8-fp8b): every fp8 GPU
+    # 191f90c, reverted after this phase measured it slower), then the prefill kernel's (e9d3833): every fp8 GPU
     # test, the kernels against bf16, bf16 and fp8 offline, fp8 accuracy, the fp8 decode tile sweep
     TAIL=6 step fp8_tests 170 python -m pytest plugins/attention_flash/tests -m gpu -q -k fp8 -rf
     TAIL=60 step kernels 150 python plugins/attention_flash/bench_kernels.py --backends triton,triton_fp8 \
