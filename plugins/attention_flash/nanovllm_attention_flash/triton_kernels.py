@@ -362,7 +362,6 @@ def _prefill_kernel(
     SKIP_SINGLE: tl.constexpr,
     USE_TMA: tl.constexpr,
     KV_FP8: tl.constexpr,
-    FP8_DOT_FP16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Program (query block, query head): ``BLOCK_M`` new tokens of one sequence against its paged context.
@@ -389,11 +388,7 @@ def _prefill_kernel(
     Otherwise they are pointers and tiles are gathered with 16-byte loads.
 
     ``KV_FP8``: e4m3 values with per-(token, KV head) scales in ``KEY_SCALES``/``VALUE_SCALES``, applied as in
-    the decode kernel (key scales on the scores, value tiles dequantised before the dot). ``FP8_DOT_FP16`` (a
-    16-bit model): both dots take float16 operands instead, since e4m3 to float16 is one conversion per pair of
-    values and to bfloat16 four, which held the kernel to half the bf16 cache's rate: the query is divided by a
-    power of two when it would overflow float16, and each value's scale, relative to its tile's largest,
-    multiplies its probability (the tile's largest multiplies the tile's product).
+    the decode kernel (key scales on the scores, value tiles dequantised before the dot).
     """
     # one flat grid axis: heads vary fastest (the group's programs read the same K/V tiles together),
     # query blocks last-first
@@ -427,12 +422,6 @@ def _prefill_kernel(
         mask=row_mask[:, None],
         other=0.0,
     )
-    q_shift = 1.0
-    if FP8_DOT_FP16:
-        q32 = q.to(tl.float32)
-        q_amax = tl.reduce(tl.reduce(tl.abs(q32), 1, tl.standard._elementwise_max), 0, tl.standard._elementwise_max)
-        q_shift = tl.where(q_amax > 16384.0, tl.exp2(tl.ceil(tl.log2(q_amax / 16384.0))), 1.0)
-        q = (q32 / q_shift).to(tl.float16)  # exact unless shifted (or below float16's normal range)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
@@ -463,7 +452,7 @@ def _prefill_kernel(
         if KV_FP8:
             scale_offs = block.to(tl.int64) * stride_s_block + start % BLOCK_SIZE + offs_n
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            s = s * (tl.load(ks_base + scale_offs) * q_shift)[None, :]
+            s = s * tl.load(ks_base + scale_offs)[None, :]
         else:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
@@ -474,16 +463,9 @@ def _prefill_kernel(
             v = VALUE_CACHE.load([row, col])
         else:
             v = tl.load(v_base + tile + tile_offs)
-        if FP8_DOT_FP16:
-            v_scale = tl.load(vs_base + scale_offs)
-            tile_scale = tl.reduce(v_scale, 0, tl.standard._elementwise_max)
-            relative = v_scale / tl.where(tile_scale > 0.0, tile_scale, 1.0)
-            pv = tl.dot((p * relative[None, :]).to(tl.float16), v.to(tl.float16), input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv * tile_scale
-        else:
-            if KV_FP8:
-                v = (v.to(tl.float32) * tl.load(vs_base + scale_offs)[:, None]).to(q.dtype)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        if KV_FP8:
+            v = (v.to(tl.float32) * tl.load(vs_base + scale_offs)[:, None]).to(q.dtype)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     # the diagonal: causal mask and the end of the context. Row r sees keys <= min(its position, seq_len - 1)
@@ -505,7 +487,7 @@ def _prefill_kernel(
         if KV_FP8:  # the scales of keys past seq_len may be anything too: masked below, after the product
             scale_offs = block.to(tl.int64) * stride_s_block + start % BLOCK_SIZE + offs_n
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            s = s * (tl.load(ks_base + scale_offs) * q_shift)[None, :]
+            s = s * tl.load(ks_base + scale_offs)[None, :]
         else:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s = tl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
@@ -517,22 +499,12 @@ def _prefill_kernel(
             v = VALUE_CACHE.load([row, col])
         else:
             v = tl.load(v_base + tile + tile_offs, mask=(keys < seq_len)[:, None], other=0.0)
-        if FP8_DOT_FP16:
+        if KV_FP8:
             v_scale = tl.load(vs_base + scale_offs, mask=keys < seq_len, other=0.0)
-            tile_scale = tl.reduce(v_scale, 0, tl.standard._elementwise_max)
-            relative = v_scale / tl.where(tile_scale > 0.0, tile_scale, 1.0)
-            v16 = v.to(tl.float16)
-            if USE_TMA:  # NaN * 0 is NaN
-                v16 = tl.where((keys < seq_len)[:, None], v16, 0.0)
-            pv = tl.dot((p * relative[None, :]).to(tl.float16), v16, input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv * tile_scale
-        else:
-            if KV_FP8:
-                v_scale = tl.load(vs_base + scale_offs, mask=keys < seq_len, other=0.0)
-                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-            if USE_TMA:  # after the dequantisation: NaN * 0 is NaN
-                v = tl.where((keys < seq_len)[:, None], v, 0.0)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+        if USE_TMA:  # after the dequantisation: NaN * 0 is NaN
+            v = tl.where((keys < seq_len)[:, None], v, 0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc * (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
@@ -983,7 +955,6 @@ def prefill_attention(
         SKIP_SINGLE=skip_single,
         USE_TMA=descriptors is not None,
         KV_FP8=key_scales is not None,
-        FP8_DOT_FP16=key_scales is not None and q.dtype in (torch.bfloat16, torch.float16),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

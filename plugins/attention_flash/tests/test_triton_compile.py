@@ -101,8 +101,7 @@ def test_merge_kernel_compiles_for_sm90() -> None:
 
 def prefill_constexprs(cfg: tk.PrefillConfig, use_tma: bool, fp8: bool = False) -> dict:
     return dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                SEQ_CHUNK=tk.PREFILL_SEQ_CHUNK, SKIP_SINGLE=True, USE_TMA=use_tma, KV_FP8=fp8, FP8_DOT_FP16=fp8,
-                DOT_PRECISION="tf32")
+                SEQ_CHUNK=tk.PREFILL_SEQ_CHUNK, SKIP_SINGLE=True, USE_TMA=use_tma, KV_FP8=fp8, DOT_PRECISION="tf32")
 
 
 def test_prefill_kernel_compiles_for_sm90() -> None:
@@ -195,8 +194,6 @@ def test_fp8_prefill_kernel_compiles_for_sm90(use_tma: bool) -> None:
     ptx = compile_ptx(tk._prefill_kernel, prefill_constexprs(cfg, use_tma, fp8=True), cfg.num_warps, cfg.num_stages,
                       descriptors={"KEY_CACHE": desc, "VALUE_CACHE": desc} if use_tma else None, fp8=True)
     assert count(CVT_FROM_E4M3, ptx) > 0
-    # a bfloat16 model's dots take float16 operands: e4m3 pairs convert once, not on through float32 to bfloat16
-    assert count(r"cvt\.bf16\.f16", ptx) == 0 and count(r"cvt\.f32\.f16", ptx) == 0
     if use_tma:
         assert count(r"cp\.async\.bulk\.tensor\.2d", ptx) >= 4
-    assert count(r"wgmma\.mma_async\S*\.f16\.f16", ptx) > 0
+    assert count(r"wgmma\.mma_async", ptx) > 0
