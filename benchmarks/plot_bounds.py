@@ -1,0 +1,54 @@
+"""Output tok/s of `nanovllm bench --json` results beside both bounds and 85% of the per-step one (PNG).
+
+    python benchmarks/plot_bounds.py "0.6B bf16=a.json" "0.6B fp8=b.json" "8B bf16=c.json" ... --out FILE.png
+
+One bar per result. Its two bounds are drawn as ticks on the bar: the additive bound (memory + compute time)
+and the per-step one (each decode step the longer of its bytes and FLOPs). A result on an FP8 KV cache is
+drawn against the bf16 cache's bounds, which its JSON reports. Needs matplotlib (not a dependency of any
+package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results", nargs="+", help="LABEL=FILE")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--title", default="nano-vllm workload (256 seqs, 133,966 output tokens), one H200")
+    args = parser.parse_args(argv)
+    fig, ax = plt.subplots(figsize=(10, 4.6))
+    for x, item in enumerate(args.results):
+        label, path = item.rsplit("=", 1)
+        r = json.loads(Path(path).read_text())
+        value, additive, per_step = r["output_tok_per_s"], r["bound_tok_per_s"], r["per_step_bound_tok_per_s"]
+        ax.bar(x, value, 0.6, color="C1" if "fp8" in label else "C0")
+        ax.text(x, value * 1.01, f"{value:,.0f}\n{100 * value / per_step:.0f}% / {100 * value / additive:.0f}%",
+                ha="center", va="bottom", fontsize=8)
+        ax.hlines(per_step, x - 0.35, x + 0.35, color="black", label="per-step bound" if x == 0 else None)
+        ax.hlines(additive, x - 0.35, x + 0.35, color="gray", linestyle="--",
+                  label="additive bound" if x == 0 else None)
+        ax.hlines(0.85 * per_step, x - 0.35, x + 0.35, color="green", linestyle=":",
+                  label="85% of the per-step bound (target)" if x == 0 else None)
+    ax.set_xticks(range(len(args.results)), [item.rsplit("=", 1)[0] for item in args.results], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("output tokens / s (log scale)")
+    ax.set_title(args.title + "; labels: tok/s, % of per-step / additive bound", fontsize=9)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
