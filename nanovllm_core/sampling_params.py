@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 from nanovllm_core.errors import InvalidRequestError
@@ -17,6 +17,16 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def with_priority(params: SamplingParams | None, priority: int | None) -> SamplingParams | None:
+    """``params`` with ``priority`` set (vLLM's ``priority=`` argument of ``add_request``/``generate``), or
+    ``params`` unchanged when ``priority`` is None."""
+    if priority is None:
+        return params
+    if not _is_int(priority):
+        raise InvalidRequestError(f"priority={priority!r} is invalid: allowed an integer (lower is scheduled first)")
+    return replace(params if params is not None else SamplingParams(), priority=priority)
 
 
 @dataclass

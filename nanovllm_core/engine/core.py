@@ -22,7 +22,7 @@ from nanovllm_core.engine.detokenizer import IncrementalDetokenizer, decoder_of
 from nanovllm_core.errors import InvalidRequestError, SchedulerError
 from nanovllm_core.interfaces import Scheduler, SchedulerOutput
 from nanovllm_core.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sampling_params import SamplingParams, with_priority
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 
 Prompt = str | list[int]
@@ -199,9 +199,17 @@ class EngineCore:
         return request
 
     def add_request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int | None = None,
     ) -> str:
-        """Queue one request and return its id. An invalid request raises InvalidRequestError and queues nothing."""
+        """Queue one request and return its id. An invalid request raises InvalidRequestError and queues nothing.
+
+        ``priority`` (vLLM's argument) sets ``sampling_params.priority`` for this request: lower is more urgent
+        under a priority policy."""
+        sampling_params = with_priority(sampling_params, priority)
         with self._lock:
             request = self._make_request(prompt, sampling_params, request_id)
             self._requests[request.request_id] = request

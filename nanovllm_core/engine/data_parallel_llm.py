@@ -26,7 +26,7 @@ from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.loader import load_hf_config
 from nanovllm_core.outputs import RequestOutput
-from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sampling_params import SamplingParams, with_priority
 from nanovllm_core.serving.step_loop import Command, Result
 
 logger = logging.getLogger(__name__)
@@ -266,10 +266,15 @@ class DataParallelLLM(LLM):
             raise RuntimeError("the engine was shut down (its data-parallel replicas are gone): create a new one")
 
     def add_request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int | None = None,
     ) -> str:
         """Queue one request on the least-loaded replica and return its id; an invalid request raises
-        InvalidRequestError (the replica's) and queues nothing."""
+        InvalidRequestError (the replica's) and queues nothing. ``priority``: as ``LLMEngine.add_request``'s."""
+        sampling_params = with_priority(sampling_params, priority)
         with self._lock:
             self._check_open()
             if request_id is None:

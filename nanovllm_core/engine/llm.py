@@ -15,7 +15,7 @@ from nanovllm_core.engine.core import Prompt
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
-from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sampling_params import SamplingParams, with_priority
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,12 @@ class LLM(LLMEngine):
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
+
+        ``priority`` (vLLM's argument): one integer per prompt, lower first under a priority policy; it sets
+        each request's ``SamplingParams.priority``.
 
         A prompt that cannot be served (empty, too long, not tokenizable, token ids outside the vocabulary)
         gets an output with ``error`` set and ``finish_reason="error"``; the other prompts still complete. After
@@ -64,6 +68,12 @@ class LLM(LLMEngine):
             raise InvalidRequestError(
                 f"sampling_params must be one SamplingParams or a list with one per prompt ({len(prompts)} prompts)"
             )
+        if priority is not None:
+            if not isinstance(priority, SequenceABC) or isinstance(priority, str) or len(priority) != len(prompts):
+                raise InvalidRequestError(
+                    f"priority must be a list with one integer per prompt ({len(prompts)} prompts), got {priority!r}"
+                )
+            params_list = [with_priority(params, p) for params, p in zip(params_list, priority)]
         with self._lock:
             if self.num_unfinished_requests:
                 raise InvalidRequestError(

@@ -25,7 +25,7 @@ from nanovllm_core.engine.llm import data_parallel_size_of
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError, NanoVLLMError
 from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sampling_params import SamplingParams, with_priority
 from nanovllm_core.serving.step_loop import EngineProcess, EngineThread, LoopAccount
 
 logger = logging.getLogger(__name__)
@@ -273,11 +273,14 @@ class AsyncLLM:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        priority: int | None = None,
     ) -> RequestStream:
         """Queue one request; its outputs are deltas (``output_kind="delta"``) read from the returned stream.
 
-        Raises InvalidRequestError at once (nothing queued) when the engine rejects the request.
+        Raises InvalidRequestError at once (nothing queued) when the engine rejects the request. ``priority``
+        (vLLM's argument) sets ``params.priority``: lower is more urgent under a priority policy.
         """
+        params = with_priority(params, priority)
         await self.start()
         self._check_alive()
         token_ids = self.tokenize(prompt)
@@ -302,13 +305,18 @@ class AsyncLLM:
         return stream
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's incremental outputs (delta text and token ids); the last one has ``finished``.
 
-        Leaving the loop early (``break``, cancellation, an exception) aborts the request.
+        Leaving the loop early (``break``, cancellation, an exception) aborts the request. ``priority``: as
+        :meth:`add_request`'s.
         """
-        stream = await self.add_request(prompt, params, request_id)
+        stream = await self.add_request(prompt, params, request_id, priority)
         try:
             async for out in stream:
                 yield out

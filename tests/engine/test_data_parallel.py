@@ -169,6 +169,8 @@ def test_add_request_step_and_abort(dp, single):
         dp.add_request([1, 2], request_id="short")
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         dp.add_request([1, 10**7])
+    with pytest.raises(InvalidRequestError, match="priority='high' is invalid"):
+        dp.add_request([1, 2], priority="high")
     with pytest.raises(InvalidRequestError, match="still unfinished"):
         dp.generate(["Hello"], use_tqdm=False)
     assert dp.num_unfinished_requests == 2
@@ -179,6 +181,10 @@ def test_add_request_step_and_abort(dp, single):
     assert short.prompt == "Hello" and short.prompt_token_ids == dp.tokenizer.encode("Hello")
     want = single.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert short.outputs[0].token_ids == want[0].outputs[0].token_ids
+    urgent = dp.add_request("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), priority=-1)
+    while not any(o.request_id == urgent for o in done):
+        done += dp.step()
+    assert next(o for o in done if o.request_id == urgent).outputs[0].token_ids == want[0].outputs[0].token_ids
     aborted = dp.abort_request(long_id)
     assert aborted is not None and aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert len(aborted.outputs[0].token_ids) < LONG.max_tokens

@@ -208,3 +208,25 @@ def test_start_up_ends_with_a_full_garbage_collection(qwen3_path, caplog):
     assert re.search(r"start-up took [\d.]+ s: .* a [\d.]+ s garbage collection", caplog.text)
     engine.shutdown()
     gc.collect()
+
+
+def test_priority_argument_sets_each_requests_priority(llm, expected):
+    """vLLM's ``priority=`` of ``add_request`` and ``generate``: it sets the request's SamplingParams.priority
+    (the caller's object is left as it was), one integer per prompt, validated before anything is queued."""
+    base = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, priority=5)
+    rid = llm.add_request(PROMPTS[0], base, priority=-2)
+    other = llm.add_request(PROMPTS[1], base)
+    seen = {seq.request_id: seq.sampling_params.priority for seq in llm.scheduler.waiting}
+    assert (seen[rid], seen[other], base.priority) == (-2, 5, 5)
+    while llm.has_unfinished_requests():
+        llm.step()
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=[2, 0, 1])
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    for bad, message in (([0, 1], "one integer per prompt (3 prompts)"), ("012", "one integer per prompt"),
+                         ([0, "1", 2], "priority='1' is invalid: allowed an integer")):  # fmt: skip
+        with pytest.raises(InvalidRequestError, match=re.escape(message)):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=bad)
+        assert not llm.has_unfinished_requests()
+    with pytest.raises(InvalidRequestError, match="priority=True is invalid"):
+        llm.add_request(PROMPTS[0], GREEDY, priority=True)
+    assert not llm.has_unfinished_requests()

@@ -145,6 +145,28 @@ def test_rejected_request_raises_and_leaves_nothing(engine):
     assert unfinished == queued == 0 and all_free(stats)
 
 
+def test_priority_argument_reaches_the_engine(engine, greedy, monkeypatch):
+    seen = []
+    add = engine.add_request
+
+    def spy(prompt, params=None, request_id=None, *args, **kwargs):
+        seen.append(params.priority)
+        return add(prompt, params, request_id, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", spy)
+
+    async def body(llm):
+        outs = [out async for out in llm.generate("Hello world!", GREEDY, priority=7)]
+        with pytest.raises(InvalidRequestError, match=r"priority=1.5 is invalid: allowed an integer"):
+            await llm.add_request("Hello", GREEDY, priority=1.5)
+        return outs, llm.num_unfinished
+
+    outs, unfinished = run(engine, body)
+    assert seen == [7] and unfinished == 0 and GREEDY.priority == 0
+    text = "".join(o.outputs[0].text for o in outs)
+    assert (text, [t for o in outs for t in o.outputs[0].token_ids]) == greedy("Hello world!", 10)
+
+
 def test_shutdown_aborts_in_flight_and_stops_the_loop(engine):
     async def main():
         llm = AsyncLLM(engine)
