@@ -186,7 +186,7 @@ def bound_seconds(
     prompt_flops = flops - 2 * matmul_params * output_tokens
     per_step_s = max(prompt_flops / gemm_rate, kv_per_token * prompt_tokens / bandwidth)
     by_length = sorted(zip(max_tokens, (len(p) for p in prompts)))
-    active, context = len(by_length), sum(len(p) for p in prompts)  # decoding sequences, their prompt tokens
+    active, context = len(by_length), prompt_tokens  # decoding sequences, their prompt tokens
     done = 0
     for step in range(1, decode_steps + 1):
         while done < len(by_length) and by_length[done][0] - 1 < step:  # produced all its tokens

@@ -21,11 +21,9 @@ def _is_number(value: object) -> bool:
 
 def with_priority(params: SamplingParams | None, priority: int | None) -> SamplingParams | None:
     """``params`` with ``priority`` set (vLLM's ``priority=`` argument of ``add_request``/``generate``), or
-    ``params`` unchanged when ``priority`` is None."""
+    ``params`` unchanged when ``priority`` is None; ``SamplingParams`` validates it."""
     if priority is None:
         return params
-    if not _is_int(priority):
-        raise InvalidRequestError(f"priority={priority!r} is invalid: allowed an integer (lower is scheduled first)")
     return replace(params if params is not None else SamplingParams(), priority=priority)
 
 
