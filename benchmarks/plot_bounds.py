@@ -14,10 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from plotting import plt, save
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,10 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_ylabel("output tokens / s (log scale)")
     ax.set_title(args.title + "; labels: tok/s, % of per-step / additive bound", fontsize=9)
     ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}")
+    save(fig, args.out, dpi=120)
 
 
 if __name__ == "__main__":

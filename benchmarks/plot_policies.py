@@ -13,10 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from plotting import plt, save
 
 
 def parse(argv: list[str] | None = None) -> tuple[dict[str, dict[str, dict]], argparse.Namespace]:
@@ -67,10 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
     fig.suptitle(args.title, fontsize=10)
-    fig.tight_layout()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}")
+    save(fig, args.out, dpi=120)
 
 
 if __name__ == "__main__":

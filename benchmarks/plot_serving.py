@@ -13,10 +13,7 @@ import json
 import math
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from plotting import plt, save
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "serving_latency.png"
 
@@ -44,9 +41,7 @@ def plot(runs: list[dict], out: Path, title: str) -> None:
         ax.set_xlabel("offered request rate (req/s, Poisson)")
         ax.grid(alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    save(fig, out, dpi=110)
 
 
 def main() -> None:
@@ -56,7 +51,6 @@ def main() -> None:
     parser.add_argument("--title", default="nanovllm serve: latency vs request rate")
     args = parser.parse_args()
     plot(load_runs(args.result_file), args.out, args.title)
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
