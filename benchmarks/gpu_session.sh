@@ -123,6 +123,17 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r9-a)  # round 9, one H200 (about 7 minutes): the Triton decode GEMM's GPU tests, its launch-shape sweep against
+    # cuBLAS on the 0.6B and 8B decode projections, and the 0.6B bench with its decode-step fit (fixed / per
+    # sequence / per KV token)
+    TAIL=4 step gemm_tests 200 python -m pytest tests/unit/test_gemm_kernel.py -m gpu -q -rf
+    TAIL=24 step gemm_0.6b 240 python benchmarks/decode_gemm.py --shape qwen3-0.6b --rows 1,16,64,128,256 \
+      --blas default,triton --json "$OUT/gemm_0.6b.json"
+    TAIL=6 bench bf16 --attention triton --runs 2 --warmup-prompts 1
+    TAIL=24 step gemm_8b 240 python benchmarks/decode_gemm.py --shape qwen3-8b --rows 1,16,64,128,256 \
+      --blas default,triton --json "$OUT/gemm_8b.json"
+    pack
+    ;;
   r8-fp8)  # round 8, one H200 (about 7 minutes): FP8 kernels. The decode kernel's float16-dot variant (commit
     # 191f90c, reverted after this phase measured it slower), then the prefill kernel's (e9d3833): every fp8 GPU
     # test, the kernels against bf16, bf16 and fp8 offline, fp8 accuracy, the fp8 decode tile sweep

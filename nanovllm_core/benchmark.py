@@ -208,6 +208,43 @@ def bound_seconds(
     }
 
 
+def fit_decode_steps(records: list[tuple[int, int, int, float]], kv_bytes_per_token: int) -> dict[str, Any]:
+    """Where a run's decode steps spend their GPU time, from each step's (sequences, query tokens, KV tokens
+    attended, GPU ms) as the model runner records them.
+
+    A least-squares fit of ``ms = fixed + per_seq * sequences + per_kv_token * kv_tokens`` over the pure decode
+    steps (one query token a sequence) splits their time into a part every step pays whatever its batch (weights
+    read, launches, the per-kernel floors), a part that grows with the batch (GEMM rows, sampling) and a part that
+    grows with the context read (decode attention: ``kv_bytes_per_token / per_kv_token`` is its KV read rate).
+    Steps with prompt tokens are summed apart."""
+    decode = [r for r in records if r[0] == r[1]]
+    prefill_s = sum(r[3] for r in records if r[0] != r[1]) / 1e3
+    result: dict[str, Any] = {"decode_steps": len(decode), "prompt_steps": len(records) - len(decode)}
+    result["prompt_steps_gpu_s"] = prefill_s
+    if len(decode) < 4:
+        return result
+    x = torch.tensor([[1.0, r[0], r[2]] for r in decode], dtype=torch.float64)
+    y = torch.tensor([r[3] for r in decode], dtype=torch.float64)
+    coef = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1)
+    fitted = x @ coef
+    residual = float(((y - fitted) ** 2).sum())
+    spread = float(((y - y.mean()) ** 2).sum())
+    fixed_ms, per_seq_ms, per_kv_ms = (float(c) for c in coef)
+    seqs, kv = float(x[:, 1].sum()), float(x[:, 2].sum())
+    result.update(
+        decode_steps_gpu_s=float(y.sum()) / 1e3,
+        fixed_ms_per_step=fixed_ms,
+        per_seq_us=1e3 * per_seq_ms,
+        per_kv_token_ns=1e6 * per_kv_ms,
+        kv_read_bytes_per_s=kv_bytes_per_token / (per_kv_ms / 1e3) if per_kv_ms > 0 else None,
+        fixed_s=fixed_ms * len(decode) / 1e3,
+        per_seq_s=per_seq_ms * seqs / 1e3,
+        per_kv_s=per_kv_ms * kv / 1e3,
+        r2=1 - residual / spread if spread else None,
+    )
+    return result
+
+
 def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from nanovllm_core import LLM, SamplingParams
 
@@ -243,8 +280,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         if data_parallel == 1:
             llm.step_stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
             llm.runner.track_gpu_time = device.type == "cuda"
-            llm.runner.num_steps, llm.runner.host_prepare_s = 0, 0.0
-            llm.runner._step_events.clear()
+            llm.runner.reset_step_tracking()
             if device.type == "cuda":
                 torch.cuda.synchronize()
         with GCPauses() as pauses:  # this process's garbage collections during the run (a full one can take
@@ -300,6 +336,11 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     }
     if data_parallel == 1:
         result.update(llm.runner.timing_summary())
+        records = llm.runner.step_records()  # the last run's steps
+        if records:
+            kv_per_token = llm.runner.kv_block_bytes() // llm.runner.block_size  # this cache's bytes, fp8 or not
+            result["decode_step_fit"] = fit_decode_steps(records, kv_per_token)
+            result["step_records"] = records
     if rates:
         bound = bound_seconds(llm.hf_config, prompts, max_tokens, rates)
         result.update(rates)
@@ -333,6 +374,17 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             f"GPU busy {result['gpu_busy_s']:.2f} s, idle between steps {result['gpu_idle_s']:.2f} s "
             f"({100 * result['gpu_idle_fraction']:.1f}%), host input preparation "
             f"{result['host_prepare_ms_per_step']:.3f} ms/step over {result['steps']} steps"
+        )
+    fit = result.get("decode_step_fit", {})
+    if "fixed_ms_per_step" in fit:
+        kv_rate = fit["kv_read_bytes_per_s"]
+        print(
+            f"Decode steps ({fit['decode_steps']}, {fit['decode_steps_gpu_s']:.2f} s of GPU): "
+            f"{fit['fixed_ms_per_step']:.3f} ms each + {fit['per_seq_us']:.2f} us a sequence + "
+            f"{fit['per_kv_token_ns']:.3f} ns a KV token" + (f" ({kv_rate / 1e12:.2f} TB/s of KV)" if kv_rate else "")
+            + f", r2 {fit['r2']:.4f}: fixed {fit['fixed_s']:.2f} s, per sequence {fit['per_seq_s']:.2f} s, per KV "
+            f"token {fit['per_kv_s']:.2f} s; steps with prompt tokens ({fit['prompt_steps']}) "
+            f"{fit['prompt_steps_gpu_s']:.2f} s"
         )
     if args.profile and device.type == "cuda":
         if data_parallel == 1:

@@ -432,6 +432,8 @@ class ModelRunner:
         self.on_step: Callable[[HostBatch], None] | None = None  # tensor parallel: tell the workers
         self.track_gpu_time = False
         self._step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # with track_gpu_time, per step: (sequences, query tokens, KV tokens attended), beside _step_events
+        self._step_shapes: list[tuple[int, int, int]] = []
 
     # --- KV cache -------------------------------------------------------------------------------------
 
@@ -617,6 +619,7 @@ class ModelRunner:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
             self._step_events.append(events)
+            self._step_shapes.append((len(host.seq_lens), len(host.input_ids), sum(host.seq_lens)))
         logits, hidden = self._forward(inputs)
         token_tensor = sample_logprobs = prompt_logprobs = None
         if inputs.sample_rows:
@@ -667,3 +670,17 @@ class ModelRunner:
             )
             summary.update(gpu_busy_s=busy, gpu_idle_s=idle, gpu_idle_fraction=idle / max(busy + idle, 1e-9))
         return summary
+
+    def step_records(self) -> list[tuple[int, int, int, float]]:
+        """With ``track_gpu_time``: each tracked step's (sequences, query tokens, KV tokens attended, GPU ms)."""
+        if not self._step_events:
+            return []
+        torch.cuda.synchronize(self.device)
+        return [
+            (*shape, start.elapsed_time(end)) for shape, (start, end) in zip(self._step_shapes, self._step_events)
+        ]
+
+    def reset_step_tracking(self) -> None:
+        self.num_steps, self.host_prepare_s = 0, 0.0
+        self._step_events.clear()
+        self._step_shapes.clear()

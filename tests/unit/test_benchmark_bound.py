@@ -38,3 +38,22 @@ def test_per_step_form_is_never_above_the_sum(gemm):
     prompts = [[1] * n for n in (5, 1, 9, 3)]
     b = bound_seconds(CONFIG, prompts, [4, 1, 7, 2], {"copy_bytes_per_s": 1e4, "gemm_flop_per_s": gemm})
     assert 0 < b["per_step_bound_s"] <= b["bound_s"] + 1e-12
+
+
+def test_decode_step_fit_recovers_the_parts():
+    from nanovllm_core.benchmark import fit_decode_steps
+
+    # decode steps of 1.2 ms + 2 us a sequence + 0.5 ns a KV token, and two steps with prompt tokens
+    records = [(n, n, kv, 1.2 + 0.002 * n + 0.5e-6 * kv) for n, kv in [(256, 300_000), (128, 90_000), (64, 70_000),
+                                                                       (8, 9_000), (200, 150_000)]]
+    records += [(3, 900, 2_000, 4.0), (1, 500, 500, 1.5)]
+    fit = fit_decode_steps(records, kv_bytes_per_token=4096)
+    assert fit["decode_steps"] == 5 and fit["prompt_steps"] == 2
+    assert fit["prompt_steps_gpu_s"] == pytest.approx(5.5e-3)
+    assert fit["fixed_ms_per_step"] == pytest.approx(1.2)
+    assert fit["per_seq_us"] == pytest.approx(2.0)
+    assert fit["per_kv_token_ns"] == pytest.approx(0.5)
+    assert fit["kv_read_bytes_per_s"] == pytest.approx(4096 / 0.5e-9)
+    assert fit["fixed_s"] + fit["per_seq_s"] + fit["per_kv_s"] == pytest.approx(fit["decode_steps_gpu_s"])
+    assert fit["r2"] == pytest.approx(1.0)
+    assert "fixed_ms_per_step" not in fit_decode_steps(records[:3], 4096)  # too few steps to fit three parts
