@@ -123,6 +123,15 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r9-b)  # round 9, one H200 (about 7 minutes): the fused decode GEMMs (RMSNorm into qkv and gate_up, SwiGLU into
+    # down): their GPU tests and the engine's, then the 0.6B bench with and without them, back to back
+    TAIL=8 step gpu_tests 240 python -m pytest tests/unit/test_gemm_kernel.py tests/gpu plugins/models_qwen3/tests \
+      -m gpu -q -rf -s -k "not tp2 and not torchrun"
+    grep -E "fraction of|rel. error" "$OUT/gpu_tests.log" | head -20
+    TAIL=7 bench fused --attention triton --runs 2 --warmup-prompts 1
+    TAIL=7 bench unfused --attention triton --runs 2 --warmup-prompts 1 --no-fuse-decode-gemms
+    pack
+    ;;
   r9-a)  # round 9, one H200 (about 7 minutes): the Triton decode GEMM's GPU tests, its launch-shape sweep against
     # cuBLAS on the 0.6B and 8B decode projections, and the 0.6B bench with its decode-step fit (fixed / per
     # sequence / per KV token)

@@ -16,39 +16,16 @@ tensors) or an ``InterpretedFunction`` (CPU tensors, Triton's interpreter, for t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm_core.layers.gemm_config import GemmConfig
 from nanovllm_core.layers.triton_jit import wrap_kernel
 
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """One launch shape of the kernel: output tile, K step, K slices, warps and pipeline stages."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"GemmConfig.{name}={value}: a power of two of at least 16")
-        if self.split_k < 1:
-            raise ValueError(f"GemmConfig.split_k={self.split_k}: at least 1")
-
-    def short(self) -> str:
-        return (
-            f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split_k}w{self.num_warps}p{self.num_stages}"
-        )
+__all__ = ["GemmConfig", "gemm"]
 
 
 def _gemm_kernel(
@@ -57,6 +34,9 @@ def _gemm_kernel(
     Y,
     PARTIAL,
     COUNTS,
+    NORM_WEIGHT,
+    RESIDUAL,
+    RESIDUAL_OUT,
     M,
     N,
     K,
@@ -64,11 +44,14 @@ def _gemm_kernel(
     stride_wn,
     stride_ym,
     k_per_split,
+    eps,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # output tiles along N first: neighbouring programs read the same x rows
     pid_m = tl.program_id(1)
@@ -82,18 +65,37 @@ def _gemm_kernel(
     x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     w_ptrs = W + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
+    sum_sq = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     for i in range(0, k_per_split // BLOCK_K):
         k = k_start + i * BLOCK_K
-        if EVEN_K:
-            a = tl.load(x_ptrs, mask=rows, other=0.0)
-            b = tl.load(w_ptrs, mask=cols, other=0.0)
-        else:
+        a_mask = rows
+        b_mask = cols
+        if not EVEN_K:
             in_k = (k + offs_k)[None, :] < K
-            a = tl.load(x_ptrs, mask=rows & in_k, other=0.0)
-            b = tl.load(w_ptrs, mask=cols & in_k, other=0.0)
+            a_mask = rows & in_k
+            b_mask = cols & in_k
+        a = tl.load(x_ptrs, mask=a_mask, other=0.0)
+        if PROLOGUE == "norm":  # RMSNorm(x [+ residual]) * weight: the row scale waits for the epilogue
+            if HAS_RESIDUAL:
+                res_offs = offs_m[:, None] * K + (k + offs_k)[None, :]
+                a = (a.to(tl.float32) + tl.load(RESIDUAL + res_offs, mask=a_mask, other=0.0).to(tl.float32)).to(
+                    X.dtype.element_ty
+                )
+                tl.store(RESIDUAL_OUT + res_offs, a, mask=a_mask & (offs_m[:, None] * 0 + pid_n == 0))  # once a row
+            a32 = a.to(tl.float32)
+            sum_sq += tl.reduce(a32 * a32, 1, tl.standard._sum_combine)
+            g = tl.load(NORM_WEIGHT + k + offs_k, mask=(k + offs_k) < K, other=0.0).to(tl.float32)
+            a = (a32 * g[None, :]).to(X.dtype.element_ty)
+        elif PROLOGUE == "silu":  # x = [gate | up]: silu(gate) * up, K columns apart
+            gate = a.to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=a_mask, other=0.0).to(tl.float32)
+            a = (gate / (1.0 + tl.exp(-gate)) * up).to(X.dtype.element_ty)
+        b = tl.load(w_ptrs, mask=b_mask, other=0.0)
         acc = tl.dot(a, tl.trans(b), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if PROLOGUE == "norm":
+        acc = acc * (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     out_mask = rows & (offs_n[None, :] < N)
     if SPLIT_K == 1:
@@ -120,23 +122,32 @@ def _kernel(interpret: bool):
 
 
 class _Workspace:
-    """Per-device float32 partial tiles and int32 tile counters (zeros), grown on demand, never shrunk.
+    """Per-device float32 partial tiles and int32 tile counters (zeros), grown on demand.
 
-    The engine compiles and runs every configured GEMM once before capturing CUDA graphs, so the buffers are
-    at their final size before any graph records their addresses."""
+    A CUDA graph keeps the addresses it was captured with, so a buffer that grows is replaced but never freed:
+    graphs captured before still use the old one (each graph bucket runs its model once eagerly before its
+    capture, which is where the growth happens)."""
 
     def __init__(self) -> None:
         self.partial: dict[torch.device, torch.Tensor] = {}
         self.counts: dict[torch.device, torch.Tensor] = {}
+        self.retired: list[torch.Tensor] = []
 
     def get(self, device: torch.device, partial_elems: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         partial = self.partial.get(device)
         if partial is None or partial.numel() < partial_elems:
+            if capturing:
+                raise RuntimeError("the GEMM's workspace grew during CUDA graph capture: run the model eagerly first")
+            if partial is not None:
+                self.retired.append(partial)
             partial = self.partial[device] = torch.empty(max(partial_elems, 1), dtype=torch.float32, device=device)
         counts = self.counts.get(device)
         if counts is None or counts.numel() < tiles:
-            if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("the GEMM's tile counters must be allocated before CUDA graph capture")
+            if capturing:
+                raise RuntimeError("the GEMM tile counters grew during CUDA graph capture: run the model eagerly first")
+            if counts is not None:
+                self.retired.append(counts)
             counts = self.counts[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
         return partial, counts
 
@@ -144,20 +155,49 @@ class _Workspace:
 _WORKSPACE = _Workspace()
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemmConfig,
+    out: torch.Tensor | None = None,
+    *,
+    prologue: str = "none",
+    norm_weight: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``x @ weight.T`` (``x``: ``[M, K]``, ``weight``: ``[N, K]``, both with unit stride along K) in ``x``'s
-    dtype, accumulated in float32. CPU tensors run Triton's interpreter (slow: tests only)."""
-    if x.dim() != 2 or weight.dim() != 2 or x.size(1) != weight.size(1):
-        raise ValueError(f"gemm: x [M, K] and weight [N, K] with the same K, got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")  # fmt: skip
+    dtype, accumulated in float32. CPU tensors run Triton's interpreter (slow: tests only).
+
+    ``prologue`` transforms ``x`` on its way into the product:
+
+    - ``"norm"``: ``RMSNorm(x + residual) * norm_weight`` (``residual`` optional), the row scale applied to the
+      accumulator. Returns ``(y, x + residual)`` (``x`` itself without a residual), as a fused add-and-norm
+      layer does. Needs ``config.split_k == 1``: the scale needs the whole row.
+    - ``"silu"``: ``x`` is ``[M, 2K]``, gate then up: ``silu(gate) * up`` (SwiGLU's activation).
+    """
+    if prologue not in ("none", "norm", "silu"):
+        raise ValueError(f"gemm: prologue {prologue!r} is not one of 'none', 'norm', 'silu'")
+    k = weight.size(1) if weight.dim() == 2 else -1
+    x_k = x.size(1) // 2 if prologue == "silu" and x.dim() == 2 else (x.size(1) if x.dim() == 2 else -2)
+    if x.dim() != 2 or weight.dim() != 2 or x_k != k or (prologue == "silu" and x.size(1) != 2 * k):
+        what = "x [M, 2K] (gate, up)" if prologue == "silu" else "x [M, K]"
+        raise ValueError(f"gemm: {what} and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemm: x and weight need unit stride along K")
-    m, k = x.shape
-    n = weight.size(0)
+    if prologue == "norm":
+        if config.split_k != 1:
+            raise ValueError(f"gemm: prologue 'norm' needs split_k=1 (the config has split_k={config.split_k})")
+        if norm_weight is None or norm_weight.shape != (k,):
+            raise ValueError(f"gemm: prologue 'norm' needs norm_weight of shape ({k},)")
+        if residual is not None and (residual.shape != x.shape or not residual.is_contiguous() or x.stride(0) != k):
+            raise ValueError("gemm: residual must be contiguous and of x's shape, and x contiguous")
+    m, n = x.size(0), weight.size(0)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if prologue == "norm" and residual is not None else x
     if m == 0:
-        return out
+        return (out, residual_out) if prologue == "norm" else out
     c = config
     k_steps = triton.cdiv(k, c.block_k)
     split = min(c.split_k, k_steps)
@@ -167,8 +207,10 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, out: torch.T
     tiles = grid[0] * grid[1]
     partial, counts = _WORKSPACE.get(x.device, split * tiles * c.block_m * c.block_n if split > 1 else 0, tiles)
     _kernel(x.device.type != "cuda")[grid](
-        x, weight, out, partial, counts, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=split, EVEN_K=k % k_per_split == 0,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        x, weight, out, partial, counts, norm_weight if norm_weight is not None else x,
+        residual if residual is not None else x, residual_out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        k_per_split, eps, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=split,
+        EVEN_K=k % k_per_split == 0, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, num_warps=c.num_warps,
+        num_stages=c.num_stages,
     )  # fmt: skip
-    return out
+    return (out, residual_out) if prologue == "norm" else out

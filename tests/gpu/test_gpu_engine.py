@@ -233,3 +233,42 @@ def test_steps_with_prompt_tokens_replay_graphs_like_eager(bf16_path, scheduler)
     assert all(g[:4] == w[:4] for g, w in zip(got, want)), (got, want)
     assert sum(agree) / len(agree) >= 0.9
     assert error < 1e-2
+
+
+def test_fused_decode_gemms_match_the_unfused_layers(tmp_path, monkeypatch):
+    """The 0.6B shape's layer widths (two layers), so the device's tuned table covers the decode steps: the
+    engine with each RMSNorm and SwiGLU fused into the next projection gives the unfused engine's tokens."""
+    import gc
+
+    from nanovllm_core.layers import fused_linear
+
+    if not fused_linear._device_table(torch.cuda.get_device_name()):
+        pytest.skip(f"no tuned decode-GEMM table for {torch.cuda.get_device_name()}")
+    shape = {**GPU_TEST_SHAPE, "hidden_size": 1024, "intermediate_size": 3072}
+    path = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3", dtype=torch.bfloat16, **shape)
+    fused_calls = []
+    lookup = fused_linear.decode_gemm_config
+
+    def counting(weight, rows, **kwargs):
+        config = lookup(weight, rows, **kwargs)
+        fused_calls.append(config is not None)
+        return config
+
+    monkeypatch.setattr(fused_linear, "decode_gemm_config", counting)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    tokens = {}
+    for fuse in (True, False):
+        llm = LLM(str(path), fuse_decode_gemms=fuse, kvcache_block_size=64, max_model_len=1024,
+                  num_kvcache_blocks=64, max_num_seqs=32)  # fmt: skip
+        tokens[fuse] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        if fuse:
+            assert any(fused_calls), "no projection took the fused GEMM"
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    agree = [sum(a == b for a, b in zip(f, u)) / len(u) for f, u in zip(tokens[True], tokens[False])]
+    print(f"\nfused against unfused decode GEMMs: fraction of 32 greedy tokens equal {agree}")
+    for fused, plain in zip(tokens[True], tokens[False]):
+        assert fused[:4] == plain[:4]
+    assert sum(agree) / len(agree) >= 0.9

@@ -45,7 +45,7 @@ def test_strided_rows_and_empty_input():
 
 
 def test_bad_shapes_and_configs_say_what_is_allowed():
-    with pytest.raises(ValueError, match="same K"):
+    with pytest.raises(ValueError, match=r"weight \[N, K\]"):
         gemm(torch.randn(2, 8), torch.randn(4, 16), GemmConfig(16, 16, 16))
     with pytest.raises(ValueError, match="unit stride"):
         gemm(torch.randn(8, 2).T, torch.randn(4, 8), GemmConfig(16, 16, 16))
@@ -53,6 +53,38 @@ def test_bad_shapes_and_configs_say_what_is_allowed():
         GemmConfig(24, 16, 16)
     with pytest.raises(ValueError, match="split_k"):
         GemmConfig(16, 16, 16, split_k=0)
+    with pytest.raises(ValueError, match="prologue 'norm' needs split_k=1"):
+        gemm(torch.randn(2, 32), torch.randn(4, 32), GemmConfig(16, 16, 16, split_k=2), prologue="norm",
+             norm_weight=torch.ones(32))  # fmt: skip
+    with pytest.raises(ValueError, match="one of 'none', 'norm', 'silu'"):
+        gemm(torch.randn(2, 32), torch.randn(4, 32), GemmConfig(16, 16, 16), prologue="gelu")
+    with pytest.raises(ValueError, match=r"x \[M, 2K\]"):
+        gemm(torch.randn(2, 48), torch.randn(4, 32), GemmConfig(16, 16, 16), prologue="silu")
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_prologue_is_add_rms_norm_then_the_product(with_residual):
+    torch.manual_seed(1)
+    x, w, g = torch.randn(21, 96), torch.randn(40, 96), torch.rand(96) + 0.5
+    residual = torch.randn(21, 96) if with_residual else None
+    y, new_residual = gemm(x, w, GemmConfig(16, 16, 32), prologue="norm", norm_weight=g, residual=residual, eps=1e-5)
+    h = x + residual if with_residual else x
+    torch.testing.assert_close(new_residual, h)
+    assert with_residual or new_residual is x
+    torch.testing.assert_close(y, rms_norm_reference(h, g, 1e-5) @ w.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_silu_prologue_is_swiglu_then_the_product(split):
+    torch.manual_seed(2)
+    x, w = torch.randn(13, 2 * 80), torch.randn(24, 80)
+    y = gemm(x, w, GemmConfig(16, 16, 32, split_k=split), prologue="silu")
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(y, (torch.nn.functional.silu(gate) * up) @ w.T, rtol=1e-4, atol=1e-4)
 
 
 GPU_SHAPES = [(1, 4096, 1024), (64, 1024, 2048), (200, 6144, 1024), (256, 1024, 3072), (37, 4096, 12288)]
@@ -71,6 +103,28 @@ def test_gpu_against_cublas(rows, out, inp, split):
     reference = (x.float() @ w.float().T).to(torch.bfloat16)
     torch.testing.assert_close(y, reference, rtol=1.6e-2, atol=1e-2)
     assert torch.equal(gemm(x, w, config), y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_gpu_prologues_against_the_unfused_layers(rows):
+    torch.manual_seed(0)
+    dev, bf16 = "cuda", torch.bfloat16
+    x, residual = torch.randn(rows, 1024, device=dev, dtype=bf16), torch.randn(rows, 1024, device=dev, dtype=bf16)
+    g = (torch.rand(1024, device=dev) + 0.5).to(bf16)
+    w = torch.randn(4096, 1024, device=dev, dtype=bf16) * 0.02
+    y, new_residual = gemm(x, w, GemmConfig(16 if rows <= 16 else 64, 64, 128), prologue="norm", norm_weight=g,
+                           residual=residual, eps=1e-6)  # fmt: skip
+    h = (x.float() + residual.float()).to(bf16)
+    torch.testing.assert_close(new_residual, h)
+    reference = rms_norm_reference(h.float(), g.float(), 1e-6) @ w.float().T
+    torch.testing.assert_close(y.float(), reference, rtol=2e-2, atol=2e-2)
+    gate_up = torch.randn(rows, 2 * 3072, device=dev, dtype=bf16)
+    w_down = torch.randn(1024, 3072, device=dev, dtype=bf16) * 0.02
+    y = gemm(gate_up, w_down, GemmConfig(16 if rows <= 16 else 64, 32, 128, split_k=4), prologue="silu")
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(y.float(), (torch.nn.functional.silu(gate) * up) @ w_down.float().T, rtol=2e-2,
+                               atol=2e-2)  # fmt: skip
 
 
 @pytest.mark.gpu
