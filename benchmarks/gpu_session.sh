@@ -123,6 +123,16 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r9-c)  # round 9, one H200 (about 6 minutes): the fused GEMMs swept as fused ops (norm / SwiGLU prologue) against
+    # the unfused kernels, a table of the winners, then the 0.6B bench with that table and without fusion
+    TAIL=16 step fused_sweep 300 python benchmarks/fused_gemm.py --shape qwen3-0.6b --rows 16,64,128,256 \
+      --json "$OUT/fused_gemm_0.6b.json" --write-table "$OUT/gemm_configs_r9c.json"
+    cp "$OUT/gemm_configs_r9c.json" /tmp/gemm_configs_r9c.json
+    NANOVLLM_GEMM_CONFIGS=/tmp/gemm_configs_r9c.json TAIL=7 bench fused_table --attention triton --runs 2 \
+      --warmup-prompts 1
+    TAIL=7 bench unfused --attention triton --runs 2 --warmup-prompts 1 --no-fuse-decode-gemms
+    pack
+    ;;
   r9-b)  # round 9, one H200 (about 7 minutes): the fused decode GEMMs (RMSNorm into qkv and gate_up, SwiGLU into
     # down): their GPU tests and the engine's, then the 0.6B bench with and without them, back to back
     TAIL=8 step gpu_tests 240 python -m pytest tests/unit/test_gemm_kernel.py tests/gpu plugins/models_qwen3/tests \

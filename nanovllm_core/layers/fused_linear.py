@@ -14,8 +14,10 @@ The engine turns this on with :func:`set_fused_gemms` (config ``fuse_decode_gemm
 from __future__ import annotations
 
 import json
+import os
 from functools import cache
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -32,13 +34,23 @@ def set_fused_gemms(enabled: bool) -> None:
     _enabled = enabled
 
 
+CONFIGS_ENV = "NANOVLLM_GEMM_CONFIGS"
+
+
 @cache
-def _device_table(device_name: str) -> dict[tuple[int, int], list[tuple[int, GemmConfig]]]:
-    tables = json.loads(resources.files("nanovllm_core.layers").joinpath("gemm_configs.json").read_text())
+def _device_table(device_name: str) -> dict[tuple[int, int], list[tuple[int, GemmConfig | None]]]:
+    """``{(out, in): [(up to rows, config or None: unfused), ...]}`` for one device, from ``$NANOVLLM_GEMM_CONFIGS``
+    (a JSON file of the same form as ``gemm_configs.json``, e.g. written by ``benchmarks/fused_gemm.py``) if set,
+    else from the table shipped with the package."""
+    path = os.environ.get(CONFIGS_ENV)
+    if path:
+        text = Path(path).read_text()
+    else:
+        text = resources.files("nanovllm_core.layers").joinpath("gemm_configs.json").read_text()
     table = {}
-    for shape, entries in tables.get(device_name, {}).items():
+    for shape, entries in json.loads(text).get(device_name, {}).items():
         n, k = (int(v) for v in shape.split("x"))
-        table[(n, k)] = [(rows, parse_config(c)) for rows, c in entries]
+        table[(n, k)] = [(rows, parse_config(c) if c else None) for rows, c in entries]
     return table
 
 
@@ -56,7 +68,7 @@ def decode_gemm_config(weight: torch.Tensor, rows: int, *, split_ok: bool = True
     entries = _device_table(_device_name(weight.device.index or 0)).get(tuple(weight.shape))
     for max_rows, config in entries or ():
         if rows <= max_rows:
-            return config if split_ok or config.split_k == 1 else None
+            return config if config is not None and (split_ok or config.split_k == 1) else None
     return None
 
 
