@@ -98,12 +98,6 @@ class EngineConfig(BaseModel):
         description="On CUDA, fuse the small ops: norms, rotary and activation with torch.compile; q/k norm + "
         "rotary and temperature sampling with hand-written Triton kernels.",
     )
-    fuse_decode_gemms: bool = Field(
-        True,
-        description="On CUDA devices with measured launch shapes (nanovllm_core/layers/gemm_configs.json), run "
-        "the projections after each RMSNorm and after SwiGLU as Triton GEMMs with the norm or activation fused in, "
-        "for batches of up to the measured row counts (decode steps); three fewer kernels per layer.",
-    )
     async_scheduling: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Schedule and prepare step N+1 while the device runs step N. `auto`: on for CUDA (any "

@@ -23,7 +23,6 @@ from nanovllm_core.host_tensor import host_tensor
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch, SchedulerOutput
 from nanovllm_core.layers.attention import Attention
 from nanovllm_core.layers.fused import set_compile
-from nanovllm_core.layers.fused_linear import set_fused_gemms
 from nanovllm_core.layers.sampler import (
     LogprobsTensors,
     SampleLogprobs,
@@ -365,7 +364,6 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = config.max_model_len
         set_compile(device.type == "cuda" and config.compile_small_ops)
-        set_fused_gemms(device.type == "cuda" and config.fuse_decode_gemms)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:

@@ -2,16 +2,13 @@
 
 Also for kernel authors: :func:`wrap_kernel` runs a ``@triton.jit`` kernel compiled on CUDA or in Triton's
 interpreter on CPU (how CI tests kernels), and :func:`fused_enabled` says whether the engine asked for
-fused/compiled small ops on this device (``compile_small_ops``). :func:`norm_then_linear` and
-:func:`silu_mul_then_linear` run a projection with the RMSNorm or SwiGLU before it fused in, where the device has
-tuned launch shapes for it (``fuse_decode_gemms``), and the plain layers otherwise.
+fused/compiled small ops on this device (``compile_small_ops``).
 """
 
 from nanovllm_core.layers.activation import SiluAndMul
 from nanovllm_core.layers.attention import Attention
 from nanovllm_core.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanovllm_core.layers.fused import fused_enabled
-from nanovllm_core.layers.fused_linear import norm_then_linear, silu_mul_then_linear
 from nanovllm_core.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -37,7 +34,5 @@ __all__ = [
     "VocabParallelEmbedding",
     "fused_enabled",
     "get_rope",
-    "norm_then_linear",
-    "silu_mul_then_linear",
     "wrap_kernel",
 ]

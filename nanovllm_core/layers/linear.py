@@ -111,11 +111,7 @@ class RowParallelLinear(_Linear):
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce_output(F.linear(x, self.weight))
-
-    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
-        """This rank's partial product ``x_shard @ weight_shard.T`` to the layer's output: summed over ranks, plus
-        the bias (for kernels that compute the product themselves)."""
+        y = F.linear(x, self.weight)
         y = all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

@@ -20,8 +20,6 @@ from nanovllm_core.layers import (
     VocabParallelEmbedding,
     fused_enabled,
     get_rope,
-    norm_then_linear,
-    silu_mul_then_linear,
 )
 from nanovllm_core.loader import load_weights
 from nanovllm_models_qwen3.qk_norm_rope import qk_norm_rope
@@ -49,10 +47,7 @@ class QwenAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden_states))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """The layer from the ``qkv`` projection's output on (the decoder layer may fuse its norm into it)."""
+        qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -82,10 +77,6 @@ class QwenMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SwiGLU and ``down_proj`` of ``gate_up_proj``'s output (one fused GEMM where tuned)."""
-        return silu_mul_then_linear(self.down_proj, gate_up)
-
 
 MlpFactory = Callable[[Any, int], nn.Module]
 """Builds the feed-forward block of decoder layer ``layer_idx``: ``factory(config, layer_idx)``."""
@@ -109,14 +100,12 @@ class QwenDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # each norm goes into the projection after it where a tuned Triton GEMM covers the batch (decode steps)
-        qkv, residual = norm_then_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden_states, residual)
-        hidden_states = self.self_attn.attend(positions, qkv)
-        if isinstance(self.mlp, QwenMLP):
-            gate_up, residual = norm_then_linear(
-                self.post_attention_layernorm, self.mlp.gate_up_proj, hidden_states, residual
-            )
-            return self.mlp.down(gate_up), residual
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

@@ -39,9 +39,3 @@ def moe_step2_path(tmp_path_factory):
         moe_intermediate_size=32,
         intermediate_size=96,
     )
-
-
-@pytest.fixture(scope="session")
-def dense_path(tmp_path_factory):
-    """Tiny dense Qwen3: 2 layers, GQA 4:2, head_dim 32, tied embeddings."""
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_dense"), "qwen3")
