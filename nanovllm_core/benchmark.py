@@ -418,7 +418,8 @@ def profile_decode(llm: Any, prompts: list[list[int]], steps: int = 32) -> None:
     total = sum(e.self_device_time_total for e in events)
     print(
         f"profile of {steps} decode steps with {len(prompts)} sequences: "
-        f"GPU kernel time {total / 1e3 / steps:.2f} ms/step"
+        f"GPU kernel time {total / 1e3 / steps:.2f} ms/step in {sum(e.count for e in events) / steps:.0f} kernels "
+        f"and copies a step"
     )
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
         print(
