@@ -10,23 +10,13 @@ package).
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
-from plotting import plt, save
+from plotting import labelled_results, plt, save
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("results", nargs="+", help="LABEL=FILE")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--title", default="nano-vllm workload (256 seqs, 133,966 output tokens), one H200")
-    args = parser.parse_args(argv)
+    args, results = labelled_results(argv, "nano-vllm workload (256 seqs, 133,966 output tokens), one H200")
     fig, ax = plt.subplots(figsize=(10, 4.6))
-    for x, item in enumerate(args.results):
-        label, path = item.rsplit("=", 1)
-        r = json.loads(Path(path).read_text())
+    for x, (label, r) in enumerate(results):
         value, additive, per_step = r["output_tok_per_s"], r["bound_tok_per_s"], r["per_step_bound_tok_per_s"]
         ax.bar(x, value, 0.6, color="C1" if "fp8" in label else "C0")
         ax.text(x, value * 1.01, f"{value:,.0f}\n{100 * value / per_step:.0f}% / {100 * value / additive:.0f}%",
@@ -36,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
                   label="additive bound" if x == 0 else None)
         ax.hlines(0.85 * per_step, x - 0.35, x + 0.35, color="green", linestyle=":",
                   label="85% of the per-step bound (target)" if x == 0 else None)
-    ax.set_xticks(range(len(args.results)), [item.rsplit("=", 1)[0] for item in args.results], fontsize=8)
+    ax.set_xticks(range(len(results)), [label for label, _ in results], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("output tokens / s (log scale)")
     ax.set_title(args.title + "; labels: tok/s, % of per-step / additive bound", fontsize=9)

@@ -6,6 +6,8 @@ puts this folder first on ``sys.path``.
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,3 +23,14 @@ def save(fig: Any, out: str | Path, dpi: int) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)
     print(f"wrote {out}")
+
+
+def labelled_results(argv: list[str] | None, default_title: str) -> tuple[argparse.Namespace, list[tuple[str, Any]]]:
+    """Parse ``LABEL=FILE ... --out PNG [--title T]`` and load each FILE's JSON: ``(args, [(label, result)])``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results", nargs="+", help="LABEL=FILE")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--title", default=default_title)
+    args = parser.parse_args(argv)
+    pairs = [item.rsplit("=", 1) for item in args.results]
+    return args, [(label, json.loads(Path(path).read_text())) for label, path in pairs]
