@@ -123,6 +123,20 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r9-e)  # round 9, one H200 (about 4 minutes): fifo and priority over saturation, two priority classes, nano-vllm
+    # workload: all 512 at once, then at 72 req/s (1.5x round 8's fifo saturation, 48.0 req/s)
+    for policy in fifo priority; do
+      if [ "$policy" = fifo ]; then serve_start fifo; else serve_start priority --scheduler priority \
+        --max-num-batched-tokens 2048; fi
+      TAIL=3 serve_bench "${policy}_nano_inf" --dataset nano --num-prompts 512 --request-rate inf --priorities 0,1
+      TAIL=3 serve_bench "${policy}_nano_150" --dataset nano --num-prompts 512 --request-rate 72 --priorities 0,1 \
+        --warmup 0
+      stages "${policy}_nano_150" "${policy}_nano_inf"
+      serve_stop
+    done
+    summarize "$OUT"/serve_*.json
+    pack
+    ;;
   r9-d)  # round 9, one H200 (about 7 minutes): the decode-step fit on both shapes (0.6B with --profile: its kernels
     # per step), the 8B checkpoint written meanwhile
     setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
