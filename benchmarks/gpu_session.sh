@@ -123,6 +123,11 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r9-f)  # round 9, one H200 (about 2 minutes): the 0.6B decode step profiled at 16, 64 and 256 sequences: kernel
+    # time against the steps' span, kernel by kernel
+    TAIL=70 bench profile --attention triton --runs 1 --warmup-prompts 1 --profile --profile-seqs 16,64,256
+    pack
+    ;;
   r9-e)  # round 9, one H200 (about 4 minutes): fifo and priority over saturation, two priority classes, nano-vllm
     # workload: all 512 at once, then at 72 req/s (1.5x round 8's fifo saturation, 48.0 req/s)
     for policy in fifo priority; do

@@ -100,6 +100,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile", action="store_true", help="afterwards, profile 32 decode steps and print the top GPU kernels"
     )
+    parser.add_argument(
+        "--profile-seqs",
+        default="",
+        help="with --profile: comma-separated batch sizes to profile (the first N prompts each); default: all",
+    )
 
 
 def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[list[list[int]], list[int]]:
@@ -388,7 +393,9 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         )
     if args.profile and device.type == "cuda":
         if data_parallel == 1:
-            profile_decode(llm, prompts)
+            sizes = [int(n) for n in args.profile_seqs.split(",") if n.strip()] or [len(prompts)]
+            for n in sizes:
+                profile_decode(llm, prompts[:n])
         else:
             print("--profile profiles one engine in this process: run it without --data-parallel-size")
     if args.json:
@@ -397,7 +404,8 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 
 def profile_decode(llm: Any, prompts: list[list[int]], steps: int = 32) -> None:
-    """Profile ``steps`` decode steps of the full batch; print where the GPU time goes, kernel by kernel."""
+    """Profile ``steps`` decode steps of the full batch; print where the GPU time goes, kernel by kernel, and how
+    much of each step's GPU time (CUDA events around the steps) no kernel or copy covers."""
     from torch.profiler import ProfilerActivity, profile
 
     from nanovllm_core import SamplingParams
@@ -408,18 +416,24 @@ def profile_decode(llm: Any, prompts: list[list[int]], steps: int = 32) -> None:
     while llm.stats().num_generation_tokens < before_tokens + len(prompts):
         llm.step()  # finish the prefills first: every request has its first token
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
         for _ in range(steps):
             llm.step()
+        end.record()
         torch.cuda.synchronize()
     for request_id in ids:
         llm.abort_request(request_id)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)
+    span_ms = start.elapsed_time(end) / steps
+    kernels_ms = total / 1e3 / steps
     print(
         f"profile of {steps} decode steps with {len(prompts)} sequences: "
-        f"GPU kernel time {total / 1e3 / steps:.2f} ms/step in {sum(e.count for e in events) / steps:.0f} kernels "
-        f"and copies a step"
+        f"GPU kernel time {kernels_ms:.2f} ms/step in {sum(e.count for e in events) / steps:.0f} kernels "
+        f"and copies a step; {span_ms:.2f} ms/step from first to last, so {span_ms - kernels_ms:.2f} ms/step "
+        f"between them"
     )
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
         print(
