@@ -9,6 +9,10 @@ every KV written) over the measured copy bandwidth, plus the matmul FLOPs over t
 rate. Both rates are measured by the benchmark itself on the device it runs on. Beside it, the per-step
 bound: each decode step the longer of its bytes and its matmul FLOPs, plus the prompts' FLOPs (or their KV writes,
 if longer): the sum overstates the minimum when a step is compute-bound, as the 8B's are.
+
+On CUDA the last run's steps are timed on the GPU one by one, and the decode steps' times are fitted to a fixed
+part, a part per sequence and a part per KV token read (``decode_step_fit``): where the distance to the bound
+is. ``--profile`` then lists the kernels of 32 decode steps (``--profile-seqs``: at several batch sizes).
 """
 
 from __future__ import annotations
