@@ -206,7 +206,7 @@ class LLMEngine(EngineCore):
         super().__init__(
             cfg,
             scheduler,
-            _StepTimer(self.runner, self.step_stats),
+            _StepTimer(self.runner, self.step_stats, self.tp_group),
             scheduler_name=cfg.plugins.scheduler,
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
@@ -345,14 +345,22 @@ class LLMEngine(EngineCore):
 class _StepTimer:
     """Wraps the runner's ``launch`` to count each step's prompt and decode tokens and time (progress bar)."""
 
-    def __init__(self, runner: ModelRunner, stats: StepStats) -> None:
+    def __init__(self, runner: ModelRunner, stats: StepStats, tp_group: TensorParallelGroup | None = None) -> None:
         self.runner = runner
         self.stats = stats
+        self.tp_group = tp_group
         self._last_end = 0.0
 
     def launch(self, batch: SchedulerOutput, in_flight: Any | None = None) -> Any:
         start = time.perf_counter()
-        launched = self.runner.launch(batch, in_flight)
+        try:
+            launched = self.runner.launch(batch, in_flight)
+        except Exception:
+            # shut down from another thread mid-step: the step's collectives fail on the group being left
+            # (gloo: "Default process group has not been initialized"); say what happened instead
+            if self.tp_group is not None and self.tp_group.closed:
+                self.tp_group.check()  # raises the "engine was shut down" error
+            raise
         end = time.perf_counter()
         # a step's time is the whole cycle since the previous launch (the device and the reads included),
         # unless the engine sat idle in between

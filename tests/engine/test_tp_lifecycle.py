@@ -318,3 +318,30 @@ def test_a_hung_leave_is_bounded(monkeypatch, caplog):
     release.set()
     monkeypatch.setattr(parallel, "leave_distributed", lambda device_type: None)
     assert parallel.leave_distributed_within("cpu", 5) is True
+
+
+def test_a_step_cut_off_by_shutdown_says_so():
+    """The race behind test_shutdown_while_another_thread_generates, made certain: the step has passed the
+    group's check, then the group is left under it and its collective fails with whatever the backend says.
+    The stepping thread hears that the engine was shut down; any other failure passes through unchanged."""
+    from nanovllm_core.engine.llm_engine import StepStats, _StepTimer
+
+    class Group:
+        closed = False
+
+        def check(self) -> None:
+            if self.closed:
+                raise RuntimeError("the engine was shut down (its tensor-parallel workers are gone): create a new one")
+
+    class Runner:
+        def launch(self, batch, in_flight=None):
+            raise ValueError("Default process group has not been initialized")
+
+    group = Group()
+    timer = _StepTimer(Runner(), StepStats(), group)
+    with pytest.raises(ValueError, match="process group"):  # the group still open: not a shutdown
+        timer.launch(None)
+    group.closed = True
+    with pytest.raises(RuntimeError, match="the engine was shut down") as caught:
+        timer.launch(None)
+    assert isinstance(caught.value.__context__, ValueError)
