@@ -152,39 +152,6 @@ case "${1:?phase}" in
     BENCH_LIMIT=240 TAIL=6 bench 8b_bf16 --shape qwen3-8b --attention triton --runs 2 --warmup-prompts 1
     pack
     ;;
-  r9-c)  # round 9 at f32d7d6 (the fused GEMMs were removed after it), one H200 (about 6 minutes): the fused GEMMs
-    # swept as fused ops (norm / SwiGLU prologue) against
-    # the unfused kernels, a table of the winners, then the 0.6B bench with that table and without fusion
-    TAIL=16 step fused_sweep 300 python benchmarks/fused_gemm.py --shape qwen3-0.6b --rows 16,64,128,256 \
-      --json "$OUT/fused_gemm_0.6b.json" --write-table "$OUT/gemm_configs_r9c.json"
-    cp "$OUT/gemm_configs_r9c.json" /tmp/gemm_configs_r9c.json
-    NANOVLLM_GEMM_CONFIGS=/tmp/gemm_configs_r9c.json TAIL=7 bench fused_table --attention triton --runs 2 \
-      --warmup-prompts 1
-    TAIL=7 bench unfused --attention triton --runs 2 --warmup-prompts 1 --no-fuse-decode-gemms
-    pack
-    ;;
-  r9-b)  # round 9 at efb5c2a (the fused GEMMs were removed after r9-c), one H200 (about 7 minutes): the fused
-    # decode GEMMs (RMSNorm into qkv and gate_up, SwiGLU into
-    # down): their GPU tests and the engine's, then the 0.6B bench with and without them, back to back
-    TAIL=8 step gpu_tests 240 python -m pytest tests/unit/test_gemm_kernel.py tests/gpu plugins/models_qwen3/tests \
-      -m gpu -q -rf -s -k "not tp2 and not torchrun"
-    grep -E "fraction of|rel. error" "$OUT/gpu_tests.log" | head -20
-    TAIL=7 bench fused --attention triton --runs 2 --warmup-prompts 1
-    TAIL=7 bench unfused --attention triton --runs 2 --warmup-prompts 1 --no-fuse-decode-gemms
-    pack
-    ;;
-  r9-a)  # round 9 at c8da721 (the Triton GEMM was removed after r9-c), one H200 (about 7 minutes): the Triton
-    # decode GEMM's GPU tests, its launch-shape sweep against
-    # cuBLAS on the 0.6B and 8B decode projections, and the 0.6B bench with its decode-step fit (fixed / per
-    # sequence / per KV token)
-    TAIL=4 step gemm_tests 200 python -m pytest tests/unit/test_gemm_kernel.py -m gpu -q -rf
-    TAIL=24 step gemm_0.6b 240 python benchmarks/decode_gemm.py --shape qwen3-0.6b --rows 1,16,64,128,256 \
-      --blas default,triton --json "$OUT/gemm_0.6b.json"
-    TAIL=6 bench bf16 --attention triton --runs 2 --warmup-prompts 1
-    TAIL=24 step gemm_8b 240 python benchmarks/decode_gemm.py --shape qwen3-8b --rows 1,16,64,128,256 \
-      --blas default,triton --json "$OUT/gemm_8b.json"
-    pack
-    ;;
   r8-fp8)  # round 8, one H200 (about 7 minutes): FP8 kernels. The decode kernel's float16-dot variant (commit
     # 191f90c, reverted after this phase measured it slower), then the prefill kernel's (e9d3833): every fp8 GPU
     # test, the kernels against bf16, bf16 and fp8 offline, fp8 accuracy, the fp8 decode tile sweep
