@@ -124,6 +124,17 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[li
     return prompts, max_tokens
 
 
+def profile_sizes(text: str, num_seqs: int) -> list[int]:
+    """``--profile-seqs`` as batch sizes: comma-separated integers from 1 to ``num_seqs``; empty: ``[num_seqs]``."""
+    try:
+        sizes = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        sizes = [0]
+    if any(not 1 <= n <= num_seqs for n in sizes):
+        raise ConfigError(f"--profile-seqs {text!r}: comma-separated batch sizes from 1 to --num-seqs ({num_seqs})")
+    return sizes or [num_seqs]
+
+
 def random_checkpoint(shape: str, dtype: torch.dtype) -> Path:
     from nanovllm_core.testing import write_tiny_checkpoint
 
@@ -265,6 +276,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         overrides["model"] = str(random_checkpoint(args.shape, dtype))
     overrides.setdefault("max_model_len", 4096)
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    profile_seqs = profile_sizes(args.profile_seqs, len(prompts))  # before anything loads: bad input costs nothing
     from nanovllm_core.config import EngineConfig
 
     data_parallel = EngineConfig.load(args.config, cli_overrides=overrides).data_parallel_size
@@ -397,8 +409,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         )
     if args.profile and device.type == "cuda":
         if data_parallel == 1:
-            sizes = [int(n) for n in args.profile_seqs.split(",") if n.strip()] or [len(prompts)]
-            for n in sizes:
+            for n in profile_seqs:
                 profile_decode(llm, prompts[:n])
         else:
             print("--profile profiles one engine in this process: run it without --data-parallel-size")

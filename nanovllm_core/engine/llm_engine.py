@@ -343,7 +343,8 @@ class LLMEngine(EngineCore):
 
 
 class _StepTimer:
-    """Wraps the runner's ``launch`` to count each step's prompt and decode tokens and time (progress bar)."""
+    """Wraps the runner's ``launch`` to count each step's prompt and decode tokens and time (progress bar); under
+    tensor parallelism a step cut off by a shutdown from another thread is reported as that."""
 
     def __init__(self, runner: ModelRunner, stats: StepStats, tp_group: TensorParallelGroup | None = None) -> None:
         self.runner = runner

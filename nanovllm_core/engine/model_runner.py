@@ -431,9 +431,8 @@ class ModelRunner:
         self.num_steps = 0
         self.on_step: Callable[[HostBatch], None] | None = None  # tensor parallel: tell the workers
         self.track_gpu_time = False
-        self._step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        # with track_gpu_time, per step: (sequences, query tokens, KV tokens attended), beside _step_events
-        self._step_shapes: list[tuple[int, int, int]] = []
+        # with track_gpu_time, per step: its start and end events and (sequences, query tokens, KV tokens attended)
+        self._step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, tuple[int, int, int]]] = []
 
     # --- KV cache -------------------------------------------------------------------------------------
 
@@ -618,8 +617,7 @@ class ModelRunner:
         if self.track_gpu_time and self.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-            self._step_events.append(events)
-            self._step_shapes.append((len(host.seq_lens), len(host.input_ids), sum(host.seq_lens)))
+            self._step_events.append((*events, (len(host.seq_lens), len(host.input_ids), sum(host.seq_lens))))
         logits, hidden = self._forward(inputs)
         token_tensor = sample_logprobs = prompt_logprobs = None
         if inputs.sample_rows:
@@ -664,7 +662,7 @@ class ModelRunner:
         }
         if self._step_events:
             torch.cuda.synchronize(self.device)
-            busy = sum(start.elapsed_time(end) for start, end in self._step_events) / 1e3
+            busy = sum(start.elapsed_time(end) for start, end, _ in self._step_events) / 1e3
             idle = (
                 sum(prev[1].elapsed_time(cur[0]) for prev, cur in zip(self._step_events, self._step_events[1:])) / 1e3
             )
@@ -676,11 +674,8 @@ class ModelRunner:
         if not self._step_events:
             return []
         torch.cuda.synchronize(self.device)
-        return [
-            (*shape, start.elapsed_time(end)) for shape, (start, end) in zip(self._step_shapes, self._step_events)
-        ]
+        return [(*shape, start.elapsed_time(end)) for start, end, shape in self._step_events]
 
     def reset_step_tracking(self) -> None:
         self.num_steps, self.host_prepare_s = 0, 0.0
         self._step_events.clear()
-        self._step_shapes.clear()

@@ -57,3 +57,14 @@ def test_decode_step_fit_recovers_the_parts():
     assert fit["fixed_s"] + fit["per_seq_s"] + fit["per_kv_s"] == pytest.approx(fit["decode_steps_gpu_s"])
     assert fit["r2"] == pytest.approx(1.0)
     assert "fixed_ms_per_step" not in fit_decode_steps(records[:3], 4096)  # too few steps to fit three parts
+
+
+def test_profile_seqs_are_batch_sizes_within_the_workload():
+    from nanovllm_core.benchmark import profile_sizes
+    from nanovllm_core.errors import ConfigError
+
+    assert profile_sizes("", 256) == [256]
+    assert profile_sizes("16, 64,256", 256) == [16, 64, 256]
+    for bad in ("0", "300", "16,x", "-4"):
+        with pytest.raises(ConfigError, match=r"--profile-seqs .*from 1 to --num-seqs \(256\)"):
+            profile_sizes(bad, 256)
