@@ -123,37 +123,6 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
-  r10-a)  # round 10, one H200 (about 7 minutes): the CUDA-core FP8 decode kernel. Its GPU tests, the FP8 decode
-    # kernels beside bf16 (16 and 32 query heads over 8 KV heads), Nsight Compute on both FP8 kernels at 256 x 1,024
-    # (if ncu reads the counters here), then the 0.6B offline: bf16, fp8 on tensor cores, fp8 on CUDA cores
-    TAIL=8 step fp8_gpu_tests 200 python -m pytest plugins/attention_flash/tests/test_gpu_backends.py -m gpu -q \
-      -k "cuda_cores or (triton_fp8 and decode)" -rf
-    TAIL=70 step sweep_fp8_16q 150 python plugins/attention_flash/bench_kernels.py --sweep fp8-decode \
-      --out "$OUT/sweep_fp8_16q.md"
-    TAIL=70 step sweep_fp8_32q 150 python plugins/attention_flash/bench_kernels.py --sweep fp8-decode --num-heads 32 \
-      --out "$OUT/sweep_fp8_32q.md"
-    cat > /tmp/ncu_decode.py <<'PY'
-import torch
-from nanovllm_attention_flash import TritonAttentionBackend
-from nanovllm_attention_flash.testing import make_case
-case = make_case([1] * 256, [1023] * 256, num_heads=16, num_kv_heads=8, head_dim=128, block_size=256,
-                 dtype=torch.bfloat16, device="cuda", unused_fill=0.0).fp8()
-for opts in ({}, {"decode_fp8_cuda_cores": True}):
-    backend = case.backend(TritonAttentionBackend, **opts)
-    cache = case.kv_cache.clone()
-    for _ in range(3):
-        case.run(backend, cache)
-torch.cuda.synchronize()
-PY
-    TAIL=200 step ncu_decode 120 ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
-      --section Occupancy --section LaunchStats --section SchedulerStats -k regex:decode -c 6 python /tmp/ncu_decode.py
-    printf '[plugins]\nattention_options = { decode_fp8_cuda_cores = true }\n' > /tmp/fp8_cuda_cores.toml
-    TAIL=5 bench bf16 --attention triton --runs 2 --warmup-prompts 1
-    TAIL=5 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
-    TAIL=5 bench fp8_cuda_cores --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1 \
-      --config /tmp/fp8_cuda_cores.toml
-    pack
-    ;;
   r9-f)  # round 9, one H200 (about 2 minutes): the 0.6B decode step profiled at 16, 64 and 256 sequences: kernel
     # time against the steps' span, kernel by kernel
     TAIL=70 bench profile --attention triton --runs 1 --warmup-prompts 1 --profile --profile-seqs 16,64,256

@@ -14,7 +14,6 @@ the output. TFLOP/s counts 4 * head_dim flops per (query head, visible key) pair
     python plugins/attention_flash/bench_kernels.py --sweep      # also try other triton decode/prefill tiles
     python plugins/attention_flash/bench_kernels.py --sweep prefill --backends triton,flash_attn  # that sweep alone
     python plugins/attention_flash/bench_kernels.py --sweep decode --kv-cache-dtype fp8  # decode tiles, FP8 cache
-    python plugins/attention_flash/bench_kernels.py --sweep fp8-decode  # the FP8 decode kernels beside bf16
 
 The prefill sweep times each tile configuration of ``prefill_sweep_configs`` (both K/V load paths: pointers and
 TMA) on the four prefill cases and ends with a table of every configuration beside flash-attn-4.
@@ -173,29 +172,6 @@ def run_decode_sweep(args) -> list[Row]:
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report it, go on
                     print(f"  sweep-d B={batch} ctx={context} {tag}: {type(exc).__name__}: {exc}", flush=True)
                     break  # the other split counts of this tile fail the same way
-        del case
-        torch.cuda.empty_cache()
-    return rows
-
-
-def run_fp8_decode_sweep(args) -> list[Row]:
-    """The FP8 decode kernels against each other: bf16 (the default tile) for reference, the tensor-core FP8
-    kernel (its default tile), the CUDA-core FP8 kernel over tiles, warps and its prefetch; splits per batch."""
-    rows: list[Row] = []
-    rows_tiles = [(16, 4, False), (16, 4, True), (32, 8, False), (32, 8, True), (16, 2, False), (8, 2, False),
-                  (32, 4, False), (8, 1, False)]  # fmt: skip
-    for batch, context in ((256, 1024), (256, 512), (64, 1024), (16, 1024), (1, 4096)):
-        case = decode_case(batch, context, args)
-        label = f"B={batch} ctx={context}"
-        measure("sweep-f", f"{label} default", case, ["triton", "triton_fp8"], rows)
-        for block_n, warps, prefetch in rows_tiles:
-            opts = dict(decode_fp8_cuda_cores=True, decode_fp8_block_n=block_n, decode_fp8_num_warps=warps,
-                        decode_fp8_prefetch=prefetch)  # fmt: skip
-            tag = f"cuda cores n{block_n} w{warps}{' prefetch' if prefetch else ''}"
-            try:
-                measure("sweep-f", f"{label} {tag}", case, ["triton_fp8"], rows, **opts)
-            except Exception as exc:  # noqa: BLE001 - report it, go on
-                print(f"  sweep-f {label} {tag}: {type(exc).__name__}: {exc}", flush=True)
         del case
         torch.cuda.empty_cache()
     return rows
@@ -362,8 +338,6 @@ def run_sweep(args, names: list[str], what: str = "all") -> tuple[list[Row], str
     text = ""
     if what in ("all", "decode") and not args.smoke:
         rows += run_decode_sweep(args)
-    if what == "fp8-decode":
-        rows += run_fp8_decode_sweep(args)
     if what in ("all", "prefill"):
         prefill_rows, text = run_prefill_sweep(args, names)
         rows += prefill_rows
@@ -402,10 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="triton,triton_fp8,flash_attn,torch", help="comma-separated subset")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="the cache the --sweep tunes the triton kernels on (the main tables run both)")
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode", "prefill", "fp8-decode"],
+    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "decode", "prefill"],
                         help="also sweep triton tile configurations; `--sweep decode` / `--sweep prefill`: that sweep "
-                        "alone, without the main tables (with --smoke: a tiny prefill sweep); `--sweep fp8-decode`: "
-                        "the FP8 decode kernels (tensor cores, CUDA cores) beside bf16")
+                        "alone, without the main tables (with --smoke: a tiny prefill sweep)")
     parser.add_argument("--num-heads", type=int, default=16)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)

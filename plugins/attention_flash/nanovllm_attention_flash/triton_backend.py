@@ -81,16 +81,6 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
         decode_block_n: int | None = Field(None, ge=16, le=256, description="Keys per decode tile (power of two).")
         decode_num_warps: int | None = Field(None, ge=1, le=16)
         decode_num_stages: int | None = Field(None, ge=1, le=6)
-        decode_fp8_cuda_cores: bool | None = Field(
-            None,
-            description="FP8 cache, up to 4 query heads a KV head: decode on the CUDA cores in float32 instead of "
-            "the tensor cores.",
-        )
-        decode_fp8_block_n: int | None = Field(None, ge=8, le=64, description="Keys per CUDA-core FP8 decode tile.")
-        decode_fp8_num_warps: int | None = Field(None, ge=1, le=16)
-        decode_fp8_prefetch: bool | None = Field(
-            None, description="CUDA-core FP8 decode: load the next tile while computing this one."
-        )
         prefill_block_m: int | None = Field(None, ge=16, le=256, description="Queries per prefill tile.")
         prefill_block_n: int | None = Field(None, ge=16, le=256, description="Keys per prefill tile.")
         prefill_num_warps: int | None = Field(None, ge=1, le=16)
@@ -160,10 +150,6 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             block_n=opts.decode_block_n or decode.block_n,
             num_warps=opts.decode_num_warps or decode.num_warps,
             num_stages=opts.decode_num_stages or decode.num_stages,
-            fp8_cuda_cores=decode.fp8_cuda_cores if opts.decode_fp8_cuda_cores is None else opts.decode_fp8_cuda_cores,
-            fp8_block_n=opts.decode_fp8_block_n or decode.fp8_block_n,
-            fp8_num_warps=opts.decode_fp8_num_warps or decode.fp8_num_warps,
-            fp8_prefetch=decode.fp8_prefetch if opts.decode_fp8_prefetch is None else opts.decode_fp8_prefetch,
         )
         prefill = kernels.default_prefill_config(head_dim, block_size, dtype, torch.device(device))
         self.prefill_config = kernels.PrefillConfig(
@@ -173,11 +159,7 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             num_stages=opts.prefill_num_stages or prefill.num_stages,
             use_tma=prefill.use_tma if opts.prefill_use_tma is None else opts.prefill_use_tma,
         )
-        tiles = {
-            "decode_block_n": self.decode_config.block_n,
-            "decode_fp8_block_n": self.decode_config.fp8_block_n,
-            "prefill_block_n": self.prefill_config.block_n,
-        }
+        tiles = {"decode_block_n": self.decode_config.block_n, "prefill_block_n": self.prefill_config.block_n}
         for what, tile in tiles.items():
             if tile & (tile - 1) or block_size % tile:
                 raise ConfigError(f"{what}={tile} must be a power of two dividing kvcache_block_size ({block_size})")

@@ -279,217 +279,6 @@ def _decode_split_kernel(
         tl.store(pl_ptrs, lse, mask=head_mask)
 
 
-def _decode_fp8_rows_kernel(
-    Q,
-    KEY_CACHE,
-    VALUE_CACHE,
-    KEY_SCALES,
-    VALUE_SCALES,
-    BLOCK_TABLES,
-    SEQ_LENS,
-    QUERY_START_LOC,
-    OUT,
-    PART_OUT,
-    PART_LSE,
-    scale_log2,
-    num_splits,
-    stride_q_tok,
-    stride_q_head,
-    stride_c_block,
-    stride_c_tok,
-    stride_c_head,
-    stride_s_block,
-    stride_s_head,
-    stride_bt,
-    stride_o_tok,
-    stride_o_head,
-    stride_po_seq,
-    stride_po_head,
-    stride_po_split,
-    stride_pl_seq,
-    stride_pl_head,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ONE_SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    """``_decode_split_kernel`` for an FP8 cache and up to four query heads a KV head, on the CUDA cores in
-    float32: no tensor-core operands, no shared memory in the loop.
-
-    The e4m3 K/V tiles load straight into registers (16-byte row loads) and are widened there, once for the
-    whole group. Each of a tile's ``BLOCK_N`` key slots keeps, for every query head, its own running max, sum
-    and output over the keys ``n, n + BLOCK_N, ...`` of its split, in the layout the row loads give: a tile
-    needs no reduction across threads but the dot over ``head_dim``. The key slots merge once, after the loop,
-    through their log-sum-exp. Same grid, outputs and split layout as ``_decode_split_kernel``. (One block of
-    code per query head: Triton keeps a [group, keys, head_dim] tensor's head_dim across the threads.)
-    """
-    kv_head = tl.program_id(0)
-    split = tl.program_id(1)
-    seq = tl.program_id(2)
-    q_start = tl.load(QUERY_START_LOC + seq)
-    q_end = tl.load(QUERY_START_LOC + seq + 1)
-    if q_end - q_start != 1:
-        return
-    seq_len = tl.load(SEQ_LENS + seq)
-    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    q_row = Q + q_start.to(tl.int64) * stride_q_tok + (kv_head * GROUP) * stride_q_head + offs_d
-    q0 = tl.load(q_row).to(tl.float32) * scale_log2
-    q1 = tl.load(q_row + stride_q_head, mask=GROUP > 1, other=0.0).to(tl.float32) * scale_log2
-    q2 = tl.load(q_row + 2 * stride_q_head, mask=GROUP > 2, other=0.0).to(tl.float32) * scale_log2
-    q3 = tl.load(q_row + 3 * stride_q_head, mask=GROUP > 3, other=0.0).to(tl.float32) * scale_log2
-    m0 = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    l0 = tl.full([BLOCK_N], 0.0, dtype=tl.float32)
-    acc0 = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
-    m1, l1, acc1 = m0, l0, acc0
-    m2, l2, acc2 = m0, l0, acc0
-    m3, l3, acc3 = m0, l0, acc0
-    k_base = KEY_CACHE + kv_head * stride_c_head
-    v_base = VALUE_CACHE + kv_head * stride_c_head
-    ks_base = KEY_SCALES + kv_head * stride_s_head
-    vs_base = VALUE_SCALES + kv_head * stride_s_head
-    table = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
-    last_key = tl.maximum(seq_len - 1, 0)
-    # PREFETCH: the next tile's bytes load while this one is computed (these loads feed no dot, so Triton's
-    # pipeliner leaves them alone), at the price of repacking the carried bytes; block-table entries are
-    # loaded one tile ahead of their use either way
-    start = tile_begin * BLOCK_N
-    block_next = tl.load(table + tl.minimum(start, last_key) // BLOCK_SIZE)
-    if PREFETCH:
-        block = block_next.to(tl.int64)
-        block_next = tl.load(table + tl.minimum(start + BLOCK_N, last_key) // BLOCK_SIZE)
-        rows = (start % BLOCK_SIZE) + offs_n
-        live = (start + offs_n) < tl.where(tile_begin < tile_end, seq_len, 0)
-        offsets = block * stride_c_block + rows[:, None] * stride_c_tok + offs_d[None, :]
-        k_next = tl.load(k_base + offsets, mask=live[:, None], other=0.0)
-        ks_next = tl.load(ks_base + block * stride_s_block + rows, mask=live, other=0.0)
-        v_next = tl.load(v_base + offsets, mask=live[:, None], other=0.0)
-        vs_next = tl.load(vs_base + block * stride_s_block + rows, mask=live, other=0.0)
-    for tile in range(tile_begin, tile_end):
-        if PREFETCH:
-            k = k_next.to(tl.float32)
-            k_scale = ks_next
-            v = v_next.to(tl.float32)
-            v_scale = vs_next
-            live_here = live
-            start = (tile + 1) * BLOCK_N
-            live = (start + offs_n) < tl.where(tile + 1 < tile_end, seq_len, 0)  # none past the split
-        else:
-            start = tile * BLOCK_N
-            live_here = (start + offs_n) < seq_len
-            live = live_here
-        block = block_next.to(tl.int64)
-        block_next = tl.load(table + tl.minimum(start + BLOCK_N, last_key) // BLOCK_SIZE)
-        rows = (start % BLOCK_SIZE) + offs_n
-        offsets = block * stride_c_block + rows[:, None] * stride_c_tok + offs_d[None, :]
-        k_next = tl.load(k_base + offsets, mask=live[:, None], other=0.0)
-        ks_next = tl.load(ks_base + block * stride_s_block + rows, mask=live, other=0.0)
-        v_next = tl.load(v_base + offsets, mask=live[:, None], other=0.0)
-        vs_next = tl.load(vs_base + block * stride_s_block + rows, mask=live, other=0.0)
-        if not PREFETCH:
-            k = k_next.to(tl.float32)
-            k_scale = ks_next
-            v = v_next.to(tl.float32)
-            v_scale = vs_next
-        if GROUP > 0:
-            s0 = tl.where(live_here, tl.reduce(q0[None, :] * k, 1, tl.standard._sum_combine) * k_scale, float("-inf"))
-            m_new = tl.maximum(m0, s0)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slot with no key yet: weights 0, not NaN
-            alpha = tl.exp2(m0 - m_safe)
-            p = tl.exp2(s0 - m_safe)
-            l0 = l0 * alpha + p
-            acc0 = acc0 * alpha[:, None] + (p * v_scale)[:, None] * v
-            m0 = m_new
-        if GROUP > 1:
-            s1 = tl.where(live_here, tl.reduce(q1[None, :] * k, 1, tl.standard._sum_combine) * k_scale, float("-inf"))
-            m_new = tl.maximum(m1, s1)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slot with no key yet: weights 0, not NaN
-            alpha = tl.exp2(m1 - m_safe)
-            p = tl.exp2(s1 - m_safe)
-            l1 = l1 * alpha + p
-            acc1 = acc1 * alpha[:, None] + (p * v_scale)[:, None] * v
-            m1 = m_new
-        if GROUP > 2:
-            s2 = tl.where(live_here, tl.reduce(q2[None, :] * k, 1, tl.standard._sum_combine) * k_scale, float("-inf"))
-            m_new = tl.maximum(m2, s2)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slot with no key yet: weights 0, not NaN
-            alpha = tl.exp2(m2 - m_safe)
-            p = tl.exp2(s2 - m_safe)
-            l2 = l2 * alpha + p
-            acc2 = acc2 * alpha[:, None] + (p * v_scale)[:, None] * v
-            m2 = m_new
-        if GROUP > 3:
-            s3 = tl.where(live_here, tl.reduce(q3[None, :] * k, 1, tl.standard._sum_combine) * k_scale, float("-inf"))
-            m_new = tl.maximum(m3, s3)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a slot with no key yet: weights 0, not NaN
-            alpha = tl.exp2(m3 - m_safe)
-            p = tl.exp2(s3 - m_safe)
-            l3 = l3 * alpha + p
-            acc3 = acc3 * alpha[:, None] + (p * v_scale)[:, None] * v
-            m3 = m_new
-
-    # the key slots of each query head merge; ``lse``: base-2 log-sum-exp of the scaled scores (or -inf)
-    head0 = kv_head * GROUP
-    o_row = OUT + q_start.to(tl.int64) * stride_o_tok + head0 * stride_o_head + offs_d
-    po_row = PART_OUT + seq.to(tl.int64) * stride_po_seq + head0 * stride_po_head + split * stride_po_split + offs_d
-    pl_row = PART_LSE + seq.to(tl.int64) * stride_pl_seq + head0 * stride_pl_head + split
-    if GROUP > 0:
-        m_max = tl.reduce(m0, 0, tl.standard._elementwise_max)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        weights = tl.exp2(m0 - m_max)
-        l_sum = tl.reduce(l0 * weights, 0, tl.standard._sum_combine)
-        out = tl.reduce(acc0 * weights[:, None], 0, tl.standard._sum_combine) / tl.where(l_sum > 0.0, l_sum, 1.0)
-        lse = tl.where(l_sum > 0.0, m_max + tl.log2(tl.where(l_sum > 0.0, l_sum, 1.0)), float("-inf"))
-        if ONE_SPLIT:
-            tl.store(o_row + 0 * stride_o_head, out.to(OUT.dtype.element_ty))
-        else:
-            tl.store(po_row + 0 * stride_po_head, out)
-            tl.store(pl_row + 0 * stride_pl_head, lse)
-    if GROUP > 1:
-        m_max = tl.reduce(m1, 0, tl.standard._elementwise_max)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        weights = tl.exp2(m1 - m_max)
-        l_sum = tl.reduce(l1 * weights, 0, tl.standard._sum_combine)
-        out = tl.reduce(acc1 * weights[:, None], 0, tl.standard._sum_combine) / tl.where(l_sum > 0.0, l_sum, 1.0)
-        lse = tl.where(l_sum > 0.0, m_max + tl.log2(tl.where(l_sum > 0.0, l_sum, 1.0)), float("-inf"))
-        if ONE_SPLIT:
-            tl.store(o_row + 1 * stride_o_head, out.to(OUT.dtype.element_ty))
-        else:
-            tl.store(po_row + 1 * stride_po_head, out)
-            tl.store(pl_row + 1 * stride_pl_head, lse)
-    if GROUP > 2:
-        m_max = tl.reduce(m2, 0, tl.standard._elementwise_max)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        weights = tl.exp2(m2 - m_max)
-        l_sum = tl.reduce(l2 * weights, 0, tl.standard._sum_combine)
-        out = tl.reduce(acc2 * weights[:, None], 0, tl.standard._sum_combine) / tl.where(l_sum > 0.0, l_sum, 1.0)
-        lse = tl.where(l_sum > 0.0, m_max + tl.log2(tl.where(l_sum > 0.0, l_sum, 1.0)), float("-inf"))
-        if ONE_SPLIT:
-            tl.store(o_row + 2 * stride_o_head, out.to(OUT.dtype.element_ty))
-        else:
-            tl.store(po_row + 2 * stride_po_head, out)
-            tl.store(pl_row + 2 * stride_pl_head, lse)
-    if GROUP > 3:
-        m_max = tl.reduce(m3, 0, tl.standard._elementwise_max)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        weights = tl.exp2(m3 - m_max)
-        l_sum = tl.reduce(l3 * weights, 0, tl.standard._sum_combine)
-        out = tl.reduce(acc3 * weights[:, None], 0, tl.standard._sum_combine) / tl.where(l_sum > 0.0, l_sum, 1.0)
-        lse = tl.where(l_sum > 0.0, m_max + tl.log2(tl.where(l_sum > 0.0, l_sum, 1.0)), float("-inf"))
-        if ONE_SPLIT:
-            tl.store(o_row + 3 * stride_o_head, out.to(OUT.dtype.element_ty))
-        else:
-            tl.store(po_row + 3 * stride_po_head, out)
-            tl.store(pl_row + 3 * stride_pl_head, lse)
-
-
 def _decode_merge_kernel(
     QUERY_START_LOC,
     OUT,
@@ -733,7 +522,6 @@ class _KernelSet:
     store_kv: object
     store_kv_fp8: object
     decode_split: object
-    decode_fp8_rows: object
     decode_merge: object
     prefill: object
 
@@ -747,7 +535,6 @@ def _kernel_set(interpret: bool) -> _KernelSet:
         store_kv=wrap(_store_kv_kernel),
         store_kv_fp8=wrap(_store_kv_fp8_kernel),
         decode_split=wrap(_decode_split_kernel, do_not_specialize=["num_splits", "stride_bt"]),
-        decode_fp8_rows=wrap(_decode_fp8_rows_kernel, do_not_specialize=["num_splits", "stride_bt"]),
         decode_merge=wrap(_decode_merge_kernel, do_not_specialize=["num_splits"]),
         prefill=wrap(_prefill_kernel, do_not_specialize=["num_seqs", "stride_bt"]),
     )
@@ -769,20 +556,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tile of the decode kernel: ``block_n`` keys per iteration (divides the cache block size).
-
-    ``fp8_cuda_cores``: on an FP8 cache with at most four query heads a KV head, run
-    ``_decode_fp8_rows_kernel`` (tiles of ``fp8_block_n`` keys, ``fp8_num_warps`` warps, ``fp8_prefetch``)
-    instead of the tensor-core kernel.
-    """
+    """Tile of the decode kernel: ``block_n`` keys per iteration (divides the cache block size)."""
 
     block_n: int
     num_warps: int
     num_stages: int
-    fp8_cuda_cores: bool = False
-    fp8_block_n: int = 16
-    fp8_num_warps: int = 4
-    fp8_prefetch: bool = False
 
 
 @dataclass(frozen=True)
@@ -1007,17 +785,7 @@ def decode_attention(
         po_strides = part_out.stride()[:3]
         pl_strides = part_lse.stride()[:2]
     scale_log2 = scale * math.log2(math.e)
-    rows = key_scales is not None and config.fp8_cuda_cores and group <= 4
-    kernel = kernels.decode_fp8_rows if rows else kernels.decode_split
-    if rows:
-        tile = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.fp8_block_n,
-                    ONE_SPLIT=one_split, PREFETCH=config.fp8_prefetch, num_warps=config.fp8_num_warps)
-    else:
-        tile = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-                    BLOCK_SIZE=block_size, BLOCK_N=config.block_n, ONE_SPLIT=one_split,
-                    KV_FP8=key_scales is not None, DOT_PRECISION=_dot_precision(q.dtype),
-                    num_warps=config.num_warps, num_stages=config.num_stages)
-    kernel[(num_kv_heads, num_splits, num_seqs)](
+    kernels.decode_split[(num_kv_heads, num_splits, num_seqs)](
         q,
         key_cache,
         value_cache,
@@ -1043,7 +811,16 @@ def decode_attention(
         out.stride(1),
         *po_strides,
         *pl_strides,
-        **tile,
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config.block_n,
+        ONE_SPLIT=one_split,
+        KV_FP8=key_scales is not None,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if one_split:
         return

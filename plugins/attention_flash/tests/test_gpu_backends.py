@@ -41,14 +41,8 @@ VARIANTS = {
     # FP8 cache: the attention kernels against the torch backend reading the same e4m3 values and scales
     "triton_fp8": (TritonAttentionBackend, {}),
     "triton_fp8_tma": (TritonAttentionBackend, {"prefill_use_tma": True}),
-    # decode on the CUDA cores (_decode_fp8_rows_kernel), with and without its prefetch
-    "triton_fp8_cuda_cores": (TritonAttentionBackend, {"decode_fp8_cuda_cores": True}),
-    "triton_fp8_cuda_cores_prefetch": (
-        TritonAttentionBackend,
-        {"decode_fp8_cuda_cores": True, "decode_fp8_prefetch": True},
-    ),
 }
-FP8_VARIANTS = {"triton_fp8", "triton_fp8_tma", "triton_fp8_cuda_cores", "triton_fp8_cuda_cores_prefetch"}
+FP8_VARIANTS = {"triton_fp8", "triton_fp8_tma"}
 TOLERANCE = {torch.bfloat16: dict(atol=1e-2, rtol=2e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 TIMINGS: list[tuple[str, str, float]] = []
 

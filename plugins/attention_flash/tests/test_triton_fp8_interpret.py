@@ -69,26 +69,6 @@ def test_fp8_decode_split_counts(num_kv_splits: int) -> None:
     assert_matches_torch(case, case.run(case.backend(TritonAttentionBackend, num_kv_splits=num_kv_splits)))
 
 
-ROWS_CASES = [(2, 1, 1, False), (4, 2, 1, True), (4, 1, 4, False), (8, 2, 2, True), (3, 1, 1, False), (6, 2, 4, True)]
-
-
-@pytest.mark.parametrize(
-    "num_heads,num_kv_heads,num_kv_splits,prefetch",
-    ROWS_CASES,
-    ids=[f"{h}q{kv}kv-splits{s}-{'prefetch' if p else 'plain'}" for h, kv, s, p in ROWS_CASES],
-)
-def test_fp8_decode_on_cuda_cores(num_heads: int, num_kv_heads: int, num_kv_splits: int, prefetch: bool) -> None:
-    """The CUDA-core FP8 decode kernel (1 to 4 query heads a KV head, 3 with a group that is no power of two),
-    with and without the prefetch, one and several splits; contexts shorter than a tile, across blocks, ending
-    inside a tile, and a padding row."""
-    case = make_case([1] * 4, [2, 16, 41, 97], num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=16,
-                     num_pad_rows=1, seed=num_heads + num_kv_splits).fp8()  # fmt: skip
-    backend = case.backend(TritonAttentionBackend, num_kv_splits=num_kv_splits, decode_fp8_cuda_cores=True,
-                           decode_fp8_block_n=8, decode_fp8_num_warps=1, decode_fp8_prefetch=prefetch)  # fmt: skip
-    assert backend.decode_config.fp8_cuda_cores
-    assert_matches_torch(case, case.run(backend))
-
-
 def test_fp8_prefill_through_tma(monkeypatch: pytest.MonkeyPatch) -> None:
     """The TMA variant: descriptors over the e4m3 values; diagonal tiles read never-written NaN slots."""
     used = record_tma_use(monkeypatch)
