@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from nanovllm_core.config import EngineConfig, read_config_file
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.gc_heap import GCPauses
 
@@ -272,12 +273,12 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.model:
         overrides["model"] = args.model
-    elif "model" not in overrides and not args.config:
+    elif "model" not in overrides and not (args.config and "model" in read_config_file(args.config)):
+        # a config file without a model (one that sets plugins or their options) gets the random weights too
         overrides["model"] = str(random_checkpoint(args.shape, dtype))
     overrides.setdefault("max_model_len", 4096)
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     profile_seqs = profile_sizes(args.profile_seqs, len(prompts))  # before anything loads: bad input costs nothing
-    from nanovllm_core.config import EngineConfig
 
     data_parallel = EngineConfig.load(args.config, cli_overrides=overrides).data_parallel_size
     # With data parallelism the engines run in replica processes, one GPU group each: this process measures no

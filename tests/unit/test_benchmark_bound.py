@@ -68,3 +68,20 @@ def test_profile_seqs_are_batch_sizes_within_the_workload():
     for bad in ("0", "300", "16,x", "-4"):
         with pytest.raises(ConfigError, match=r"--profile-seqs .*from 1 to --num-seqs \(256\)"):
             profile_sizes(bad, 256)
+
+
+def test_a_config_file_without_a_model_runs_on_the_random_weights(tmp_path):
+    """`nanovllm bench --config F` where F sets plugins but no model: the bench's random checkpoint, the file's
+    plugins (it was refused with 'model: Field required')."""
+    import json
+
+    from nanovllm_core.cli import main
+
+    config = tmp_path / "bench.toml"
+    config.write_text('[plugins]\nattention = "torch"\n')
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--shape", "tiny", "--num-seqs", "2", "--max-input-len", "100", "--max-output-len", "100",
+            "--runs", "1", "--warmup-prompts", "0", "--device", "cpu", "--config", str(config), "--json", str(out)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["model"].startswith("/tmp/nanovllm-bench-tiny") and result["attention"] == "torch"
