@@ -123,6 +123,27 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r10-b)  # round 10, one H200 (about 6 minutes): the FP8 decode kernel's tile sweep with fewer warps and stages (its
+    # occupancy was 3 programs an SM, r10-a's Nsight Compute), then the 0.6B offline on FP8 with the sweep's fastest
+    # tile at 256 x 1,024 against the default tile
+    TAIL=60 step decode_sweep_fp8 200 python plugins/attention_flash/bench_kernels.py --sweep decode \
+      --kv-cache-dtype fp8 --out "$OUT/decode_sweep_fp8.md"
+    python - "$OUT/decode_sweep_fp8.md" > /tmp/fp8_tile.toml <<'PY'
+import re, sys
+best = None
+for line in open(sys.argv[1]):
+    m = re.match(r"\| sweep-d \| B=256 ctx=1024 n(\d+) w(\d+) s(\d+) splits=auto \| triton_fp8 \| ([\d.]+)", line)
+    if m and (best is None or float(m[4]) < best[3]):
+        best = (int(m[1]), int(m[2]), int(m[3]), float(m[4]))
+n, w, st, us = best
+print(f"# fastest at 256 x 1,024: {us} us\n[plugins]\nattention_options = {{ decode_block_n = {n}, "
+      f"decode_num_warps = {w}, decode_num_stages = {st} }}")
+PY
+    cat /tmp/fp8_tile.toml | tee "$OUT/fp8_tile.toml"
+    TAIL=5 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    TAIL=5 bench fp8_tile --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1 --config /tmp/fp8_tile.toml
+    pack
+    ;;
   r9-f)  # round 9, one H200 (about 2 minutes): the 0.6B decode step profiled at 16, 64 and 256 sequences: kernel
     # time against the steps' span, kernel by kernel
     TAIL=70 bench profile --attention triton --runs 1 --warmup-prompts 1 --profile --profile-seqs 16,64,256

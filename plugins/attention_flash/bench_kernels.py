@@ -157,6 +157,9 @@ def run_decode_sweep(args) -> list[Row]:
     """Other decode tiles / split counts of the triton backend (to tune the defaults)."""
     rows: list[Row] = []
     decode_tiles = [(64, 4, 3), (64, 4, 5), (32, 4, 3), (32, 4, 5), (128, 4, 3), (128, 8, 3), (64, 8, 3), (128, 8, 5)]
+    if args.kv_cache_dtype == "fp8":  # fewer warps a program, fewer stages: more programs an SM (round 10)
+        decode_tiles = [(64, 4, 3), (64, 2, 3), (64, 2, 4), (32, 2, 3), (32, 2, 4), (32, 1, 3), (16, 1, 3), (64, 4, 2),
+                        (128, 4, 2)]  # fmt: skip
     for batch, context in ((256, 1024), (32, 1024), (1, 4096)):
         case = decode_case(batch, context, args)
         for block_n, warps, stages in decode_tiles:
