@@ -123,6 +123,32 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r10-d)  # round 10, one H200 (about 8 minutes): the FP8 cache's own decode tile (32 keys, one warp, splits for 16 warps
+    # an SM) as the default: every FP8 GPU test, the 0.6B offline bf16 and FP8, FP8 accuracy, and the FP8 decode tiles
+    # for four query heads a KV head (the 8B's group, which keeps the four-warp tile)
+    TAIL=8 step fp8_gpu_tests 240 python -m pytest plugins/attention_flash/tests -m gpu -q -k fp8 -rf
+    TAIL=5 bench bf16 --attention triton --runs 2 --warmup-prompts 1
+    TAIL=5 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    TAIL=30 step fp8_accuracy 150 python benchmarks/fp8_accuracy.py --shape qwen3-0.6b --json "$OUT/fp8_accuracy.json"
+    TAIL=10 step decode_sweep_fp8_32q 120 python plugins/attention_flash/bench_kernels.py --sweep decode \
+      --kv-cache-dtype fp8 --num-heads 32 --out "$OUT/decode_sweep_fp8_32q.md"
+    pack
+    ;;
+  r10-c)  # round 10, one H200 (about 7 minutes): the FP8 decode tiles on uniform and ragged contexts, each split count;
+    # then the 0.6B offline: bf16, FP8 with the default tile, FP8 with 32-key one-warp tiles and 2 or 4 KV splits at
+    # every batch size (r10-b ran that tile with the default split count, which is 1 at 256 sequences)
+    TAIL=60 step decode_sweep_fp8 250 python plugins/attention_flash/bench_kernels.py --sweep decode \
+      --kv-cache-dtype fp8 --out "$OUT/decode_sweep_fp8.md"
+    TAIL=5 bench bf16 --attention triton --runs 2 --warmup-prompts 1
+    TAIL=5 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    for splits in 2 4; do
+      printf '[plugins]\nattention_options = { decode_block_n = 32, decode_num_warps = 1, decode_num_stages = 3, %s }\n' \
+        "num_kv_splits = $splits" > "$OUT/fp8_w1_s$splits.toml"
+      TAIL=5 bench "fp8_w1_s$splits" --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1 \
+        --config "$OUT/fp8_w1_s$splits.toml"
+    done
+    pack
+    ;;
   r10-b)  # round 10, one H200 (about 6 minutes): the FP8 decode kernel's tile sweep with fewer warps and stages (its
     # occupancy was 3 programs an SM, r10-a's Nsight Compute), then the 0.6B offline on FP8 with the sweep's fastest
     # tile at 256 x 1,024 against the default tile

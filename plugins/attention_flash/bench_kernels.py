@@ -74,8 +74,14 @@ def attend_fn(backend, case: PagedCase, cache: torch.Tensor) -> Callable[[], obj
     return lambda: backend.forward(case.q, case.k, case.v, cache, metadata)
 
 
-def decode_case(batch: int, context: int, args, seed: int = 0) -> PagedCase:
-    return make_case([1] * batch, [context - 1] * batch, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+def decode_case(batch: int, context: int | tuple[int, int], args, seed: int = 0) -> PagedCase:
+    """``batch`` one-token queries over ``context`` tokens each, or over lengths drawn from a ``(low, high)``."""
+    if isinstance(context, tuple):
+        rnd = random.Random(seed)
+        contexts = [rnd.randint(*context) - 1 for _ in range(batch)]
+    else:
+        contexts = [context - 1] * batch
+    return make_case([1] * batch, contexts, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                      head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype, device=args.device,
                      unused_fill=0.0, seed=seed)
 
@@ -157,11 +163,14 @@ def run_decode_sweep(args) -> list[Row]:
     """Other decode tiles / split counts of the triton backend (to tune the defaults)."""
     rows: list[Row] = []
     decode_tiles = [(64, 4, 3), (64, 4, 5), (32, 4, 3), (32, 4, 5), (128, 4, 3), (128, 8, 3), (64, 8, 3), (128, 8, 5)]
-    if args.kv_cache_dtype == "fp8":  # fewer warps a program, fewer stages: more programs an SM (round 10)
-        decode_tiles = [(64, 4, 3), (64, 2, 3), (64, 2, 4), (32, 2, 3), (32, 2, 4), (32, 1, 3), (16, 1, 3), (64, 4, 2),
-                        (128, 4, 2)]  # fmt: skip
-    for batch, context in ((256, 1024), (32, 1024), (1, 4096)):
+    cases: list[tuple[int, int | tuple[int, int]]] = [(256, 1024), (32, 1024), (1, 4096)]
+    if args.kv_cache_dtype == "fp8":  # fewer warps a program: more programs an SM (round 10), on ragged contexts too
+        decode_tiles = [(64, 4, 3), (32, 1, 3), (64, 2, 3), (16, 1, 3)]
+        cases = [(256, 1024), (256, (100, 1500)), (64, (100, 2000)), (32, 1024), (1, 4096)]
+    for batch, context in cases:
         case = decode_case(batch, context, args)
+        if isinstance(context, tuple):  # contexts drawn from this range: a batch as the engine sees it
+            context = f"{context[0]}..{context[1]}"
         for block_n, warps, stages in decode_tiles:
             if args.block_size % block_n:
                 continue

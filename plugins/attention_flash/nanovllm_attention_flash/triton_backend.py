@@ -145,12 +145,19 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             raise ConfigError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         kernels = _kernels()
         opts = self.options
-        decode = kernels.default_decode_config(head_dim, block_size)
-        self.decode_config = kernels.DecodeConfig(
-            block_n=opts.decode_block_n or decode.block_n,
-            num_warps=opts.decode_num_warps or decode.num_warps,
-            num_stages=opts.decode_num_stages or decode.num_stages,
+        # one decode tile for 16-bit caches and one for FP8 caches; the decode_* options set both
+        self.decode_config, self.fp8_decode_config = (
+            kernels.DecodeConfig(
+                block_n=opts.decode_block_n or default.block_n,
+                num_warps=opts.decode_num_warps or default.num_warps,
+                num_stages=opts.decode_num_stages or default.num_stages,
+            )
+            for default in (
+                kernels.default_decode_config(head_dim, block_size),
+                kernels.default_decode_config(head_dim, block_size, fp8=True, group=num_heads // num_kv_heads),
+            )
         )
+        self._split_config = self.decode_config  # the cache's tile, once warmup() has seen the cache
         prefill = kernels.default_prefill_config(head_dim, block_size, dtype, torch.device(device))
         self.prefill_config = kernels.PrefillConfig(
             block_m=opts.prefill_block_m or prefill.block_m,
@@ -159,8 +166,12 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             num_stages=opts.prefill_num_stages or prefill.num_stages,
             use_tma=prefill.use_tma if opts.prefill_use_tma is None else opts.prefill_use_tma,
         )
-        tiles = {"decode_block_n": self.decode_config.block_n, "prefill_block_n": self.prefill_config.block_n}
-        for what, tile in tiles.items():
+        tiles = [
+            ("decode_block_n", self.decode_config.block_n),
+            ("decode_block_n", self.fp8_decode_config.block_n),
+            ("prefill_block_n", self.prefill_config.block_n),
+        ]
+        for what, tile in tiles:
             if tile & (tile - 1) or block_size % tile:
                 raise ConfigError(f"{what}={tile} must be a power of two dividing kvcache_block_size ({block_size})")
         if opts.num_kv_splits is not None and opts.num_kv_splits & (opts.num_kv_splits - 1):
@@ -172,8 +183,9 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
         if self.options.num_kv_splits is not None:
             return self.options.num_kv_splits
         max_context = batch.block_tables.shape[1] * batch.block_size
+        tile = self._split_config
         return _kernels().choose_num_splits(
-            num_rows, self.num_kv_heads, max_context, self.decode_config.block_n, self._num_sms
+            num_rows, self.num_kv_heads, max_context, tile.block_n, self._num_sms, tile.num_warps
         )
 
     def build_metadata(self, batch: AttentionBatch) -> TritonMetadata:
@@ -192,7 +204,9 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
     def warmup(self, kv_cache: torch.Tensor) -> None:
         """Compile and load every kernel variant ``forward`` can launch on caches like ``kv_cache`` (one layer's),
         so that no Triton JIT compile lands in the first requests: each step of :meth:`warmup_steps` runs once.
-        Interpreted kernels (CPU) compile nothing, so there it returns at once."""
+        Interpreted kernels (CPU) compile nothing, so there it returns at once. The cache's type also picks the
+        decode tile that the split counts of later steps are chosen for (FP8 or 16-bit)."""
+        self._split_config = self.fp8_decode_config if is_fp8_cache(kv_cache) else self.decode_config
         if torch.device(self.device).type != "cuda":
             return
         with torch.inference_mode():
@@ -287,5 +301,6 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
                 **scales,
             )
         if metadata.decode_only or metadata.num_single_token_seqs:
-            kernels.decode_attention(*common, batch.num_seqs, metadata.num_splits, self.decode_config, **scales)
+            config = self.fp8_decode_config if scales else self.decode_config
+            kernels.decode_attention(*common, batch.num_seqs, metadata.num_splits, config, **scales)
         return out

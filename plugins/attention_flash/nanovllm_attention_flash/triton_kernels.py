@@ -579,8 +579,16 @@ class PrefillConfig:
     use_tma: bool = False
 
 
-def default_decode_config(head_dim: int, block_size: int) -> DecodeConfig:
-    """64-key tiles (32 for head_dim 256), 4 warps, a 3-deep load pipeline (2 for head_dim 256)."""
+def default_decode_config(head_dim: int, block_size: int, fp8: bool = False, group: int = 1) -> DecodeConfig:
+    """64-key tiles (32 for head_dim 256), 4 warps, a 3-deep load pipeline (2 for head_dim 256).
+
+    On an FP8 cache with head_dim <= 128 and at most two query heads a KV head: 32-key tiles, one warp a program.
+    That kernel is bound by loads in flight (Nsight Compute: 3 four-warp programs an SM); one-warp programs fit
+    more of them, and on an H200 the 0.6B shape's decode ran 1.30x faster at 256 x 1,024 and 6.4% faster end to
+    end with enough splits (docs/benchmarks.md, round 10). Four query heads a KV head were not measured end to end.
+    """
+    if fp8 and head_dim <= 128 and group <= 2:
+        return DecodeConfig(block_n=min(32, block_size), num_warps=1, num_stages=3)
     block_n = 32 if head_dim > 128 else 64
     return DecodeConfig(block_n=min(block_n, block_size), num_warps=4, num_stages=2 if head_dim > 128 else 3)
 
@@ -605,17 +613,19 @@ MAX_KV_SPLITS = 64
 
 
 def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int, programs_per_sm: int = 4
+    num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int, num_warps: int = 4
 ) -> int:
     """Number of KV splits for decode, from static values only (so a CUDA graph can capture it).
 
-    The smallest power of two (at most ``MAX_KV_SPLITS``) that gives ``num_seqs * num_kv_heads * splits`` at
-    least ``programs_per_sm * num_sms`` programs, without more splits than ``max_context`` has tiles.
+    The smallest power of two (at most ``MAX_KV_SPLITS``) that gives ``num_seqs * num_kv_heads * splits``
+    programs of ``num_warps`` warps at least 16 warps an SM (4 programs of 4 warps, 16 of one), without more
+    splits than ``max_context`` has tiles. One-warp programs of a batch with ragged contexts need the splits:
+    without them the batch fits one wave and its longest sequence sets the time (round 10).
     ``max_context`` is the block-table capacity (``block_tables.shape[1] * block_size``), not a per-step length.
     """
     max_tiles = max(1, max_context // block_n)
     pairs = max(1, num_seqs * num_kv_heads)
-    target = programs_per_sm * num_sms
+    target = max(1, 16 // num_warps) * num_sms
     splits = 1
     while splits < MAX_KV_SPLITS and splits * 2 <= max_tiles and pairs * splits < target:
         splits *= 2

@@ -215,3 +215,38 @@ def test_warmup_launches_every_variant_a_step_meets(launches: set, fp8: bool, op
     assert {key[0] for key in launches} >= {"_prefill_kernel", "_decode_split_kernel", "_decode_merge_kernel"}
     missing = launches - warmed
     assert not missing, f"variants the warm-up did not compile: {sorted(missing)}"
+
+
+def test_split_counts_fill_sixteen_warps_an_sm() -> None:
+    """Four-warp programs: 4 an SM, as before round 10; one-warp programs: 16 an SM, so that a batch of ragged
+    contexts does not fit one wave (where its longest sequence sets the time)."""
+    # 132 SMs, 8 KV heads, a 4,096-token block table
+    assert tk.choose_num_splits(256, 8, 4096, 64, 132, num_warps=4) == 1  # 2,048 programs >= 528
+    assert tk.choose_num_splits(32, 8, 4096, 64, 132, num_warps=4) == 4  # 256 -> 1,024
+    assert tk.choose_num_splits(256, 8, 4096, 32, 132, num_warps=1) == 2  # 2,048 < 2,112 -> 4,096
+    assert tk.choose_num_splits(64, 8, 4096, 32, 132, num_warps=1) == 8
+    assert tk.choose_num_splits(1, 8, 4096, 32, 132, num_warps=1) == tk.MAX_KV_SPLITS
+    assert tk.choose_num_splits(1, 8, 64, 32, 132, num_warps=1) == 2  # no more splits than tiles
+
+
+def test_an_fp8_cache_gets_its_own_decode_tile() -> None:
+    """Two query heads a KV head on an FP8 cache: 32-key one-warp tiles, and the split counts chosen for them
+    once warmup() has seen the cache; a 16-bit cache keeps the 64-key four-warp tile; the decode_* options set
+    both tiles."""
+    case = make_case([1] * 2, [5, 9], num_heads=4, num_kv_heads=2, block_size=64)
+    fp8_case = case.fp8()
+    backend = fp8_case.backend(TritonAttentionBackend)
+    assert (backend.decode_config.block_n, backend.decode_config.num_warps) == (64, 4)
+    assert (backend.fp8_decode_config.block_n, backend.fp8_decode_config.num_warps) == (32, 1)
+    many = make_case([1] * 64, [3] * 64, num_heads=4, num_kv_heads=2, block_size=64).batch
+    assert backend.build_metadata(many).num_splits == tk.choose_num_splits(64, 2, many.block_tables.shape[1] * 64,
+                                                                           64, backend._num_sms, num_warps=4)
+    backend.warmup(fp8_case.kv_cache)  # on the CPU it compiles nothing, but sees the cache
+    assert backend.build_metadata(many).num_splits == tk.choose_num_splits(64, 2, many.block_tables.shape[1] * 64,
+                                                                           32, backend._num_sms, num_warps=1)
+    assert_matches_torch(fp8_case, fp8_case.run(backend))
+    four = make_case([1], [5], num_heads=8, num_kv_heads=2, block_size=64).fp8().backend(TritonAttentionBackend)
+    assert four.fp8_decode_config.num_warps == 4  # four query heads a KV head: not measured end to end
+    both = case.backend(TritonAttentionBackend, decode_block_n=16, decode_num_warps=2)
+    assert both.decode_config.block_n == both.fp8_decode_config.block_n == 16
+    assert both.decode_config.num_warps == both.fp8_decode_config.num_warps == 2
