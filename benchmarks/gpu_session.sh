@@ -123,22 +123,6 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
-  r10-e)  # round 10, one H200 (about 5 minutes): late scheduling. The priority server (two classes, nano-vllm workload)
-    # idle, at round 8's 70% load (33.6 req/s) and all at once, without then with --late-scheduling
-    for mode in off on; do
-      flag=(); [ "$mode" = on ] && flag=(--late-scheduling)
-      serve_start "priority_$mode" --scheduler priority --max-num-batched-tokens 2048 ${flag[@]+"${flag[@]}"}
-      TAIL=3 serve_bench "priority_${mode}_idle" --dataset nano --num-prompts 24 --request-rate 2 --priorities 0,1
-      TAIL=3 serve_bench "priority_${mode}_70" --dataset nano --num-prompts 512 --request-rate 33.6 \
-        --priorities 0,1 --warmup 0
-      stages "priority_${mode}_70" "priority_${mode}_idle"
-      TAIL=3 serve_bench "priority_${mode}_sat" --dataset nano --num-prompts 512 --request-rate inf \
-        --priorities 0,1 --warmup 0
-      serve_stop
-    done
-    summarize "$OUT"/serve_*.json
-    pack
-    ;;
   r10-d)  # round 10, one H200 (about 8 minutes): the FP8 cache's own decode tile (32 keys, one warp, splits for 16 warps
     # an SM) as the default: every FP8 GPU test, the 0.6B offline bf16 and FP8, FP8 accuracy, and the FP8 decode tiles
     # for four query heads a KV head (the 8B's group, which keeps the four-warp tile)

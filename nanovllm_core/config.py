@@ -103,13 +103,6 @@ class EngineConfig(BaseModel):
         description="Schedule and prepare step N+1 while the device runs step N. `auto`: on for CUDA (any "
         "tensor_parallel_size); `on` also on CPU (no speed-up there, same tokens); `off`: one step at a time.",
     )
-    late_scheduling: bool = Field(
-        False,
-        description="Serving (`nanovllm serve`, `AsyncLLM`) with async scheduling: schedule the next step shortly "
-        "before the running one is expected to end, not as soon as it starts, so that requests arriving "
-        "meanwhile join the next step instead of the one after it. The expected end comes from the recent "
-        "steps' durations; offline `generate` is unaffected.",
-    )
     warmup: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Run a few throw-away requests at start-up (prompt chunks of several sizes, decode, greedy "

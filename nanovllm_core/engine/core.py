@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,10 +24,6 @@ from nanovllm_core.interfaces import Scheduler, SchedulerOutput
 from nanovllm_core.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, with_priority
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
-
-# late scheduling: the host's slack between launching a step and the device finishing the one before (a
-# thread's timed wait can overshoot by a fraction of a millisecond; a launch after the device ran dry idles it)
-LATE_SCHEDULING_MARGIN_S = 0.001
 
 Prompt = str | list[int]
 
@@ -137,11 +132,6 @@ class EngineCore:
         self._num_sync_requests = 0  # live requests whose sampling needs every previous token on the host
         self._num_stopped_in_flight = 0  # sequences stopped by a token read after their next step was launched
         self._lock = threading.RLock()
-        # late scheduling (next_step_deadline): when the device was last seen finishing a step it had kept the
-        # host waiting for, the intervals between such ends (each the step's device time), the host's time a step
-        self._last_done_at: float | None = None
-        self._step_periods: deque[float] = deque(maxlen=4)
-        self._host_seconds: deque[float] = deque(maxlen=8)
         self._totals = dict.fromkeys(
             ("prefix_queries", "prefix_hits", "prompt_tokens", "generation_tokens", "finished"), 0
         )
@@ -278,13 +268,11 @@ class EngineCore:
         """Run one step. Returns the requests that finished in it and, for requests with
         ``output_kind`` ``"delta"`` or ``"cumulative"``, every request that got new tokens."""
         with self._lock:
-            start = time.monotonic()
             outputs: list[RequestOutput] = []
             if self._in_flight is not None and self._num_sync_requests:
                 # penalties need the in-flight tokens on the host before the next step is scheduled
                 outputs += self._receive(self._in_flight)
                 self._in_flight = None
-                self._last_done_at = None  # the device idles while this step is scheduled
             batch = self.scheduler.schedule()
             if batch.seqs:
                 self._check_step(batch)
@@ -297,12 +285,8 @@ class EngineCore:
                     )
                 return outputs
             launched = self.step_runner.launch(batch, self._in_flight) if batch.seqs else None
-            waited = 0.0
             if self._in_flight is not None:
-                received = self._in_flight
-                receive_start = time.monotonic()
-                outputs += self._receive(received)
-                waited = self._note_done(received, receive_start)
+                outputs += self._receive(self._in_flight)
             self._in_flight = None
             if launched is not None:
                 self._advance(launched)
@@ -310,32 +294,7 @@ class EngineCore:
                     self._in_flight = launched
                 else:
                     outputs += self._receive(launched)
-            self._host_seconds.append(time.monotonic() - start - waited)
             return outputs
-
-    def _note_done(self, received: LaunchedStep, receive_start: float) -> float:
-        """Keep the timing of a received step for :meth:`next_step_deadline`; the seconds the host waited."""
-        done_at, waited = getattr(received, "done_at", None), getattr(received, "waited", False)
-        if done_at is None or not waited:  # no timing, or the device sat idle before the host came
-            self._last_done_at = None
-            return 0.0
-        if self._last_done_at is not None:
-            self._step_periods.append(done_at - self._last_done_at)
-        self._last_done_at = done_at
-        return max(0.0, done_at - receive_start)
-
-    def next_step_deadline(self) -> float | None:
-        """With a step in flight on a busy device: the ``time.monotonic()`` by which the next :meth:`step` should
-        start so that its launch still comes before the device finishes, or ``None`` if unknown.
-
-        The step in flight started when the previous one ended; it is expected to take the shortest of the
-        recent steps' device times (the ends of consecutive steps the host waited for), and the next
-        ``step()`` needs the longest of the recent host times of a step, plus a margin.
-        """
-        if self._in_flight is None or self._last_done_at is None or len(self._step_periods) < 2:
-            return None
-        expected_end = self._last_done_at + min(self._step_periods)
-        return expected_end - max(self._host_seconds, default=0.0) - LATE_SCHEDULING_MARGIN_S
 
     def _check_step(self, batch: SchedulerOutput) -> None:
         """The scheduler's output keeps the invariants the runner relies on (cheap: one pass)."""

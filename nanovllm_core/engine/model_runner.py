@@ -299,9 +299,6 @@ class PendingStep:
         self._host = token_tensor
         self._logprobs = (sample_logprobs, prompt_logprobs)
         self._copied: torch.cuda.Event | None = None
-        # when the device was seen done with the step (time.monotonic) and whether the host had to wait for it
-        self.done_at: float | None = None
-        self.waited = False
         outputs = [lp.tensors.logprobs for lp in self._logprobs if lp is not None]
         if token_tensor is not None:
             outputs.append(token_tensor)
@@ -315,11 +312,8 @@ class PendingStep:
             self._copied.record()
 
     def _wait(self) -> None:
-        if self._copied is not None and self.done_at is None:
-            self.waited = not self._copied.query()
-            if self.waited:
-                self._copied.synchronize()
-            self.done_at = time.monotonic()
+        if self._copied is not None:
+            self._copied.synchronize()
 
     def tokens(self) -> list[int | None]:
         """The sampled token of each row of the batch, ``None`` for rows that sample nothing (waits for the

@@ -123,14 +123,9 @@ def unpack_outputs(rows: list[list | tuple]) -> list[RequestOutput]:
     return outputs
 
 
-def run_step_loop(engine: LLMEngine, next_commands: Callable[[float | None], list[Command]], emit: Emit) -> None:
-    """Run until a ``stop`` command. ``next_commands(timeout)`` returns the commands that have arrived, waiting
-    for at least one up to ``timeout`` seconds (``None``: as long as it takes, ``0``: not at all).
-
-    With ``late_scheduling`` the loop, after a step, takes commands until ``engine.next_step_deadline()``
-    before it runs the next one: requests that arrive meanwhile join that step."""
+def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Command]], emit: Emit) -> None:
+    """Run until a ``stop`` command; ``next_commands(block)`` waits for commands only when ``block``."""
     account = LoopAccount()
-    late = getattr(engine.config, "late_scheduling", False) and hasattr(engine, "next_step_deadline")
 
     def hand_over(results: list[Result], outputs: list[RequestOutput]) -> None:
         start = time.perf_counter()
@@ -138,9 +133,8 @@ def run_step_loop(engine: LLMEngine, next_commands: Callable[[float | None], lis
         account.emit_seconds += time.perf_counter() - start
 
     live: set[str] = set()  # requests in the engine, as this loop knows them
-
-    def run(commands: list[Command]) -> bool:
-        """Carry out commands and answer them; True once one says ``stop`` (everything is aborted then)."""
+    while True:
+        commands = next_commands(not engine.has_unfinished_requests())
         results: list[Result] = []
         outputs: list[RequestOutput] = []
         stopping = False
@@ -171,28 +165,20 @@ def run_step_loop(engine: LLMEngine, next_commands: Callable[[float | None], lis
                 out = engine.abort_request(request_id)
                 if out is not None:
                     outputs.append(out)
-        if results or outputs or stopping:  # answer the callers now, not after the step
             hand_over(results, outputs)
-        return stopping
-
-    while True:
-        if run(next_commands(None if not engine.has_unfinished_requests() else 0)):
             return
-        if not engine.has_unfinished_requests():
-            continue
-        start = time.perf_counter()
-        outputs = engine.step()
-        account.count_step(time.perf_counter() - start)
-        account.cpu_seconds = time.thread_time()
-        for out in outputs:
-            if out.finished:
-                live.discard(out.request_id)
-        if outputs:
-            hand_over([], outputs)
-        deadline = engine.next_step_deadline() if late else None
-        while deadline is not None and (wait := deadline - time.monotonic()) > 0:
-            if run(next_commands(wait)):
-                return
+        if results or outputs:  # answer the callers now, not after the step
+            hand_over(results, outputs)
+        if engine.has_unfinished_requests():
+            start = time.perf_counter()
+            outputs = engine.step()
+            account.count_step(time.perf_counter() - start)
+            account.cpu_seconds = time.thread_time()
+            for out in outputs:
+                if out.finished:
+                    live.discard(out.request_id)
+            if outputs:
+                hand_over([], outputs)
 
 
 def _on_loop(loop: Any, fn: Callable[..., None]) -> Callable[..., None]:
@@ -234,10 +220,10 @@ class EngineThread:
         self._thread = threading.Thread(target=run, name="nanovllm-step-loop", daemon=True)
         self._thread.start()
 
-    def _next_commands(self, timeout: float | None) -> list[Command]:
+    def _next_commands(self, block: bool) -> list[Command]:
         with self._cond:
-            if not self._pending and timeout != 0:
-                self._cond.wait_for(lambda: self._pending, timeout)
+            while block and not self._pending:
+                self._cond.wait()
             commands, self._pending = self._pending, []
         return commands
 
@@ -268,10 +254,10 @@ def engine_process_main(build: Callable[[], Any], commands: Any, outputs: Any) -
     freeze_startup_heap()  # this process is the engine's own: keep its start-up heap out of full collections
     outputs.send(("ready", engine.config))
 
-    def next_commands(timeout: float | None) -> list[Command]:
+    def next_commands(block: bool) -> list[Command]:
         batch: list[Command] = []
         try:
-            if commands.poll(timeout):
+            if block or commands.poll():
                 batch.extend(commands.recv())
             while commands.poll():
                 batch.extend(commands.recv())
