@@ -166,12 +166,9 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             num_stages=opts.prefill_num_stages or prefill.num_stages,
             use_tma=prefill.use_tma if opts.prefill_use_tma is None else opts.prefill_use_tma,
         )
-        tiles = [
-            ("decode_block_n", self.decode_config.block_n),
-            ("decode_block_n", self.fp8_decode_config.block_n),
-            ("prefill_block_n", self.prefill_config.block_n),
-        ]
-        for what, tile in tiles:
+        # (decode_block_n sets both decode tiles; the FP8 default, min(32, block_size), always divides)
+        tiles = {"decode_block_n": self.decode_config.block_n, "prefill_block_n": self.prefill_config.block_n}
+        for what, tile in tiles.items():
             if tile & (tile - 1) or block_size % tile:
                 raise ConfigError(f"{what}={tile} must be a power of two dividing kvcache_block_size ({block_size})")
         if opts.num_kv_splits is not None and opts.num_kv_splits & (opts.num_kv_splits - 1):
