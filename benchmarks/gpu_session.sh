@@ -123,6 +123,46 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r11-c)  # round 11, one H200 (about 9 minutes): float16 dots in the FP8 prefill kernel too; every FP8 GPU test, the
+    # kernels on both caches (bf16, FP8), the 0.6B and 8B offline on both caches, FP8 accuracy, the FP8 decode tiles
+    # for the 8B's four query heads a KV head; the 8B checkpoint is written meanwhile
+    setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    TAIL=4 step fp8_gpu_tests 200 python -m pytest plugins/attention_flash/tests -m gpu -q -k fp8 -rf
+    TAIL=14 step kernels 90 python plugins/attention_flash/bench_kernels.py --backends triton,triton_fp8 \
+      --out "$OUT/kernels.md"
+    TAIL=4 bench bf16 --attention triton --runs 2 --warmup-prompts 1
+    TAIL=4 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    TAIL=12 step fp8_accuracy 100 python benchmarks/fp8_accuracy.py --shape qwen3-0.6b --json "$OUT/fp8_accuracy.json"
+    for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
+    BENCH_LIMIT=150 TAIL=4 bench 8b_bf16 --shape qwen3-8b --attention triton --runs 2 --warmup-prompts 1
+    BENCH_LIMIT=150 TAIL=4 bench 8b_fp8 --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 2 \
+      --warmup-prompts 1
+    TAIL=8 step decode_sweep_fp8_32q 60 python plugins/attention_flash/bench_kernels.py --sweep decode \
+      --kv-cache-dtype fp8 --num-heads 32 --out "$OUT/decode_sweep_fp8_32q.md"
+    pack
+    ;;
+  r11-b)  # round 11, one H200 (about 8 minutes): the FP8 decode kernel's dots in float16 (one conversion a value
+    # pair, none to bfloat16): every FP8 GPU test, the 0.6B offline bf16 then FP8, FP8 accuracy, the FP8 tile sweep
+    TAIL=6 step fp8_gpu_tests 240 python -m pytest plugins/attention_flash/tests -m gpu -q -k fp8 -rf
+    TAIL=5 bench bf16 --attention triton --runs 2 --warmup-prompts 1
+    TAIL=5 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    TAIL=30 step fp8_accuracy 150 python benchmarks/fp8_accuracy.py --shape qwen3-0.6b --json "$OUT/fp8_accuracy.json"
+    TAIL=16 step decode_sweep_fp8 120 python plugins/attention_flash/bench_kernels.py --sweep decode \
+      --kv-cache-dtype fp8 --out "$OUT/decode_sweep_fp8.md"
+    pack
+    ;;
+  r11-a)  # round 11, one H200 (about 5 minutes): does an L2 prefetch of the next GEMM's weights shorten the 0.6B's
+    # decode chain (benchmarks/l2_prefetch.py: 28 layers of cuBLAS GEMMs and small kernels in one CUDA graph), two
+    # prefetch sizes; then the 0.6B offline without and with TORCHINDUCTOR_ENABLE_PDL=1 (inductor's kernels launched
+    # with programmatic dependent launch), back to back
+    TAIL=50 step l2_prefetch 150 python benchmarks/l2_prefetch.py
+    TAIL=26 step l2_prefetch_64k 100 python benchmarks/l2_prefetch.py --chunk 65536 --block 32 --rounds 1
+    TAIL=5 bench bf16 --attention triton --runs 2 --warmup-prompts 1
+    TAIL=5 TORCHINDUCTOR_ENABLE_PDL=1 bench bf16_pdl --attention triton --runs 2 --warmup-prompts 1
+    pack
+    ;;
   r10-d)  # round 10, one H200 (about 8 minutes): the FP8 cache's own decode tile (32 keys, one warp, splits for 16 warps
     # an SM) as the default: every FP8 GPU test, the 0.6B offline bf16 and FP8, FP8 accuracy, and the FP8 decode tiles
     # for four query heads a KV head (the 8B's group, which keeps the four-warp tile)

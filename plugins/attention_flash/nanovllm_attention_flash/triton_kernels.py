@@ -185,6 +185,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    HALF_DOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Program (kv head, split, sequence): attention of the ``GROUP`` query heads over one split of the context.
@@ -201,6 +202,12 @@ def _decode_split_kernel(
     ``VALUE_SCALES`` (``[num_blocks, num_kv_heads, block_size]``, see ``fp8_cache``). Keys enter the dot as
     they are (e4m3 values are exact in 16 bits) and their scales multiply the scores; value tiles are
     dequantised before theirs.
+
+    ``HALF_DOTS`` (an FP8 cache and a 16-bit ``Q``): both dots run in float16, which e4m3 converts to in one
+    instruction for two values. Going to bfloat16 takes two or three more conversions a value, and those, not
+    the cache's bytes, set the kernel's pace. ``Q`` is clamped to float16's range. The value scales multiply the
+    probabilities (a ``[heads, keys]`` tile) instead of the ``[keys, head_dim]`` values, times 256 so that small
+    products stay clear of float16's subnormals; the output divides the 256 out.
     """
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -222,6 +229,8 @@ def _decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     q_ptrs = Q + q_start.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0)
+    if HALF_DOTS:  # then k.to(q.dtype) below is float16 too
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
@@ -256,12 +265,19 @@ def _decode_split_kernel(
         v = tl.load(v_base + offsets, mask=key_mask[:, None], other=0.0)
         if KV_FP8:
             v_scale = tl.load(vs_base + block * stride_s_block + rows, mask=key_mask, other=0.0)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            if HALF_DOTS:
+                v = v.to(tl.float16)
+                p = p * (v_scale * 256.0)[None, :]
+            else:
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    norm = tl.where(has_keys, l_i, 1.0)
+    if HALF_DOTS:
+        norm = norm * 256.0
+    out = acc / norm[:, None]
     if ONE_SPLIT:
         o_ptrs = OUT + q_start.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=head_mask[:, None])
@@ -362,6 +378,7 @@ def _prefill_kernel(
     SKIP_SINGLE: tl.constexpr,
     USE_TMA: tl.constexpr,
     KV_FP8: tl.constexpr,
+    HALF_DOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Program (query block, query head): ``BLOCK_M`` new tokens of one sequence against its paged context.
@@ -388,7 +405,8 @@ def _prefill_kernel(
     Otherwise they are pointers and tiles are gathered with 16-byte loads.
 
     ``KV_FP8``: e4m3 values with per-(token, KV head) scales in ``KEY_SCALES``/``VALUE_SCALES``, applied as in
-    the decode kernel (key scales on the scores, value tiles dequantised before the dot).
+    the decode kernel (key scales on the scores, value tiles dequantised before the dot; ``HALF_DOTS``: float16
+    dots, the value scales on the probabilities, as there).
     """
     # one flat grid axis: heads vary fastest (the group's programs read the same K/V tiles together),
     # query blocks last-first
@@ -422,6 +440,8 @@ def _prefill_kernel(
         mask=row_mask[:, None],
         other=0.0,
     )
+    if HALF_DOTS:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
@@ -464,7 +484,12 @@ def _prefill_kernel(
         else:
             v = tl.load(v_base + tile + tile_offs)
         if KV_FP8:
-            v = (v.to(tl.float32) * tl.load(vs_base + scale_offs)[:, None]).to(q.dtype)
+            v_scale = tl.load(vs_base + scale_offs)
+            if HALF_DOTS:
+                v = v.to(tl.float16)
+                p = p * (v_scale * 256.0)[None, :]
+            else:
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -501,13 +526,20 @@ def _prefill_kernel(
             v = tl.load(v_base + tile + tile_offs, mask=(keys < seq_len)[:, None], other=0.0)
         if KV_FP8:
             v_scale = tl.load(vs_base + scale_offs, mask=keys < seq_len, other=0.0)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            if HALF_DOTS:
+                v = v.to(tl.float16)
+                p = p * (v_scale * 256.0)[None, :]
+            else:
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         if USE_TMA:  # after the dequantisation: NaN * 0 is NaN
             v = tl.where((keys < seq_len)[:, None], v, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc * (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
+    norm = tl.where(l_i > 0.0, l_i, 1.0)
+    if HALF_DOTS:
+        norm = norm * 256.0
+    out = acc * (1.0 / norm)[:, None]
     o_ptrs = OUT + tokens[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :]
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_mask[:, None])
 
@@ -547,6 +579,11 @@ def _kernels_for(device: torch.device) -> _KernelSet:
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _half_dots(q: torch.Tensor, key_scales: torch.Tensor | None) -> bool:
+    """The kernels' ``HALF_DOTS``: an FP8 cache and a 16-bit model (a float32 one keeps float32 dots)."""
+    return key_scales is not None and q.dtype in (torch.bfloat16, torch.float16)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -828,6 +865,7 @@ def decode_attention(
         BLOCK_N=config.block_n,
         ONE_SPLIT=one_split,
         KV_FP8=key_scales is not None,
+        HALF_DOTS=_half_dots(q, key_scales),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -965,6 +1003,7 @@ def prefill_attention(
         SKIP_SINGLE=skip_single,
         USE_TMA=descriptors is not None,
         KV_FP8=key_scales is not None,
+        HALF_DOTS=_half_dots(q, key_scales),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -78,9 +78,10 @@ def count(pattern: str, ptx: str) -> int:
 CP_ASYNC_16 = r"cp\.async\.cg\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*0x10"
 
 
-def decode_constexprs(cfg: tk.DecodeConfig, fp8: bool = False) -> dict:
+def decode_constexprs(cfg: tk.DecodeConfig, fp8: bool = False, half_dots: bool | None = None) -> dict:
+    """``half_dots``: default, as ``decode_attention`` sets it for a bf16 model (on with an FP8 cache)."""
     return dict(GROUP=2, BLOCK_H=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=cfg.block_n, ONE_SPLIT=False, KV_FP8=fp8,
-                DOT_PRECISION="tf32")
+                HALF_DOTS=fp8 if half_dots is None else half_dots, DOT_PRECISION="tf32")
 
 
 def test_decode_kernel_compiles_for_sm90() -> None:
@@ -101,7 +102,8 @@ def test_merge_kernel_compiles_for_sm90() -> None:
 
 def prefill_constexprs(cfg: tk.PrefillConfig, use_tma: bool, fp8: bool = False) -> dict:
     return dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                SEQ_CHUNK=tk.PREFILL_SEQ_CHUNK, SKIP_SINGLE=True, USE_TMA=use_tma, KV_FP8=fp8, DOT_PRECISION="tf32")
+                SEQ_CHUNK=tk.PREFILL_SEQ_CHUNK, SKIP_SINGLE=True, USE_TMA=use_tma, KV_FP8=fp8, HALF_DOTS=fp8,
+                DOT_PRECISION="tf32")
 
 
 def test_prefill_kernel_compiles_for_sm90() -> None:
@@ -184,7 +186,10 @@ def test_fp8_decode_kernel_compiles_for_sm90(group: int) -> None:
     )
     assert count(CVT_FROM_E4M3, ptx) > 0
     assert count(CP_ASYNC_ANY, ptx) > 0, "the e4m3 K/V tiles should stream through cp.async"
-    assert count(r"mma\.sync", ptx) > 0
+    assert count(r"mma\.sync\S*\.f16\.f16", ptx) > 0, "both dots run in float16"
+    assert count(r"mma\.sync\S*\.bf16", ptx) == 0
+    # e4m3 -> f16x2 is the only conversion of a K/V value: none on to bfloat16 or float32
+    assert count(r"cvt\.bf16\.f16|cvt\.f32\.f16|cvt\.rn\.bf16x2\.f32", ptx) == 0
     # four copy groups per tile (keys, their scales, values, theirs) stay in flight across iterations
     waits = {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)}
     assert 4 * (cfg.num_stages - 2) in waits, f"K/V copies are not kept in flight: wait_group {sorted(waits)}"
@@ -200,3 +205,7 @@ def test_fp8_prefill_kernel_compiles_for_sm90(use_tma: bool) -> None:
     if use_tma:
         assert count(r"cp\.async\.bulk\.tensor\.2d", ptx) >= 4
     assert count(r"wgmma\.mma_async", ptx) > 0
+    assert count(r"wgmma\.mma_async\S*\.bf16", ptx) == 0, "both dots run in float16"
+    # to bfloat16 only once: the output tile, two values a conversion over the program's threads
+    output_cvts = cfg.block_m * 128 // (2 * 32 * cfg.num_warps)
+    assert count(r"cvt\.bf16\.f16|cvt\.f32\.f16|cvt\.rn\.bf16x2\.f32", ptx) == output_cvts

@@ -83,6 +83,18 @@ def test_fp8_float16() -> None:
     assert_matches_torch(case, case.run(case.backend(TritonAttentionBackend)), tol=2e-3)
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_fp8_bfloat16_decode_against_float32(num_kv_splits: int) -> None:
+    """A bf16 model's decode on an FP8 cache (its dots in float16, the value scales on the probabilities) is as
+    close to exact float32 attention over the same e4m3 cache as the bf16 output's own rounding allows: one bf16
+    step (a relative 2**-7) of the exact value."""
+    case = make_case(*KINDS["decode"], num_heads=4, num_kv_heads=2, block_size=16, dtype=torch.bfloat16, seed=5).fp8()
+    out = case.run(case.backend(TritonAttentionBackend, num_kv_splits=num_kv_splits))
+    exact = reference(case, TorchAttentionBackend)  # float32 on the dequantised cache
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), exact, atol=1e-3, rtol=2**-7)
+
+
 def test_fp8_store_kernel_is_bit_exact() -> None:
     """Rows of very different magnitudes, an all-zero row, 3 KV heads (a masked fourth), padding slots."""
     gen = torch.Generator().manual_seed(1)
