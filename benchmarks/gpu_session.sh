@@ -123,6 +123,20 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r11-d)  # round 11, one H200 (about 8 minutes): the one-warp FP8 decode tile for four query heads a KV head too;
+    # every FP8 GPU test while the 8B checkpoint is written, the 8B offline on both caches, the 8B's FP8 accuracy
+    setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    TAIL=4 step fp8_gpu_tests 200 python -m pytest plugins/attention_flash/tests -m gpu -q -k fp8 -rf
+    for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
+    BENCH_LIMIT=150 TAIL=4 bench 8b_bf16 --shape qwen3-8b --attention triton --runs 2 --warmup-prompts 1
+    BENCH_LIMIT=150 TAIL=4 bench 8b_fp8 --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 2 \
+      --warmup-prompts 1
+    TAIL=12 step fp8_accuracy_8b 150 python benchmarks/fp8_accuracy.py --shape qwen3-8b \
+      --json "$OUT/fp8_accuracy_8b.json"
+    pack
+    ;;
   r11-c)  # round 11, one H200 (about 9 minutes): float16 dots in the FP8 prefill kernel too; every FP8 GPU test, the
     # kernels on both caches (bf16, FP8), the 0.6B and 8B offline on both caches, FP8 accuracy, the FP8 decode tiles
     # for the 8B's four query heads a KV head; the 8B checkpoint is written meanwhile

@@ -619,12 +619,13 @@ class PrefillConfig:
 def default_decode_config(head_dim: int, block_size: int, fp8: bool = False, group: int = 1) -> DecodeConfig:
     """64-key tiles (32 for head_dim 256), 4 warps, a 3-deep load pipeline (2 for head_dim 256).
 
-    On an FP8 cache with head_dim <= 128 and at most two query heads a KV head: 32-key tiles, one warp a program.
-    That kernel is bound by loads in flight (Nsight Compute: 3 four-warp programs an SM); one-warp programs fit
-    more of them, and on an H200 the 0.6B shape's decode ran 1.30x faster at 256 x 1,024 and 6.4% faster end to
-    end with enough splits (docs/benchmarks.md, round 10). Four query heads a KV head were not measured end to end.
+    On an FP8 cache with head_dim <= 128 and up to 16 query heads a KV head (the query tile stays 16 rows):
+    32-key tiles, one warp a program. One-warp programs keep more loads in flight an SM (Nsight Compute: 3
+    four-warp programs an SM fit). On an H200 with the float16 dots (round 11, docs/benchmarks.md) the tile ran
+    165-178 against 242-250 us at 256 x 1,024 and 167 against 212-224 us on ragged contexts, for both two and
+    four query heads a KV head (the 0.6B's and the 8B's); more than four were not measured.
     """
-    if fp8 and head_dim <= 128 and group <= 2:
+    if fp8 and head_dim <= 128 and group <= 16:
         return DecodeConfig(block_n=min(32, block_size), num_warps=1, num_stages=3)
     block_n = 32 if head_dim > 128 else 64
     return DecodeConfig(block_n=min(block_n, block_size), num_warps=4, num_stages=2 if head_dim > 128 else 3)

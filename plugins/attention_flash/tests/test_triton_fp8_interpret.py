@@ -242,7 +242,7 @@ def test_split_counts_fill_sixteen_warps_an_sm() -> None:
 
 
 def test_an_fp8_cache_gets_its_own_decode_tile() -> None:
-    """Two query heads a KV head on an FP8 cache: 32-key one-warp tiles, and the split counts chosen for them
+    """Two (or four) query heads a KV head on an FP8 cache: 32-key one-warp tiles, and the split counts chosen for them
     once warmup() has seen the cache; a 16-bit cache keeps the 64-key four-warp tile; the decode_* options set
     both tiles."""
     case = make_case([1] * 2, [5, 9], num_heads=4, num_kv_heads=2, block_size=64)
@@ -258,7 +258,9 @@ def test_an_fp8_cache_gets_its_own_decode_tile() -> None:
                                                                            32, backend._num_sms, num_warps=1)
     assert_matches_torch(fp8_case, fp8_case.run(backend))
     four = make_case([1], [5], num_heads=8, num_kv_heads=2, block_size=64).fp8().backend(TritonAttentionBackend)
-    assert four.fp8_decode_config.num_warps == 4  # four query heads a KV head: not measured end to end
+    assert four.fp8_decode_config.num_warps == 1  # four query heads a KV head (the 8B's) too
+    many_heads = make_case([1], [5], num_heads=32, num_kv_heads=1, block_size=64).fp8()
+    assert many_heads.backend(TritonAttentionBackend).fp8_decode_config.num_warps == 4  # a 32-row query tile
     both = case.backend(TritonAttentionBackend, decode_block_n=16, decode_num_warps=2)
     assert both.decode_config.block_n == both.fp8_decode_config.block_n == 16
     assert both.decode_config.num_warps == both.fp8_decode_config.num_warps == 2
