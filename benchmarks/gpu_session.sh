@@ -123,6 +123,15 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r11-e)  # round 11, one H200 (about 3 minutes): the FP8 decode tile's pipeline depth (one-warp programs with 2, 3 or 4
+    # stages, two-warp ones) on the 0.6B's heads; then the 0.6B FP8 offline with the default tile and with 2 stages
+    TAIL=3 step decode_sweep_fp8 80 python plugins/attention_flash/bench_kernels.py --sweep decode \
+      --kv-cache-dtype fp8 --out "$OUT/decode_sweep_fp8.md"
+    printf '[plugins]\nattention = "triton"\nattention_options = { decode_num_stages = 2 }\n' > /tmp/stages2.toml
+    TAIL=4 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    TAIL=4 bench fp8_stages2 --config /tmp/stages2.toml --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    pack
+    ;;
   r11-d)  # round 11, one H200 (about 8 minutes): the one-warp FP8 decode tile for four query heads a KV head too;
     # every FP8 GPU test while the 8B checkpoint is written, the 8B offline on both caches, the 8B's FP8 accuracy
     setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \

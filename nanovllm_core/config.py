@@ -75,8 +75,9 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto",
         description="KV-cache element type. `auto`: the model's dtype; `fp8`: float8 e4m3 with a scale per token "
-        "and KV head (about half the bytes, so twice the tokens; not faster than 16 bits on an H200; small "
-        "accuracy cost; attention backends `triton` and `torch`).",
+        "and KV head (about half the bytes, so twice the tokens; on an H200 with `triton` 1.17x the bf16 "
+        "cache's offline throughput at Qwen3-0.6B's shape and 1.06x at 8B's; logits about 4x further from "
+        "float32 than the bf16 cache's; attention backends `triton` and `torch`).",
     )
     num_kvcache_blocks: int | None = Field(
         None, ge=1, description="Number of KV-cache blocks; when unset it is sized from free memory."
