@@ -72,12 +72,12 @@ class EngineConfig(BaseModel):
         None, ge=2, description="Longest prompt + output; defaults to the model's max_position_embeddings."
     )
     kvcache_block_size: int = Field(256, description="Tokens per KV-cache block: a power of two, 16 to 256.")
-    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         "auto",
-        description="KV-cache element type. `auto`: the model's dtype; `fp8`: float8 e4m3 with a scale per token "
-        "and KV head (about half the bytes, so twice the tokens; on an H200 with `triton` 1.17x the bf16 "
-        "cache's offline throughput at Qwen3-0.6B's shape and 1.06x at 8B's; logits about 4x further from "
-        "float32 than the bf16 cache's; attention backends `triton` and `torch`).",
+        description="KV-cache element type. `auto`: the model's dtype; `fp8` (or vLLM's `fp8_e4m3`, read as `fp8`): "
+        "float8 e4m3 with a scale per token and KV head (about half the bytes, so twice the tokens; on an H200 "
+        "with `triton` 1.17x the bf16 cache's offline throughput at Qwen3-0.6B's shape and 1.06x at 8B's; logits "
+        "about 4x further from float32 than the bf16 cache's; attention backends `triton` and `torch`).",
     )
     num_kvcache_blocks: int | None = Field(
         None, ge=1, description="Number of KV-cache blocks; when unset it is sized from free memory."
@@ -131,6 +131,11 @@ class EngineConfig(BaseModel):
         if not 0 <= value <= MAX_SEED:
             raise ValueError(f"must be an unsigned 64-bit integer, 0 to 2**64 - 1 ({MAX_SEED})")
         return value
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _one_name_for_e4m3(cls, value: str) -> str:
+        return "fp8" if value == "fp8_e4m3" else value  # backends see one name per cache kind
 
     @field_validator("kvcache_block_size")
     @classmethod

@@ -162,6 +162,14 @@ def test_flags_are_parsed_into_their_types_under_strict_validation(capsys: pytes
     assert "max_num_seqs = 64" in out and "enforce_eager = true" in out and "gpu_memory_utilization = 1.0" in out
 
 
+def test_kv_cache_dtype_flag_takes_vllms_e4m3_name(capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run(capsys, "config", "--model", "/m", "--kv-cache-dtype", "fp8_e4m3")
+    assert code == 0, err
+    assert 'kv_cache_dtype = "fp8"' in out
+    code, _, err = run(capsys, "config", "--model", "/m", "--kv-cache-dtype", "fp8_e5m2")
+    assert code == 2 and "kv_cache_dtype: Input should be 'auto', 'fp8' or 'fp8_e4m3' (got 'fp8_e5m2')" in err
+
+
 def load_benchmark(name: str):
     """The module of ``benchmarks/NAME.py`` (the benchmarks are scripts, not a package)."""
     import importlib.util

@@ -49,6 +49,13 @@ def test_invalid_values_name_field_and_allowed(overrides, expected):
         EngineConfig.load(None, {"model": "/m", **overrides})
 
 
+def test_kv_cache_dtype_takes_vllms_name_for_e4m3():
+    """``fp8_e4m3`` (vLLM's spelling) is the e4m3 cache and reads as ``fp8``; e5m2 is refused naming what is allowed."""
+    assert EngineConfig.load(None, {"model": "/m", "kv_cache_dtype": "fp8_e4m3"}).kv_cache_dtype == "fp8"
+    with pytest.raises(ConfigError, match="kv_cache_dtype: Input should be 'auto', 'fp8' or 'fp8_e4m3'"):
+        EngineConfig.load(None, {"model": "/m", "kv_cache_dtype": "fp8_e5m2"})
+
+
 def test_missing_model_is_reported():
     with pytest.raises(ConfigError, match="model: Field required"):
         EngineConfig.load(None, {})
