@@ -78,10 +78,10 @@ def count(pattern: str, ptx: str) -> int:
 CP_ASYNC_16 = r"cp\.async\.cg\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*0x10"
 
 
-def decode_constexprs(cfg: tk.DecodeConfig, fp8: bool = False, half_dots: bool | None = None) -> dict:
-    """``half_dots``: default, as ``decode_attention`` sets it for a bf16 model (on with an FP8 cache)."""
+def decode_constexprs(cfg: tk.DecodeConfig, fp8: bool = False) -> dict:
+    """As ``decode_attention`` sets them for a bf16 model (float16 dots with an FP8 cache)."""
     return dict(GROUP=2, BLOCK_H=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=cfg.block_n, ONE_SPLIT=False, KV_FP8=fp8,
-                HALF_DOTS=fp8 if half_dots is None else half_dots, DOT_PRECISION="tf32")
+                HALF_DOTS=fp8, DOT_PRECISION="tf32")
 
 
 def test_decode_kernel_compiles_for_sm90() -> None:
