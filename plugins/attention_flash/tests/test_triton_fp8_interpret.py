@@ -83,12 +83,15 @@ def test_fp8_float16() -> None:
     assert_matches_torch(case, case.run(case.backend(TritonAttentionBackend)), tol=2e-3)
 
 
-@pytest.mark.parametrize("num_kv_splits", [1, 4])
-def test_fp8_bfloat16_decode_against_float32(num_kv_splits: int) -> None:
-    """A bf16 model's decode on an FP8 cache (its dots in float16, the value scales on the probabilities) is as
-    close to exact float32 attention over the same e4m3 cache as the bf16 output's own rounding allows: one bf16
-    step (a relative 2**-7) of the exact value."""
-    case = make_case(*KINDS["decode"], num_heads=4, num_kv_heads=2, block_size=16, dtype=torch.bfloat16, seed=5).fp8()
+BF16_CASES = [("decode", 1), ("decode", 4), ("chunked", 1), ("mixed", 1)]
+
+
+@pytest.mark.parametrize("kind,num_kv_splits", BF16_CASES, ids=[f"{k}-{s}split" for k, s in BF16_CASES])
+def test_fp8_bfloat16_against_float32(kind: str, num_kv_splits: int) -> None:
+    """A bf16 model's attention on an FP8 cache (dots in float16, the value scales on the probabilities; decode
+    and prefill kernels) is as close to exact float32 attention over the same e4m3 cache as the bf16 output's own
+    rounding allows: one bf16 step (a relative 2**-7) of the exact value."""
+    case = make_case(*KINDS[kind], num_heads=4, num_kv_heads=2, block_size=16, dtype=torch.bfloat16, seed=5).fp8()
     out = case.run(case.backend(TritonAttentionBackend, num_kv_splits=num_kv_splits))
     exact = reference(case, TorchAttentionBackend)  # float32 on the dequantised cache
     assert not torch.isnan(out).any()
