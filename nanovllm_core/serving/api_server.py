@@ -2,7 +2,8 @@
 
 ``build_app(engine, settings)`` returns the ASGI app; its lifespan starts the engine's step loop and, at
 shutdown, aborts what is still in flight and stops the loop. Routes: ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and vLLM's
+``POST /tokenize``, ``POST /detokenize`` and ``GET /version``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from nanovllm_core import __version__
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream
@@ -30,11 +33,16 @@ from nanovllm_core.serving.openai_serving import Job, chat_events, chat_response
 from nanovllm_core.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
     SamplingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 
 logger = logging.getLogger(__name__)
@@ -94,6 +102,16 @@ async def read_body(request: Request, model: type[M]) -> M:
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+
+
+def tokenize_body_model(raw: bytes) -> type[TokenizeChatRequest] | type[TokenizeCompletionRequest]:
+    """Which ``/tokenize`` body this is: chat when it has ``messages``, else a prompt (whose errors a body that is
+    neither then gets)."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return TokenizeCompletionRequest
+    return TokenizeChatRequest if isinstance(data, dict) and "messages" in data else TokenizeCompletionRequest
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -254,16 +272,45 @@ class OpenAIServer:
         result = await until_disconnected(request, completion_response(job))
         return JSONResponse(result.model_dump()) if result is not None else Response(status_code=499)
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+    def chat_prompt(
+        self, body: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False
+    ) -> list[int]:
         try:
-            ids = render_chat(
+            return render_chat(
                 self.engine.tokenizer,
                 body.conversation(),
                 body.add_generation_prompt,
+                add_special_tokens=add_special_tokens,
                 **(body.chat_template_kwargs or {}),
             )
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), "messages") from None
+
+    def tokenize(self, body: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
+        """vLLM's ``/tokenize``: the prompt's token ids as the completion or chat endpoint would send them."""
+        self.check_model(body.model)
+        tokenizer = self.engine.tokenizer
+        if isinstance(body, TokenizeChatRequest):
+            ids = self.chat_prompt(body, body.add_special_tokens)
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's ``/detokenize``: the text of token ids (special tokens included); an id the tokenizer does not
+        have is a 400 naming it."""
+        self.check_model(body.model)
+        tokenizer = self.engine.tokenizer
+        vocab = len(tokenizer)
+        for i, token in enumerate(body.tokens):
+            if not 0 <= token < vocab:
+                message = f"tokens[{i}]: {token} is not a token id of this model's tokenizer (0 to {vocab - 1})"
+                raise APIError(400, message, "tokens")
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        ids = self.chat_prompt(body)
         job = await self.submit(body, [ids], body.requested_max_tokens, "messages", "chatcmpl")
         if body.stream:
             return EventStreamResponse(chat_events(job))
@@ -325,6 +372,18 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     async def models() -> ModelList:
         card = ModelCard(id=settings.served_model_name, root=engine.config.model, max_model_len=engine.max_model_len)
         return ModelList(data=[card])
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> TokenizeResponse:
+        return server.tokenize(await read_body(request, tokenize_body_model(await request.body())))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        return server.detokenize(await read_body(request, DetokenizeRequest))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> Response:

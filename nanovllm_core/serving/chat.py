@@ -14,11 +14,13 @@ def render_chat(
     messages: Conversation,
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
+    add_special_tokens: bool = False,
     **template_kwargs: Any,
 ) -> list[int]:
     """The prompt token ids of ``messages`` (``[{"role": ..., "content": ...}, ...]``).
 
-    The template's text is tokenized without adding special tokens again (the template writes its own).
+    The template's text is tokenized without adding special tokens again (the template writes its own), unless
+    ``add_special_tokens``.
     Raises InvalidRequestError when the tokenizer has no chat template (and none is given) or the template
     rejects the messages.
     """
@@ -41,4 +43,4 @@ def render_chat(
         )
     except Exception as exc:  # noqa: BLE001 - a template error (raise_exception, undefined key) is the caller's
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -1,4 +1,5 @@
-"""The OpenAI API's request and response bodies (completions, chat completions, models, errors).
+"""The OpenAI API's request and response bodies (completions, chat completions, models, errors), and vLLM's
+``/tokenize`` and ``/detokenize``.
 
 Requests accept unknown fields (logged and ignored, as vLLM does), and vLLM's extra fields: ``top_k``,
 ``min_p``, ``ignore_eos``, ``repetition_penalty``, ``priority``, ``stop_token_ids``,
@@ -166,14 +167,47 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def conversation(self) -> list[dict[str, Any]]:
-        """The messages as the plain dicts a chat template reads (content parts joined into one string)."""
-        messages = []
-        for message in self.messages:
-            entry = {**(message.model_extra or {}), "role": message.role, "content": message.text()}
-            if message.name is not None:
-                entry["name"] = message.name
-            messages.append(entry)
-        return messages
+        return as_conversation(self.messages)
+
+
+def as_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the plain dicts a chat template reads (content parts joined into one string)."""
+    conversation = []
+    for message in messages:
+        entry = {**(message.model_extra or {}), "role": message.role, "content": message.text()}
+        if message.name is not None:
+            entry["name"] = message.name
+        conversation.append(entry)
+    return conversation
+
+
+class TokenizeCompletionRequest(OpenAIModel):
+    """``POST /tokenize`` with a ``prompt`` (vLLM's fields): its token ids as a completion request would send."""
+
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIModel):
+    """``POST /tokenize`` with ``messages``: the prompt the chat template makes of them, as chat completions send
+    it (``add_special_tokens`` false by default, as in vLLM: the template writes its own)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return as_conversation(self.messages)
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 # --- responses -----------------------------------------------------------------------------------------
@@ -181,6 +215,17 @@ class ChatCompletionRequest(SamplingRequest):
 
 def now() -> int:
     return int(time.time())
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class UsageInfo(BaseModel):

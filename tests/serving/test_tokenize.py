@@ -1,0 +1,63 @@
+"""vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /version`` on the test server: the token ids the
+completion and chat endpoints would send, their text back, and errors that name the field."""
+
+from __future__ import annotations
+
+import httpx
+from serving_helpers import ENGINE, MODEL
+
+import nanovllm_core
+from nanovllm_core.serving.chat import render_chat
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=30)
+
+
+def test_tokenize_a_prompt_as_completions_would(server, offline):
+    tokenizer = offline.tokenizer
+    body = post(server, "/tokenize", {"model": MODEL, "prompt": "The quick brown fox"}).json()
+    ids = tokenizer.encode("The quick brown fox")
+    assert body == {"count": len(ids), "max_model_len": ENGINE["max_model_len"], "tokens": ids, "token_strs": None}
+    bare = post(server, "/tokenize", {"prompt": "The quick brown fox", "add_special_tokens": False,
+                                      "return_token_strs": True}).json()  # fmt: skip
+    assert bare["tokens"] == tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    assert bare["token_strs"] == tokenizer.convert_ids_to_tokens(bare["tokens"])
+
+
+def test_tokenize_messages_as_chat_completions_would(server, offline):
+    body = post(server, "/tokenize", {"model": MODEL, "messages": MESSAGES}).json()
+    assert body["tokens"] == render_chat(offline.tokenizer, MESSAGES) and body["count"] == len(body["tokens"])
+    without = post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
+    assert without["tokens"] == render_chat(offline.tokenizer, MESSAGES, add_generation_prompt=False)
+    assert without["tokens"] != body["tokens"]
+
+
+def test_detokenize_gives_the_text_back(server, offline):
+    ids = offline.tokenizer.encode("Hello world, again")
+    assert post(server, "/detokenize", {"model": MODEL, "tokens": ids}).json() == {
+        "prompt": offline.tokenizer.decode(ids)
+    }
+
+
+def test_bad_bodies_name_the_field(server, offline):
+    vocab = len(offline.tokenizer)
+    response = post(server, "/detokenize", {"tokens": [1, 2, vocab]})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "tokens" and f"tokens[2]: {vocab} is not a token id" in error["message"]
+    assert f"(0 to {vocab - 1})" in error["message"]
+    response = post(server, "/detokenize", {"tokens": [1, -1]})
+    assert response.status_code == 400 and "tokens[1]: -1" in response.json()["error"]["message"]
+    response = post(server, "/tokenize", {"prompt": 5})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    response = post(server, "/tokenize", {"messages": []})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    response = post(server, "/tokenize", {"model": "other", "prompt": "x"})
+    assert response.status_code == 404 and "this server serves 'tiny-qwen3'" in response.json()["error"]["message"]
+
+
+def test_version(server):
+    assert httpx.get(server.url + "/version").json() == {"version": nanovllm_core.__version__}
