@@ -241,9 +241,13 @@ class OpenAIServer:
         if body.model_extra:
             logger.warning("ignoring fields this server does not know: %s", ", ".join(sorted(body.model_extra)))
         tokens_as_ids = body.return_tokens_as_token_ids
+        completion = body if isinstance(body, CompletionRequest) else None
+        echo_only = completion is not None and completion.echo_only
+        if echo_only:
+            requested = 1  # the engine computes one token; the answer leaves it out
         max_tokens = min(self.max_tokens(len(ids), requested, prompt_param) for ids in prompts)
         logprobs = self.logprobs_of(body)
-        prompt_logprobs = getattr(body, "prompt_logprobs", None)
+        prompt_logprobs = completion.engine_prompt_logprobs if completion is not None else None
         params: SamplingParams = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
         self.check_capacity(len(prompts))
         response_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -256,7 +260,19 @@ class OpenAIServer:
                 self.engine.abort_nowait(stream.request_id)
             raise
         model = self.settings.served_model_name
-        return Job(self.engine, response_id, model, streams, body.n, logprobs, body.include_usage, tokens_as_ids)
+        return Job(
+            self.engine,
+            response_id,
+            model,
+            streams,
+            body.n,
+            logprobs,
+            body.include_usage,
+            tokens_as_ids,
+            echo=completion is not None and completion.echo,
+            echo_only=echo_only,
+            show_prompt_logprobs=completion is not None and completion.prompt_logprobs is not None,
+        )
 
     @staticmethod
     def logprobs_of(body: SamplingRequest) -> int | None:
@@ -265,6 +281,11 @@ class OpenAIServer:
         return body.logprobs  # type: ignore[attr-defined]
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(
+                400, "max_tokens: 0 needs echo=true (it returns the prompt alone, with logprobs if asked); else at "
+                "least 1", "max_tokens"
+            )
         prompts = [self.engine.tokenize(p) for p in body.prompts()]
         job = await self.submit(body, prompts, body.max_tokens, "prompt", "cmpl")
         if body.stream:

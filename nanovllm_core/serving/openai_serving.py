@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -53,6 +54,9 @@ class Job:
     logprobs: int | None  # top logprobs per token; None: no logprobs
     include_usage: bool = False
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
+    echo_only: bool = False  # echo with max_tokens=0: the prompt alone (the engine's one token is left out)
+    show_prompt_logprobs: bool = False  # the prompt_logprobs field (vLLM's) was asked for
     prompt_logprobs_sent: set[int] = field(default_factory=set)
     completion_tokens: list[int] = field(default_factory=list)
     prompt_logprobs: dict[int, list] = field(default_factory=dict)  # prompt index -> the engine's prompt logprobs
@@ -87,7 +91,7 @@ class Job:
 
     def take_prompt_logprobs(self, index: int) -> list[dict[int, PromptLogprob] | None] | None:
         """The prompt logprobs of choice ``index``'s prompt, once per choice (its first chunk carries them)."""
-        if index in self.prompt_logprobs_sent:
+        if index in self.prompt_logprobs_sent or not self.show_prompt_logprobs:
             return None
         self.prompt_logprobs_sent.add(index)
         raw = self.prompt_logprobs.get(index // self.n)
@@ -126,8 +130,24 @@ class Job:
                     self.prompt_logprobs.setdefault(i, out.prompt_logprobs)
                 for c in out.outputs:
                     index = i * self.n + c.index
+                    if self.echo_only:  # the token the engine had to compute is not part of the answer
+                        c = dataclasses.replace(
+                            c,
+                            text="",
+                            token_ids=[],
+                            logprobs=None if c.logprobs is None else [],
+                            finish_reason="length" if c.finish_reason else None,  # max_tokens=0 reached
+                            stop_reason=None,
+                        )
                     self.completion_tokens[index] += len(c.token_ids)
                     yield index, c
+
+    def prompt_text(self, index: int) -> str:
+        """Choice ``index``'s prompt as text: as sent, or decoded from the token ids that were sent."""
+        stream = self.streams[index // self.n]
+        if stream.prompt is not None:
+            return stream.prompt
+        return self.engine.tokenizer.decode(stream.prompt_token_ids)
 
     def token_text(self, token_id: int, decoded: str | None) -> str:
         if self.tokens_as_ids:
@@ -183,20 +203,35 @@ class CompletionLogprobsBuilder:
     def build(self, c: CompletionOutput) -> CompletionLogprobs | None:
         if self.job.logprobs is None or c.logprobs is None:
             return None
+        return self._tokens(c.token_ids, c.logprobs)
+
+    def build_prompt(self, index: int) -> CompletionLogprobs | None:
+        """With ``echo``: the prompt tokens of choice ``index``'s prompt; the first has no logprob (null)."""
+        if self.job.logprobs is None:
+            return None
+        stream = self.job.streams[index // self.job.n]
+        positions = self.job.prompt_logprobs.get(index // self.job.n) or [None] * stream.num_prompt_tokens
+        return self._tokens(stream.prompt_token_ids, positions)
+
+    def _tokens(self, token_ids: list[int], positions: list[dict[int, Any] | None]) -> CompletionLogprobs:
         result = CompletionLogprobs()
-        for token_id, position in zip(c.token_ids, c.logprobs):
-            own = position.get(token_id)
+        for token_id, position in zip(token_ids, positions):
+            own = position.get(token_id) if position is not None else None
             text = self.job.token_text(token_id, own.decoded_token if own else None)
             result.tokens.append(text)
+            result.text_offset.append(self.offset)
+            self.offset += len(text)
+            if position is None:  # the prompt's first token
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
             result.token_logprobs.append(own.logprob if own else None)
             # keyed by text, as OpenAI's legacy format: of tokens with the same text the likeliest is kept
             top: dict[str, float] = {}
             for t, lp in self.job.top(position):
                 top.setdefault(self.job.token_text(t, lp.decoded_token), lp.logprob)
-            top.setdefault(text, own.logprob if own else float("-inf"))  # the sampled token is always listed
+            top.setdefault(text, own.logprob if own else float("-inf"))  # the chosen token is always listed
             result.top_logprobs.append(top)
-            result.text_offset.append(self.offset)
-            self.offset += len(text)
         return result
 
 
@@ -208,9 +243,13 @@ async def completion_response(job: Job) -> CompletionResponse:
         async for index, c in outputs:
             if index not in choices:
                 choices[index] = CompletionChoice(index=index, text="", prompt_logprobs=job.take_prompt_logprobs(index))
+                builders[index] = CompletionLogprobsBuilder(job)
+                if job.echo:
+                    texts[index] = [job.prompt_text(index)]
+                    choices[index].logprobs = builders[index].build_prompt(index)
             choice = choices[index]
             texts.setdefault(index, []).append(c.text)
-            builder = builders.setdefault(index, CompletionLogprobsBuilder(job))
+            builder = builders[index]
             delta = builder.build(c)
             if delta is not None:
                 if choice.logprobs is None:
@@ -227,9 +266,24 @@ async def completion_response(job: Job) -> CompletionResponse:
 
 async def completion_events(job: Job) -> AsyncIterator[str]:
     builders: dict[int, CompletionLogprobsBuilder] = {}
+    echoed: set[int] = set()
     try:
         async with job.reading() as outputs:
             async for index, c in outputs:
+                if job.echo and index not in echoed:  # the prompt first, in an event of its own
+                    echoed.add(index)
+                    builder = builders.setdefault(index, CompletionLogprobsBuilder(job))
+                    choice = CompletionChoice(
+                        index=index,
+                        text=job.prompt_text(index),
+                        logprobs=builder.build_prompt(index),
+                        prompt_logprobs=job.take_prompt_logprobs(index),
+                    )
+                    yield sse(
+                        CompletionResponse(
+                            id=job.response_id, created=job.created, model=job.model, choices=[choice]
+                        ).model_dump_json()
+                    )
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
                 prompt_logprobs = job.take_prompt_logprobs(index)

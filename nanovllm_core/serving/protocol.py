@@ -93,7 +93,7 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids or lists of token ids."""
 
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt (and its logprobs) alone
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -107,13 +107,23 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("prompt must not be empty (nor hold an empty prompt)")
         if self.prompt == "":
             raise ValueError("prompt must not be empty")
-        if self.echo:
-            raise ValueError("echo is not supported (the prompt is in prompt_token_ids of your own request)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported: only best_of equal to n ({self.n})")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens=0`` (vLLM's echo without generation: scoring a prompt)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs to ask the engine for: ``prompt_logprobs``, or with ``echo`` the ``logprobs`` that
+        the echoed prompt tokens carry, whichever is larger."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the batch, each a string or a list of token ids."""

@@ -197,7 +197,8 @@ def test_wrong_api_key_is_401(server):
         ("temperature", -1, "greater than or equal to 0"),
         ("n", 0, "greater than or equal to 1"),
         ("top_p", 1.5, "less than or equal to 1"),
-        ("max_tokens", 0, "greater than or equal to 1"),
+        ("max_tokens", -1, "greater than or equal to 0"),  # 0 is echo's (tests/serving/test_echo.py)
+        ("max_tokens", 0, "0 needs echo=true"),
         ("logprobs", 21, "less than or equal to 20"),
         ("presence_penalty", 3, "less than or equal to 2"),
         ("repetition_penalty", 0, "greater than 0"),
