@@ -25,7 +25,24 @@ from nanovllm_core.outputs import CompletionOutput, Logprob, PositionLogprobs, R
 from nanovllm_core.sampling_params import SamplingParams, with_priority
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict[str, Any]
+"""Text, token ids, or vLLM's prompt dicts: ``{"prompt": text}`` (TextPrompt), ``{"prompt_token_ids": ids}``
+(TokensPrompt)."""
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def unwrap_prompt(prompt: Any) -> Any:
+    """The text or token ids inside one of vLLM's prompt dicts (``prompt_token_ids`` wins when both are given);
+    any other prompt as it is. A dict with other keys, or neither, raises InvalidRequestError."""
+    if not isinstance(prompt, dict):
+        return prompt
+    unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
+    if unknown or not prompt:
+        raise InvalidRequestError(
+            f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (token ids), as vLLM's TextPrompt and "
+            f"TokensPrompt; {'not ' + ', '.join(map(repr, unknown)) if unknown else 'it holds neither'}"
+        )
+    return prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
 
 
 class LaunchedStep(Protocol):
@@ -139,6 +156,7 @@ class EngineCore:
     # --- requests -------------------------------------------------------------------------------------
 
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        prompt = unwrap_prompt(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: give the prompt as a list of token ids")
@@ -238,6 +256,10 @@ class EngineCore:
             request.held_back = []
             self._forget(request)
             return self._output(request, range(len(request.seqs)), final=True)
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer prompts are encoded with (vLLM's ``LLM.get_tokenizer``); None without one."""
+        return self.tokenizer
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self._in_flight is not None

@@ -162,10 +162,12 @@ def data_parallel_size_of(
 
 
 def _as_prompt_list(prompts: Any) -> list[Any]:
-    """One prompt (a string, or a flat list of numbers: token ids) or a list of prompts, as a list of prompts."""
-    if isinstance(prompts, str):
+    """One prompt (a string, a flat list of numbers: token ids, or a prompt dict) or a list of prompts, as a list
+    of prompts."""
+    if isinstance(prompts, (str, dict)):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and not any(isinstance(p, (str, list, tuple)) for p in prompts):
+    one_prompt = not any(isinstance(p, (str, list, tuple, dict)) for p in prompts) if prompts else False
+    if isinstance(prompts, (list, tuple)) and one_prompt:
         return [list(prompts)]  # token ids; a non-integer among them is reported for this prompt
     if not isinstance(prompts, (list, tuple)):
         raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of prompts, not "

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.core import Prompt, unwrap_prompt
 from nanovllm_core.engine.detokenizer import Decode, IncrementalDetokenizer, decoder_of
 from nanovllm_core.engine.llm import data_parallel_size_of
 from nanovllm_core.engine.llm_engine import LLMEngine
@@ -263,14 +264,15 @@ class AsyncLLM:
 
     # --- requests ---------------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        prompt = unwrap_prompt(prompt)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
     async def add_request(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
         priority: int | None = None,
@@ -283,6 +285,7 @@ class AsyncLLM:
         params = with_priority(params, priority)
         await self.start()
         self._check_alive()
+        prompt = unwrap_prompt(prompt)
         token_ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._streams:
@@ -306,7 +309,7 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
         priority: int | None = None,

@@ -230,3 +230,28 @@ def test_priority_argument_sets_each_requests_priority(llm, expected):
     with pytest.raises(InvalidRequestError, match="priority=True is invalid"):
         llm.add_request(PROMPTS[0], GREEDY, priority=True)
     assert not llm.has_unfinished_requests()
+
+
+def test_vllm_prompt_dicts_are_prompts(llm, expected):
+    """vLLM's TextPrompt and TokensPrompt dicts, alone or in a list, give what their text or ids give."""
+    text = llm.get_tokenizer().decode(PROMPTS[0])
+    assert llm.get_tokenizer() is llm.tokenizer
+    by_text = llm.generate(text, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == by_text and outs[0].prompt == text
+    assert outs[1].outputs[0].token_ids == expected[1]
+    assert llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected[0]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ({"prompt": "hi", "multi_modal_data": {}}, r"'prompt' \(text\) or 'prompt_token_ids'.*not 'multi_modal_data'"),
+        ({}, "it holds neither"),
+        ({"prompt_token_ids": [1, "x"]}, r"holds 'x' \(str\)"),
+    ],
+)
+def test_bad_prompt_dicts_are_rejected_naming_what_is_allowed(llm, prompt, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.add_request(prompt, GREEDY)
+    assert not llm.has_unfinished_requests()

@@ -64,6 +64,21 @@ def test_concurrent_requests(engine, greedy):
     assert run(engine, body) == [greedy(p, 10) for p in prompts]
 
 
+def test_vllm_prompt_dicts(engine, greedy):
+    async def body(llm):
+        outs = []
+        for i, prompt in enumerate([{"prompt": "Hello world!"}, {"prompt_token_ids": [3, 4, 5, 6]}]):
+            outs.append([out async for out in llm.generate(prompt, GREEDY, request_id=f"d{i}")])
+        return outs
+
+    by_text, by_ids = run(engine, body)
+    assert ("".join(o.outputs[0].text for o in by_text), [t for o in by_text for t in o.outputs[0].token_ids]) == (
+        greedy("Hello world!", 10)
+    )
+    assert by_text[-1].prompt == "Hello world!"
+    assert [t for o in by_ids for t in o.outputs[0].token_ids] == greedy([3, 4, 5, 6], 10)[1]
+
+
 def test_the_front_end_decodes_the_text_and_the_engine_sends_ids(engine, monkeypatch):
     """Without stop strings the engine gets ``detokenize=False`` and the stream decodes the text; with them the
     engine decodes (it matches them). Either way the pieces add up to each sample's whole decode (n=2, sampled,
