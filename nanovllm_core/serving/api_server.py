@@ -69,6 +69,7 @@ class ServerSettings:
     api_key: str | None = None
     max_queued_requests: int | None = None  # requests without a first token yet, beyond which 503; None: no limit
     shutdown_timeout: float = 0.0  # seconds the lifespan's shutdown lets in-flight requests finish
+    chat_template: str | None = None  # a Jinja chat template instead of the tokenizer's (vLLM's --chat-template)
 
 
 class APIError(Exception):
@@ -301,6 +302,7 @@ class OpenAIServer:
                 self.engine.tokenizer,
                 body.conversation(),
                 body.add_generation_prompt,
+                self.settings.chat_template,
                 add_special_tokens=add_special_tokens,
                 **(body.chat_template_kwargs or {}),
             )

@@ -45,7 +45,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the engine's step loop in a process of its own, so that it shares no GIL with the HTTP work "
         "(default; --no-engine-process: a thread of the server; docs/serving.md has the measurements)",
     )
+    parser.add_argument(
+        "--chat-template",
+        help="a Jinja chat template for /v1/chat/completions instead of the tokenizer's: a file, or the template "
+        "itself (vLLM's flag)",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: the file's text, or the value itself when it is a template (it holds ``{``)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" in value:
+        return value
+    raise ConfigError(f"--chat-template {value!r}: no such file, and not a Jinja template (no '{{' in it)")
 
 
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
@@ -76,12 +93,14 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         raise ConfigError(f"--max-queued-requests {args.max_queued_requests}: at least 1 (leave it out for no limit)")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout {args.shutdown_timeout}: 0 seconds or more")
+    chat_template = read_chat_template(args.chat_template)  # before the engine loads: a bad value costs nothing
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = AsyncLLM.from_config(config=args.config, cli_overrides=overrides, engine_process=args.engine_process)
     settings = ServerSettings(
         served_model_name=args.served_model_name or args.model_path or engine.config.model,
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
+        chat_template=chat_template,
     )
     app = build_app(engine, settings)
     freeze_startup_heap()  # this process is the server's own: see nanovllm_core.gc_heap

@@ -42,3 +42,15 @@ def test_missing_serve_extra_is_a_clear_error(monkeypatch, capsys):
     assert main(["serve", "/does/not/exist"]) == 2
     err = capsys.readouterr().err
     assert "missing: fastapi" in err and "pip install 'nanovllm-core[serve]'" in err
+
+
+def test_chat_template_flag_reads_a_file_or_takes_the_template(tmp_path, capsys):
+    from nanovllm_core.serving.serve import read_chat_template
+
+    path = tmp_path / "template.jinja"
+    path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert read_chat_template(str(path)) == path.read_text()
+    assert read_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    assert read_chat_template(None) is None
+    assert main(["serve", "/does/not/exist", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "no such file, and not a Jinja template" in capsys.readouterr().err

@@ -4,9 +4,10 @@ completion and chat endpoints would send, their text back, and errors that name 
 from __future__ import annotations
 
 import httpx
-from serving_helpers import ENGINE, MODEL
+from serving_helpers import ENGINE, MODEL, start_server
 
 import nanovllm_core
+from nanovllm_core.serving.api_server import ServerSettings
 from nanovllm_core.serving.chat import render_chat
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
@@ -61,3 +62,18 @@ def test_bad_bodies_name_the_field(server, offline):
 
 def test_version(server):
     assert httpx.get(server.url + "/version").json() == {"version": nanovllm_core.__version__}
+
+
+def test_a_chat_template_of_the_server_replaces_the_tokenizers(tiny_path, offline):
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    settings = ServerSettings(served_model_name=MODEL, chat_template=template)
+    thread = start_server(tiny_path, settings)
+    try:
+        body = post(thread, "/tokenize", {"messages": MESSAGES}).json()
+        expected = offline.tokenizer.encode("[system] Be brief.\n[user] Hello world!\n", add_special_tokens=False)
+        assert body["tokens"] == expected
+        chat = httpx.post(thread.url + "/v1/chat/completions", timeout=30, json={
+            "messages": MESSAGES, "max_tokens": 3, "temperature": 0, "ignore_eos": True}).json()  # fmt: skip
+        assert chat["usage"]["prompt_tokens"] == len(expected)
+    finally:
+        thread.stop()
