@@ -270,6 +270,7 @@ class OpenAIServer:
             logprobs,
             body.include_usage,
             tokens_as_ids,
+            continuous_usage=body.continuous_usage,
             echo=completion is not None and completion.echo,
             echo_only=echo_only,
             show_prompt_logprobs=completion is not None and completion.prompt_logprobs is not None,

@@ -54,6 +54,7 @@ class Job:
     logprobs: int | None  # top logprobs per token; None: no logprobs
     include_usage: bool = False
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N"
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage in every chunk
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
     echo_only: bool = False  # echo with max_tokens=0: the prompt alone (the engine's one token is left out)
     show_prompt_logprobs: bool = False  # the prompt_logprobs field (vLLM's) was asked for
@@ -79,14 +80,37 @@ class Job:
         gives (tested), built directly, at a fifth of the cost, since the server renders one per request and step."""
         return (
             f'data: {self._completion_head}{index},"text":{dumps(c.text)},"logprobs":null,"finish_reason":'
-            f'{dumps(c.finish_reason)},"stop_reason":{dumps(c.stop_reason)},"prompt_logprobs":null}}],"usage":null}}\n\n'
+            f'{dumps(c.finish_reason)},"stop_reason":{dumps(c.stop_reason)},"prompt_logprobs":null}}],"usage":'
+            f"{self._usage_json(index)}}}\n\n"
         )
 
     def chat_chunk(self, index: int, c: CompletionOutput) -> str:
         """The SSE event of a chat delta without logprobs (as ``ChatCompletionChunk.model_dump_json``, tested)."""
         return (
             f'data: {self._chat_head}{index},"delta":{{"role":null,"content":{dumps(c.text)}}},"logprobs":null,'
-            f'"finish_reason":{dumps(c.finish_reason)},"stop_reason":{dumps(c.stop_reason)}}}],"usage":null}}\n\n'
+            f'"finish_reason":{dumps(c.finish_reason)},"stop_reason":{dumps(c.stop_reason)}}}],"usage":'
+            f"{self._usage_json(index)}}}\n\n"
+        )
+
+    def chunk_usage(self, index: int | None) -> UsageInfo | None:
+        """With ``continuous_usage``: the usage so far of choice ``index`` (its prompt's tokens and its own
+        completion tokens), or of the whole request for ``None``; else None (a chunk's ``usage`` is null)."""
+        if not self.continuous_usage:
+            return None
+        if index is None:  # the request's first chunk: every prompt, nothing generated yet
+            prompt = sum(s.num_prompt_tokens for s in self.streams)
+            return UsageInfo(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
+        prompt = self.streams[index // self.n].num_prompt_tokens
+        completion = self.completion_tokens[index]
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def _usage_json(self, index: int) -> str:
+        usage = self.chunk_usage(index)
+        if usage is None:
+            return "null"
+        return (
+            f'{{"prompt_tokens":{usage.prompt_tokens},"completion_tokens":{usage.completion_tokens},'
+            f'"total_tokens":{usage.total_tokens}}}'
         )
 
     def take_prompt_logprobs(self, index: int) -> list[dict[int, PromptLogprob] | None] | None:
@@ -281,7 +305,11 @@ async def completion_events(job: Job) -> AsyncIterator[str]:
                     )
                     yield sse(
                         CompletionResponse(
-                            id=job.response_id, created=job.created, model=job.model, choices=[choice]
+                            id=job.response_id,
+                            created=job.created,
+                            model=job.model,
+                            choices=[choice],
+                            usage=job.chunk_usage(index),
                         ).model_dump_json()
                     )
                 if not (c.text or c.token_ids or c.finish_reason):
@@ -301,7 +329,11 @@ async def completion_events(job: Job) -> AsyncIterator[str]:
                 )
                 yield sse(
                     CompletionResponse(
-                        id=job.response_id, created=job.created, model=job.model, choices=[choice]
+                        id=job.response_id,
+                        created=job.created,
+                        model=job.model,
+                        choices=[choice],
+                        usage=job.chunk_usage(index),
                     ).model_dump_json()
                 )
         if job.include_usage:
@@ -366,7 +398,8 @@ async def chat_events(job: Job) -> AsyncIterator[str]:
         # OpenAI's first chunk of each choice carries the role
         num_choices = len(job.streams) * job.n
         yield chunk(
-            [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(num_choices)]
+            [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(num_choices)],
+            job.chunk_usage(None),
         )
         async with job.reading() as outputs:
             async for index, c in outputs:
@@ -382,7 +415,7 @@ async def chat_events(job: Job) -> AsyncIterator[str]:
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                 )
-                yield chunk([choice])
+                yield chunk([choice], job.chunk_usage(index))
         if job.include_usage:
             yield chunk([], job.usage())
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream

@@ -23,6 +23,7 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class SamplingRequest(OpenAIModel):
@@ -87,6 +88,10 @@ class SamplingRequest(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
 
 class CompletionRequest(SamplingRequest):
