@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
@@ -70,6 +71,7 @@ class ServerSettings:
     max_queued_requests: int | None = None  # requests without a first token yet, beyond which 503; None: no limit
     shutdown_timeout: float = 0.0  # seconds the lifespan's shutdown lets in-flight requests finish
     chat_template: str | None = None  # a Jinja chat template instead of the tokenizer's (vLLM's --chat-template)
+    allowed_origins: list[str] | None = None  # CORS: browser pages of these origins may call the API; None: none
 
 
 class APIError(Exception):
@@ -361,6 +363,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     app.state.server = server
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.allowed_origins:  # added last, so it runs first: preflight requests carry no API key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

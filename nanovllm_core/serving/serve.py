@@ -7,6 +7,7 @@ On a signal the server stops accepting connections, lets in-flight requests fini
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -50,7 +51,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="a Jinja chat template for /v1/chat/completions instead of the tokenizer's: a file, or the template "
         "itself (vLLM's flag)",
     )
+    parser.add_argument(
+        "--allowed-origins",
+        help="CORS: a JSON list of the origins whose browser pages may call the API, e.g. "
+        "'[\"http://localhost:3000\"]' or '[\"*\"]' (vLLM's flag; default: none, unlike vLLM's \"*\": any web "
+        "page the user opens could otherwise call this server)",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def read_allowed_origins(value: str | None) -> list[str] | None:
+    """``--allowed-origins``: a JSON list of strings."""
+    if value is None:
+        return None
+    try:
+        origins = json.loads(value)
+    except ValueError:
+        origins = None
+    if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+        raise ConfigError(f'--allowed-origins {value!r}: a JSON list of origins, e.g. \'["http://localhost:3000"]\'')
+    return origins
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -94,6 +114,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout {args.shutdown_timeout}: 0 seconds or more")
     chat_template = read_chat_template(args.chat_template)  # before the engine loads: a bad value costs nothing
+    allowed_origins = read_allowed_origins(args.allowed_origins)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = AsyncLLM.from_config(config=args.config, cli_overrides=overrides, engine_process=args.engine_process)
     settings = ServerSettings(
@@ -101,6 +122,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
         chat_template=chat_template,
+        allowed_origins=allowed_origins,
     )
     app = build_app(engine, settings)
     freeze_startup_heap()  # this process is the server's own: see nanovllm_core.gc_heap
