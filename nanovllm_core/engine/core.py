@@ -257,10 +257,6 @@ class EngineCore:
             self._forget(request)
             return self._output(request, range(len(request.seqs)), final=True)
 
-    def get_tokenizer(self) -> Any:
-        """The tokenizer prompts are encoded with (vLLM's ``LLM.get_tokenizer``); None without one."""
-        return self.tokenizer
-
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self._in_flight is not None
 

@@ -115,6 +115,10 @@ class LLM(LLMEngine):
             bar.close()
         return [results[r] for r in order]
 
+    def get_tokenizer(self) -> Any:
+        """The tokenizer prompts are encoded with (vLLM's ``LLM.get_tokenizer``)."""
+        return self.tokenizer
+
     def _progress_text(self) -> str:
         stats = self.stats()
         text = self.step_stats.rates_text()

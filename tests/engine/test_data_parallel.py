@@ -116,7 +116,7 @@ def test_bad_prompts_get_error_outputs_and_the_others_complete(dp, single):
     assert "empty" in errors[0]
     assert "outside the vocabulary" in errors[1]
     assert "max_model_len" in errors[2]
-    assert "not dict" in errors[4]
+    assert "'prompt' (text) or 'prompt_token_ids'" in errors[4] and "not 'text'" in errors[4]
     assert "sampling_params must be a SamplingParams" in errors[6]
     assert all(outs[i].outputs[0].finish_reason == "error" for i in (0, 1, 2, 4, 6))
     good = [3, 5]
