@@ -16,6 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_v
 
 from nanovllm_core.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
+# vLLM's fields for constrained (guided) decoding: refused, since ignoring them would change the answer's meaning
+GUIDED_DECODING_FIELDS = frozenset(
+    {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs"}
+)
+
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -51,6 +56,7 @@ class SamplingRequest(OpenAIModel):
     skip_special_tokens: bool = True
     priority: int = 0
     return_tokens_as_token_ids: bool = False
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:
@@ -58,6 +64,14 @@ class SamplingRequest(OpenAIModel):
             raise ValueError("stream_options is only allowed with stream=true")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported (send null or leave it out)")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError(
+                f"response_format {self.response_format.get('type')!r} is not supported: this server has no "
+                'constrained decoding (json_object, json_schema); only {"type": "text"}'
+            )
+        guided = sorted(set(self.model_extra or {}) & GUIDED_DECODING_FIELDS)
+        if guided:  # vLLM's constrained decoding: ignoring it would return unconstrained text as if it were
+            raise ValueError(f"{', '.join(guided)}: constrained decoding is not supported by this server")
         return self
 
     def sampling_params(

@@ -224,6 +224,9 @@ def test_bad_shapes_are_400(client, server):
         ({"prompt": "x", "logit_bias": {"1": 5}}, None, "logit_bias is not supported"),
         ({"prompt": "x", "stop": [1]}, "stop", "must be a string, a list of strings, or null"),
         ({"prompt": [1, 10**6]}, None, "outside the vocabulary"),
+        # constrained decoding would be silently lost if ignored: refused
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, None, "response_format 'json_object' is not"),
+        ({"prompt": "x", "guided_choice": ["a", "b"]}, None, "guided_choice: constrained decoding is not supported"),
     ]
     for body, param, text in cases:
         response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body}, headers=headers)
@@ -239,6 +242,12 @@ def test_bad_shapes_are_400(client, server):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError, match="response_format 'json_schema' is not supported"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})  # fmt: skip
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                           response_format={"type": "text"})  # fmt: skip
+    assert plain.choices[0].finish_reason in ("length", "stop")
 
 
 def test_unknown_model_is_404(client):
