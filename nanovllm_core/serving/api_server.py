@@ -66,7 +66,8 @@ UNION_FIELDS = {
 
 @dataclass
 class ServerSettings:
-    served_model_name: str
+    served_model_name: str  # the name responses carry
+    other_model_names: tuple[str, ...] = ()  # more names clients may send (vLLM's --served-model-name A B ...)
     api_key: str | None = None
     max_queued_requests: int | None = None  # requests without a first token yet, beyond which 503; None: no limit
     shutdown_timeout: float = 0.0  # seconds the lifespan's shutdown lets in-flight requests finish
@@ -199,9 +200,10 @@ class OpenAIServer:
         self.metrics = metrics
 
     def check_model(self, model: str | None) -> None:
-        served = self.settings.served_model_name
-        if model is not None and model != served:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {served!r}", "model")
+        names = (self.settings.served_model_name, *self.settings.other_model_names)
+        if model is not None and model not in names:
+            served = " or ".join(map(repr, names))
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", "model")
 
     def check_capacity(self, num_requests: int) -> None:
         if not self.engine.is_running:
@@ -400,8 +402,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=settings.served_model_name, root=engine.config.model, max_model_len=engine.max_model_len)
-        return ModelList(data=[card])
+        names = (settings.served_model_name, *settings.other_model_names)
+        return ModelList(
+            data=[ModelCard(id=name, root=engine.config.model, max_model_len=engine.max_model_len) for name in names]
+        )
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:

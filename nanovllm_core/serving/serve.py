@@ -26,7 +26,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("NANOVLLM_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOVLLM_API_KEY; unset: no key)",
     )
-    parser.add_argument("--served-model-name", help="the model name clients send (default: the MODEL argument)")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="the model name clients send (default: the MODEL argument); several names: clients may send any, "
+        "responses carry the first (vLLM's flag)",
+    )
     parser.add_argument(
         "--max-queued-requests",
         type=int,
@@ -58,6 +63,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "page the user opens could otherwise call this server)",
     )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def take_model_from_names(args: argparse.Namespace) -> None:
+    """``nanovllm serve --served-model-name NAME MODEL``: the names (several allowed) took the MODEL argument
+    too; a last name that is a folder, with no MODEL given, is the model."""
+    names = args.served_model_name
+    if names and len(names) > 1 and args.model_path is None and os.path.isdir(names[-1]):
+        args.model_path = names.pop()
 
 
 def read_allowed_origins(value: str | None) -> list[str] | None:
@@ -107,6 +120,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from nanovllm_core.serving.api_server import ServerSettings, build_app
     from nanovllm_core.serving.async_llm import AsyncLLM
 
+    take_model_from_names(args)
     if args.model_path:
         overrides["model"] = args.model_path
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
@@ -118,7 +132,8 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = AsyncLLM.from_config(config=args.config, cli_overrides=overrides, engine_process=args.engine_process)
     settings = ServerSettings(
-        served_model_name=args.served_model_name or args.model_path or engine.config.model,
+        served_model_name=(args.served_model_name or [args.model_path or engine.config.model])[0],
+        other_model_names=tuple((args.served_model_name or [])[1:]),
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
         chat_template=chat_template,

@@ -12,7 +12,8 @@ def test_serve_parses_server_and_engine_flags():
         + ["--served-model-name", "mine", "--scheduler", "fifo", "--no-enable-prefix-caching", "--config", "c.toml"]
     )
     assert args.func is cmd_serve and args.model_path == "/m" and args.port == 0 and args.api_key == "k"
-    assert args.max_queued_requests == 3 and args.served_model_name == "mine" and args.config == "c.toml"
+    assert args.max_queued_requests == 3 and args.served_model_name == ["mine"] and args.config == "c.toml"
+    assert build_parser().parse_args(["serve", "/m", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
     assert args.host == "127.0.0.1" and args.shutdown_timeout == 10.0 and args.engine_process is True
     assert build_parser().parse_args(["serve", "/m", "--no-engine-process"]).engine_process is False
     overrides = _cli_overrides(args)
@@ -54,3 +55,15 @@ def test_chat_template_flag_reads_a_file_or_takes_the_template(tmp_path, capsys)
     assert read_chat_template(None) is None
     assert main(["serve", "/does/not/exist", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "no such file, and not a Jinja template" in capsys.readouterr().err
+
+
+def test_a_model_folder_after_the_served_names_is_the_model(tmp_path):
+    from nanovllm_core.serving.serve import take_model_from_names
+
+    args = build_parser().parse_args(["serve", "--served-model-name", "mine", str(tmp_path)])
+    assert args.model_path is None and args.served_model_name == ["mine", str(tmp_path)]  # argparse's reading
+    take_model_from_names(args)
+    assert args.model_path == str(tmp_path) and args.served_model_name == ["mine"]
+    named = build_parser().parse_args(["serve", str(tmp_path), "--served-model-name", "a", "b"])
+    take_model_from_names(named)
+    assert named.model_path == str(tmp_path) and named.served_model_name == ["a", "b"]
