@@ -309,6 +309,7 @@ class OpenAIServer:
                 body.add_generation_prompt,
                 self.settings.chat_template,
                 add_special_tokens=add_special_tokens,
+                **({"continue_final_message": True} if body.continue_final_message else {}),
                 **(body.chat_template_kwargs or {}),
             )
         except InvalidRequestError as exc:

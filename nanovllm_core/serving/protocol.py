@@ -181,6 +181,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -189,6 +190,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs=true")
         if self.tools:
             raise ValueError("tools are not supported")
+        check_continue_final_message(self)
         return self
 
     @property
@@ -197,6 +199,17 @@ class ChatCompletionRequest(SamplingRequest):
 
     def conversation(self) -> list[dict[str, Any]]:
         return as_conversation(self.messages)
+
+
+def check_continue_final_message(body: ChatCompletionRequest | TokenizeChatRequest) -> None:
+    """vLLM's ``continue_final_message``: the prompt ends inside the last message, which must be the assistant's,
+    so that the reply continues it; it excludes ``add_generation_prompt`` (a new turn)."""
+    if not body.continue_final_message:
+        return
+    if body.add_generation_prompt:
+        raise ValueError("continue_final_message=true needs add_generation_prompt=false (a new turn would follow)")
+    if body.messages[-1].role != "assistant":
+        raise ValueError("continue_final_message=true needs the last message to be the assistant's")
 
 
 def as_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -226,9 +239,15 @@ class TokenizeChatRequest(OpenAIModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check_tokenize_chat(self) -> TokenizeChatRequest:
+        check_continue_final_message(self)
+        return self
 
     def conversation(self) -> list[dict[str, Any]]:
         return as_conversation(self.messages)

@@ -77,3 +77,22 @@ def test_a_chat_template_of_the_server_replaces_the_tokenizers(tiny_path, offlin
         assert chat["usage"]["prompt_tokens"] == len(expected)
     finally:
         thread.stop()
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_assistants_message(server, offline, client):
+    messages = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    tokens = post(server, "/tokenize", body).json()["tokens"]
+    text = offline.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text.endswith("The answer is") and tokens == offline.tokenizer.encode(text, add_special_tokens=False)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                          extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert chat.usage.prompt_tokens == len(tokens)
+    for bad, message in [
+        ({"messages": messages, "continue_final_message": True}, "needs add_generation_prompt=false"),
+        ({"messages": MESSAGES, "add_generation_prompt": False, "continue_final_message": True}, "the assistant's"),
+    ]:
+        response = post(server, "/tokenize", bad)
+        assert response.status_code == 400 and message in response.json()["error"]["message"]
