@@ -136,9 +136,12 @@ class LLM(LLMEngine):
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Reply to one conversation (``[{"role": ..., "content": ...}, ...]``) or a list of them, through the
         tokenizer's chat template (or ``chat_template``), as vLLM's ``LLM.chat``; one output per conversation.
+        ``continue_final_message`` (with ``add_generation_prompt=False``): the prompt ends inside the last message,
+        so the reply continues it.
 
         Raises InvalidRequestError when the tokenizer has no chat template and none is given.
         """
@@ -148,6 +151,10 @@ class LLM(LLMEngine):
             raise InvalidRequestError("messages must be a non-empty list: one conversation, or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         kwargs = chat_template_kwargs or {}
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequestError("continue_final_message=True needs add_generation_prompt=False")
+            kwargs = {**kwargs, "continue_final_message": True}
         prompts = [
             render_chat(self.tokenizer, c, add_generation_prompt, chat_template, **kwargs) for c in conversations
         ]

@@ -27,6 +27,15 @@ def test_chat_renders_the_template_and_generates(offline):
     assert no_prompt.prompt_token_ids == render_chat(offline.tokenizer, CHAT, add_generation_prompt=False) != ids
 
 
+def test_chat_continues_the_final_message(offline):
+    chat = [*CHAT, {"role": "assistant", "content": "Hi, I"}]
+    [out] = offline.chat(chat, PARAMS, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    text = offline.tokenizer.apply_chat_template(chat, tokenize=False, continue_final_message=True)
+    assert text.endswith("Hi, I") and out.prompt_token_ids == offline.tokenizer.encode(text, add_special_tokens=False)
+    with pytest.raises(InvalidRequestError, match="needs add_generation_prompt=False"):
+        offline.chat(chat, PARAMS, use_tqdm=False, continue_final_message=True)
+
+
 def test_chat_without_a_template_is_a_clear_error(tmp_path):
     path = write_tiny_checkpoint(tmp_path, "qwen3", chat_template=None)
     llm = LLM(str(path), **ENGINE)
