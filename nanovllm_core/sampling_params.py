@@ -43,6 +43,7 @@ class SamplingParams:
     default). ``presence_penalty`` / ``frequency_penalty`` subtract from the logits of tokens already generated
     (once / per occurrence); ``repetition_penalty`` divides positive and multiplies negative logits of tokens
     seen in the prompt or the output (1 is off). ``priority``: lower runs first under a priority policy.
+    ``truncate_prompt_tokens=k`` keeps only the prompt's last ``k`` tokens (vLLM's: a long prompt then fits).
     ``output_kind``: what ``LLMEngine.step`` returns for the request: only the final output, every step's new
     tokens (``delta``) or everything so far (``cumulative``). ``detokenize=False``: outputs carry token ids only
     (``text`` stays empty), for callers that decode the text themselves, as the server's front-end does.
@@ -68,6 +69,7 @@ class SamplingParams:
     priority: int = 0
     output_kind: OutputKind = "final"
     detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
     stop_strings: list[str] = field(init=False, repr=False)
     # Whether sampling reads the tokens so far (a penalty is on): the engine must then have the sequence's real
     # tokens on the host before each of its steps is sampled. Derived once, like stop_strings: the sampler reads
@@ -103,6 +105,10 @@ class SamplingParams:
                 raise bad(name, f"None or an integer from 0 to {MAX_LOGPROBS} (top tokens besides the chosen one)")
         if not _is_int(self.priority):
             raise bad("priority", "an integer (lower is scheduled first)")
+        if self.truncate_prompt_tokens is not None and (
+            not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1
+        ):
+            raise bad("truncate_prompt_tokens", "None or an integer >= 1 (the prompt's last tokens kept)")
         if self.output_kind not in get_args(OutputKind):
             raise bad("output_kind", " or ".join(repr(k) for k in get_args(OutputKind)))
         if not isinstance(self.include_stop_str_in_output, bool):

@@ -186,6 +186,9 @@ class EngineCore:
         elif request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None and len(token_ids) > keep:
+            text, token_ids = None, token_ids[-keep:]  # the text no longer matches the ids
         if not token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
         if self.vocab_size is not None:

@@ -250,6 +250,9 @@ class OpenAIServer:
         echo_only = completion is not None and completion.echo_only
         if echo_only:
             requested = 1  # the engine computes one token; the answer leaves it out
+        keep = body.truncate_prompt_tokens
+        if keep is not None:  # here, before the length check, so that a long prompt fits as vLLM's does
+            prompts = [ids[-keep:] for ids in prompts]
         max_tokens = min(self.max_tokens(len(ids), requested, prompt_param) for ids in prompts)
         logprobs = self.logprobs_of(body)
         prompt_logprobs = completion.engine_prompt_logprobs if completion is not None else None

@@ -56,6 +56,7 @@ class SamplingRequest(OpenAIModel):
     skip_special_tokens: bool = True
     priority: int = 0
     return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -96,6 +97,7 @@ class SamplingRequest(OpenAIModel):
             repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
             priority=self.priority,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             output_kind="delta",
         )
 

@@ -255,3 +255,15 @@ def test_bad_prompt_dicts_are_rejected_naming_what_is_allowed(llm, prompt, messa
     with pytest.raises(InvalidRequestError, match=message):
         llm.add_request(prompt, GREEDY)
     assert not llm.has_unfinished_requests()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    long = list(range(3, 203))  # 200 tokens: over max_model_len=128
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=50)
+    out = llm.generate([long], params, use_tqdm=False)[0]
+    assert out.error is None and out.prompt_token_ids == long[-50:]
+    assert out.outputs[0].token_ids == llm.generate([long[-50:]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4]
+    short = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    assert short.prompt_token_ids == [5, 6, 7]
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens=0 is invalid"):
+        SamplingParams(truncate_prompt_tokens=0)

@@ -346,3 +346,10 @@ def test_prompt_logprobs(server, offline, stream):
         for token, position in zip(ids[1:], positions[1:]):
             assert str(token) in position and 2 <= len(position) <= 3  # the prompt's token and the top 2
             assert all(entry["logprob"] <= 0 for entry in position.values())
+
+
+def test_truncate_prompt_tokens_lets_a_long_prompt_fit(client, greedy):
+    long = [5 + i % 300 for i in range(600)]  # 600 tokens: over max_model_len=512
+    out = client.completions.create(model=MODEL, prompt=long, max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True, "truncate_prompt_tokens": 100})  # fmt: skip
+    assert out.usage.prompt_tokens == 100 and out.choices[0].text == greedy(long[-100:], 4)[0]
