@@ -74,6 +74,10 @@ class ServerSettings:
     chat_template: str | None = None  # a Jinja chat template instead of the tokenizer's (vLLM's --chat-template)
     allowed_origins: list[str] | None = None  # CORS: browser pages of these origins may call the API; None: none
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.other_model_names)
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
@@ -200,7 +204,7 @@ class OpenAIServer:
         self.metrics = metrics
 
     def check_model(self, model: str | None) -> None:
-        names = (self.settings.served_model_name, *self.settings.other_model_names)
+        names = self.settings.model_names
         if model is not None and model not in names:
             served = " or ".join(map(repr, names))
             raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", "model")
@@ -406,10 +410,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        names = (settings.served_model_name, *settings.other_model_names)
-        return ModelList(
-            data=[ModelCard(id=name, root=engine.config.model, max_model_len=engine.max_model_len) for name in names]
-        )
+        cards = [ModelCard(id=name, root=engine.config.model, max_model_len=engine.max_model_len)
+                 for name in settings.model_names]  # fmt: skip
+        return ModelList(data=cards)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:

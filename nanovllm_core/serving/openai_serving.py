@@ -291,6 +291,13 @@ async def completion_response(job: Job) -> CompletionResponse:
 async def completion_events(job: Job) -> AsyncIterator[str]:
     builders: dict[int, CompletionLogprobsBuilder] = {}
     echoed: set[int] = set()
+
+    def event(choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
+        response = CompletionResponse(
+            id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
+        )
+        return sse(response.model_dump_json())
+
     try:
         async with job.reading() as outputs:
             async for index, c in outputs:
@@ -303,15 +310,7 @@ async def completion_events(job: Job) -> AsyncIterator[str]:
                         logprobs=builder.build_prompt(index),
                         prompt_logprobs=job.take_prompt_logprobs(index),
                     )
-                    yield sse(
-                        CompletionResponse(
-                            id=job.response_id,
-                            created=job.created,
-                            model=job.model,
-                            choices=[choice],
-                            usage=job.chunk_usage(index),
-                        ).model_dump_json()
-                    )
+                    yield event([choice], job.chunk_usage(index))
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
                 prompt_logprobs = job.take_prompt_logprobs(index)
@@ -327,21 +326,9 @@ async def completion_events(job: Job) -> AsyncIterator[str]:
                     stop_reason=c.stop_reason,
                     prompt_logprobs=prompt_logprobs,
                 )
-                yield sse(
-                    CompletionResponse(
-                        id=job.response_id,
-                        created=job.created,
-                        model=job.model,
-                        choices=[choice],
-                        usage=job.chunk_usage(index),
-                    ).model_dump_json()
-                )
+                yield event([choice], job.chunk_usage(index))
         if job.include_usage:
-            yield sse(
-                CompletionResponse(
-                    id=job.response_id, created=job.created, model=job.model, choices=[], usage=job.usage()
-                ).model_dump_json()
-            )
+            yield event([], job.usage())
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream
         yield sse(stream_error(exc))
     yield DONE
