@@ -177,8 +177,11 @@ def _as_prompt_list(prompts: Any) -> list[Any]:
     of prompts."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    one_prompt = not any(isinstance(p, (str, list, tuple, dict)) for p in prompts) if prompts else False
-    if isinstance(prompts, (list, tuple)) and one_prompt:
+    if (
+        isinstance(prompts, (list, tuple))
+        and prompts
+        and not any(isinstance(p, (str, list, tuple, dict)) for p in prompts)
+    ):
         return [list(prompts)]  # token ids; a non-integer among them is reported for this prompt
     if not isinstance(prompts, (list, tuple)):
         raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of prompts, not "

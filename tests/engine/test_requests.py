@@ -267,3 +267,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     assert short.prompt_token_ids == [5, 6, 7]
     with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens=0 is invalid"):
         SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_generate_of_something_that_is_no_prompt_names_what_is_allowed(llm):
+    with pytest.raises(InvalidRequestError, match="prompts must be a string, a list of token ids .* not int"):
+        llm.generate(5, GREEDY, use_tqdm=False)
+    assert not llm.has_unfinished_requests()
