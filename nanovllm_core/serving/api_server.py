@@ -33,6 +33,7 @@ from nanovllm_core.serving.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.serving.openai_serving import Job, chat_events, chat_response, completion_events, completion_response
 from nanovllm_core.serving.protocol import (
     ChatCompletionRequest,
+    ChatPrompt,
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -306,9 +307,7 @@ class OpenAIServer:
         result = await until_disconnected(request, completion_response(job))
         return JSONResponse(result.model_dump()) if result is not None else Response(status_code=499)
 
-    def chat_prompt(
-        self, body: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False
-    ) -> list[int]:
+    def chat_prompt(self, body: ChatPrompt, add_special_tokens: bool = False) -> list[int]:
         try:
             return render_chat(
                 self.engine.tokenizer,

@@ -173,18 +173,46 @@ class ChatMessage(OpenAIModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``; ``max_completion_tokens`` wins over the older ``max_tokens``."""
+class ChatPrompt(OpenAIModel):
+    """The fields that make a chat prompt, shared by chat completions and ``/tokenize``: the messages and how the
+    chat template renders them (vLLM's ``continue_final_message``: the prompt ends inside the last message, the
+    assistant's, so that the reply continues it; it excludes ``add_generation_prompt``, a new turn)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> ChatPrompt:
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message=true needs add_generation_prompt=false (a new turn would follow)"
+                )
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message=true needs the last message to be the assistant's")
+        return self
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the plain dicts a chat template reads (content parts joined into one string)."""
+        conversation = []
+        for message in self.messages:
+            entry = {**(message.model_extra or {}), "role": message.role, "content": message.text()}
+            if message.name is not None:
+                entry["name"] = message.name
+            conversation.append(entry)
+        return conversation
+
+
+class ChatCompletionRequest(SamplingRequest, ChatPrompt):
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` wins over the older ``max_tokens``."""
+
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -192,37 +220,11 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs=true")
         if self.tools:
             raise ValueError("tools are not supported")
-        check_continue_final_message(self)
         return self
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def conversation(self) -> list[dict[str, Any]]:
-        return as_conversation(self.messages)
-
-
-def check_continue_final_message(body: ChatCompletionRequest | TokenizeChatRequest) -> None:
-    """vLLM's ``continue_final_message``: the prompt ends inside the last message, which must be the assistant's,
-    so that the reply continues it; it excludes ``add_generation_prompt`` (a new turn)."""
-    if not body.continue_final_message:
-        return
-    if body.add_generation_prompt:
-        raise ValueError("continue_final_message=true needs add_generation_prompt=false (a new turn would follow)")
-    if body.messages[-1].role != "assistant":
-        raise ValueError("continue_final_message=true needs the last message to be the assistant's")
-
-
-def as_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the plain dicts a chat template reads (content parts joined into one string)."""
-    conversation = []
-    for message in messages:
-        entry = {**(message.model_extra or {}), "role": message.role, "content": message.text()}
-        if message.name is not None:
-            entry["name"] = message.name
-        conversation.append(entry)
-    return conversation
 
 
 class TokenizeCompletionRequest(OpenAIModel):
@@ -234,25 +236,13 @@ class TokenizeCompletionRequest(OpenAIModel):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(OpenAIModel):
+class TokenizeChatRequest(ChatPrompt):
     """``POST /tokenize`` with ``messages``: the prompt the chat template makes of them, as chat completions send
     it (``add_special_tokens`` false by default, as in vLLM: the template writes its own)."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     add_special_tokens: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
-
-    @model_validator(mode="after")
-    def _check_tokenize_chat(self) -> TokenizeChatRequest:
-        check_continue_final_message(self)
-        return self
-
-    def conversation(self) -> list[dict[str, Any]]:
-        return as_conversation(self.messages)
 
 
 class DetokenizeRequest(OpenAIModel):
