@@ -123,6 +123,67 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r12-c)  # round 12, one H200 (about 9 minutes): decode_fusion on and off, back to back: the 0.6B on both caches
+    # while the 8B checkpoint is written, then the 8B on both caches
+    setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    printf '[plugins]\nattention = "triton"\nattention_options = { decode_fusion = false }\n' > /tmp/unfused.toml
+    for cache in fp8 auto; do
+      TAIL=2 bench "${cache}" --attention triton --kv-cache-dtype $cache --runs 2 --warmup-prompts 1
+      TAIL=2 bench "${cache}_unfused" --config /tmp/unfused.toml --kv-cache-dtype $cache --runs 2 --warmup-prompts 1
+    done
+    for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
+    for cache in fp8 auto; do
+      BENCH_LIMIT=110 TAIL=2 bench "8b_${cache}" --shape qwen3-8b --attention triton --kv-cache-dtype $cache --runs 2 \
+        --warmup-prompts 1
+      BENCH_LIMIT=110 TAIL=2 bench "8b_${cache}_unfused" --shape qwen3-8b --config /tmp/unfused.toml \
+        --kv-cache-dtype $cache --runs 2 --warmup-prompts 1
+    done
+    pack
+    ;;
+  r12-b)  # round 12, one H200 (about 9 minutes): e4m3 to float16 by integer operations (NANOVLLM_E4M3_PATH: keys
+    # and values by bits, values only ("mixed", the default), or Hopper's conversion for both); the FP8 GPU tests
+    # with both by bits, the FP8 kernels and the 0.6B offline on each path, the 8B on two (its checkpoint written
+    # meanwhile)
+    setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    TAIL=4 NANOVLLM_E4M3_PATH=bits step fp8_gpu_tests_bits 170 python -m pytest plugins/attention_flash/tests -m gpu \
+      -q -k "fp8 or stores_like" -rf
+    for path in cvt bits mixed; do
+      TAIL=3 NANOVLLM_E4M3_PATH=$path step "kernels_$path" 60 python plugins/attention_flash/bench_kernels.py \
+        --backends triton_fp8 --out "$OUT/kernels_$path.md"
+      grep -E "B=256 ctx=(1024|4096)|16 prompts" "$OUT/kernels_$path.md"
+    done
+    for path in cvt bits mixed; do
+      TAIL=4 NANOVLLM_E4M3_PATH=$path bench "fp8_$path" --attention triton --kv-cache-dtype fp8 --runs 2 \
+        --warmup-prompts 1
+    done
+    for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
+    for path in mixed bits; do
+      BENCH_LIMIT=120 TAIL=4 NANOVLLM_E4M3_PATH=$path bench "8b_fp8_$path" --shape qwen3-8b --attention triton \
+        --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    done
+    pack
+    ;;
+  r12-a)  # round 12, one H200 (about 9 minutes): the decode kernel stores the step's keys/values and merges its
+    # splits itself (decode_fusion); every attention GPU test, then the 0.6B offline with and without it on both
+    # caches, back to back, and the 8B on the FP8 cache with it (its checkpoint written meanwhile)
+    setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    TAIL=6 step attention_gpu_tests 200 python -m pytest plugins/attention_flash/tests -m gpu -q -rf
+    printf '[plugins]\nattention = "triton"\nattention_options = { decode_fusion = false }\n' > /tmp/unfused.toml
+    TAIL=4 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    TAIL=4 bench fp8_unfused --config /tmp/unfused.toml --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    TAIL=4 bench bf16 --attention triton --runs 2 --warmup-prompts 1
+    TAIL=4 bench bf16_unfused --config /tmp/unfused.toml --runs 2 --warmup-prompts 1
+    for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
+    BENCH_LIMIT=150 TAIL=4 bench 8b_fp8 --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 2 \
+      --warmup-prompts 1
+    pack
+    ;;
   r11-e)  # round 11, one H200 (about 3 minutes): the FP8 decode tile's pipeline depth (one-warp programs with 2, 3 or 4
     # stages, two-warp ones) on the 0.6B's heads; then the 0.6B FP8 offline with the default tile and with 2 stages
     TAIL=3 step decode_sweep_fp8 80 python plugins/attention_flash/bench_kernels.py --sweep decode \
