@@ -124,7 +124,7 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
   r12-c)  # round 12, one H200 (about 9 minutes): decode_fusion on and off, back to back: the 0.6B on both caches
-    # while the 8B checkpoint is written, then the 8B on both caches
+    # while the 8B checkpoint is written, then the 8B on both caches (runs at b5f3965, where decode_fusion exists)
     setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
       "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
       > /tmp/ckpt_8b.log 2>&1 < /dev/null &
@@ -145,7 +145,7 @@ case "${1:?phase}" in
   r12-b)  # round 12, one H200 (about 9 minutes): e4m3 to float16 by integer operations (NANOVLLM_E4M3_PATH: keys
     # and values by bits, values only ("mixed", the default), or Hopper's conversion for both); the FP8 GPU tests
     # with both by bits, the FP8 kernels and the 0.6B offline on each path, the 8B on two (its checkpoint written
-    # meanwhile)
+    # meanwhile). It ran b5f3965 with a variant that was measured and never committed: docs/benchmarks.md, round 12
     setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
       "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
       > /tmp/ckpt_8b.log 2>&1 < /dev/null &
@@ -169,7 +169,7 @@ case "${1:?phase}" in
     ;;
   r12-a)  # round 12, one H200 (about 9 minutes): the decode kernel stores the step's keys/values and merges its
     # splits itself (decode_fusion); every attention GPU test, then the 0.6B offline with and without it on both
-    # caches, back to back, and the 8B on the FP8 cache with it (its checkpoint written meanwhile)
+    # caches, back to back, and the 8B on the FP8 cache with it (its checkpoint written meanwhile; runs at b5f3965)
     setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
       "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
       > /tmp/ckpt_8b.log 2>&1 < /dev/null &

@@ -1,9 +1,8 @@
 """Building blocks for model plugins: tensor-parallel-ready linears and embeddings, norms, rotary, attention.
 
 Also for kernel authors: :func:`wrap_kernel` runs a ``@triton.jit`` kernel compiled on CUDA or in Triton's
-interpreter on CPU (how CI tests kernels), :func:`device_function` makes a helper that such kernels call, and
-:func:`fused_enabled` says whether the engine asked for fused/compiled small ops on this device
-(``compile_small_ops``).
+interpreter on CPU (how CI tests kernels), and :func:`fused_enabled` says whether the engine asked for
+fused/compiled small ops on this device (``compile_small_ops``).
 """
 
 from nanovllm_core.layers.activation import SiluAndMul
@@ -19,7 +18,7 @@ from nanovllm_core.layers.linear import (
 )
 from nanovllm_core.layers.norm import RMSNorm
 from nanovllm_core.layers.rotary import RotaryEmbedding, get_rope
-from nanovllm_core.layers.triton_jit import device_function, wrap_kernel
+from nanovllm_core.layers.triton_jit import wrap_kernel
 
 __all__ = [
     "Attention",
@@ -33,7 +32,6 @@ __all__ = [
     "RowParallelLinear",
     "SiluAndMul",
     "VocabParallelEmbedding",
-    "device_function",
     "fused_enabled",
     "get_rope",
     "wrap_kernel",

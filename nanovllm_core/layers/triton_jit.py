@@ -44,23 +44,3 @@ def wrap_kernel(fn: Callable, interpret: bool, **options: Any) -> Any:
     from triton.runtime.jit import JITFunction
 
     return JITFunction(fn, **options)
-
-
-def device_function(fn: Callable) -> Any:
-    """``fn`` as a helper that kernel bodies call (Triton's ``@triton.jit`` device function), in compiled kernels
-    and in interpreted ones alike.
-
-    Triton's compiler inlines a call only to a ``JITFunction``, and its interpreter calls only an
-    ``InterpretedFunction`` (a ``JITFunction`` refuses to be called from Python). The returned object is a
-    ``JITFunction`` whose Python call runs ``fn`` interpreted, so one global name serves both kinds of kernel.
-    """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    class DeviceFunction(JITFunction):
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            return self.interpreted(*args, **kwargs)
-
-    helper = DeviceFunction(fn)
-    helper.interpreted = InterpretedFunction(fn)
-    return helper

@@ -85,11 +85,6 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
         prefill_block_n: int | None = Field(None, ge=16, le=256, description="Keys per prefill tile.")
         prefill_num_warps: int | None = Field(None, ge=1, le=16)
         prefill_num_stages: int | None = Field(None, ge=1, le=6)
-        decode_fusion: bool = Field(
-            True,
-            description="Decode-only steps: the decode kernel stores the new keys/values and merges its KV splits "
-            "itself (false: a store kernel before it and a merge kernel after, two launches more a layer).",
-        )
         prefill_use_tma: bool | None = Field(
             None, description="Load prefill K/V tiles through TMA descriptors (compute capability 9.0+; else ignored)."
         )
@@ -219,16 +214,16 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
     def warmup_steps(
         self, kv_cache: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, TritonMetadata]]:
-        """Tiny ``forward`` calls that together launch every kernel variant a step can: pure decode (with
-        ``decode_fusion``, the decode kernel storing the new keys and values and merging its splits itself) with one
-        KV split and with each power-of-two split count up to ``MAX_KV_SPLITS`` (a fixed ``num_kv_splits`` needs
-        only its own); the KV store of this cache's type and a prefill alone, and beside a one-token sequence at
-        each of those split counts (a mixed batch: the prefill kernel skips that one, the decode kernel takes it).
-        The decode kernel's merge counters are allocated here, before any CUDA graph is captured. The prefill's K/V
-        load path (pointers or TMA) is the one this cache takes. Every key and value is stored at slot -1
-        (nowhere) and every context is block 0's first rows, so the cache is only read. Every other argument a
-        variant depends on (dtypes, 16-byte alignment, strides divisible by 16) is the same as in the engine's
-        steps; integers that vary per batch are not specialised (``triton_kernels._kernel_set``)."""
+        """Tiny ``forward`` calls that together launch every kernel variant a step can: the KV store of this
+        cache's type; pure decode with one KV split and with each power-of-two split count up to
+        ``MAX_KV_SPLITS`` (the merge kernel is compiled per count; a fixed ``num_kv_splits`` needs only its
+        own); a prefill alone, and beside a one-token sequence (a mixed batch: the prefill kernel skips that one,
+        the decode kernel takes it). The prefill's K/V load path (pointers or TMA) is the one this cache takes.
+        Every key and value is stored at slot -1 (nowhere) and every context is block 0's first rows, so the
+        cache is only read. Every other argument a variant depends on (dtypes, 16-byte alignment, strides
+        divisible by 16) is the same as in the engine's steps; integers that vary per batch are not specialised
+        (``triton_kernels._kernel_set``)."""
+        kernels = _kernels()
         device = torch.device(self.device)
 
         def step(query_lens: list[int], single: int, splits: int) -> tuple:
@@ -255,12 +250,11 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             decode_only = max(query_lens) == 1
             return q, kv, kv, TritonMetadata(batch, decode_only, splits, 0 if decode_only else single)
 
-        # every split count: the count is not specialised, but the workspace strides it sets are (by 16)
         fixed = self.options.num_kv_splits
-        split_counts = [fixed] if fixed else [2**i for i in range(_kernels().MAX_KV_SPLITS.bit_length())]
+        split_counts = [fixed] if fixed else [2**i for i in range(kernels.MAX_KV_SPLITS.bit_length())]
         steps = [step([1, 1], 0, splits) for splits in split_counts]
         steps.append(step([2], 0, 1))  # the prefill kernel alone
-        steps += [step([2, 1], 1, splits) for splits in split_counts]  # the prefill kernel beside the decode kernel
+        steps.append(step([2, 1], 1, split_counts[0]))  # the prefill kernel beside the decode kernel
         return steps
 
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -281,8 +275,6 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonMetadata
     ) -> torch.Tensor:
-        if metadata.decode_only and self.options.decode_fusion:  # the decode kernel stores them: one launch less
-            return self.attend(q, kv_cache, metadata, new_kv=(k, v, metadata.batch.slot_mapping))
         key_cache, value_cache, scales = self._cache_views(kv_cache)
         if scales:
             _kernels().store_kv_fp8(k, v, key_cache, value_cache, *scales.values(), metadata.batch.slot_mapping)
@@ -290,15 +282,8 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             _kernels().store_kv(k, v, key_cache, value_cache, metadata.batch.slot_mapping)
         return self.attend(q, kv_cache, metadata)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: TritonMetadata,
-        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """The attention part of ``forward``: the step's keys/values are already in ``kv_cache``, or (a
-        decode-only step) ``new_kv`` = ``(k, v, slot_mapping)`` for the decode kernel to store."""
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonMetadata) -> torch.Tensor:
+        """The attention part of ``forward``: the step's keys/values are already in ``kv_cache``."""
         kernels = _kernels()
         batch = metadata.batch
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -314,8 +299,5 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             )
         if metadata.decode_only or metadata.num_single_token_seqs:
             config = self.fp8_decode_config if scales else self.decode_config
-            kernels.decode_attention(
-                *common, batch.num_seqs, metadata.num_splits, config, **scales, new_kv=new_kv,
-                fused_merge=self.options.decode_fusion,
-            )
+            kernels.decode_attention(*common, batch.num_seqs, metadata.num_splits, config, **scales)
         return out

@@ -38,40 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm_core.layers import device_function, wrap_kernel
+from nanovllm_core.layers import wrap_kernel
 
 # ----------------------------------------------------------------------------------------------------
 # Kernel bodies
 # ----------------------------------------------------------------------------------------------------
-
-
-def _e4m3_rows(x):
-    """Rows ``x`` (float32 ``[rows, cols]``) quantised to e4m3, one scale a row: ``(codes, scales)``, the e4m3 bytes
-    as ``uint8`` ``[rows, cols]`` and float32 ``[rows]``, bit for bit ``fp8_cache.quantize_fp8``'s. ``scale = amax /
-    448``, ``value = rne(x / scale)``, both divisions IEEE-rounded (``div_rn``) as in PyTorch.
-
-    Each value is rounded to the e4m3 grid in float32 (the exponent picks the grid step: ``2**(e - 3)``, at least
-    ``2**-9``, the subnormal step), then its e4m3 byte is assembled from the bits: no float-to-fp8 conversion, whose
-    rounding differs between Triton's interpreter (a carry into the exponent is lost) and the GPU (-0 becomes +0).
-    """
-    scale = tl.div_rn(tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max), 448.0)
-    y = tl.div_rn(x, tl.where(scale > 0.0, scale, 1.0)[:, None])
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    bits = y.to(tl.int32, bitcast=True)
-    step_exp = tl.maximum((bits >> 23) & 0xFF, 121) - 3  # biased exponent of the grid step
-    inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
-    step = (step_exp << 23).to(tl.float32, bitcast=True)
-    magnitude = tl.abs(((y * inv_step + 12582912.0) - 12582912.0) * step)  # 1.5 * 2**23: ties to even
-    # The e4m3 byte is built from the rounded value's bits, not by a conversion: the H200's float-to-e4m3
-    # conversion writes a negative value rounded to zero as +0 (docs/benchmarks.md, rounds 4 and 5).
-    mag_bits = magnitude.to(tl.int32, bitcast=True)
-    exponent = (mag_bits >> 23) - 120  # e4m3's biased exponent (bias 7 against float32's 127)
-    code = tl.where(exponent > 0, (exponent << 3) | ((mag_bits >> 20) & 7), (magnitude * 512.0).to(tl.int32))
-    code = tl.where(magnitude != magnitude, 0x7F, code) | tl.where(bits < 0, 0x80, 0)  # NaN; the sign
-    return code.to(tl.uint8), scale
-
-
-e4m3_rows = device_function(_e4m3_rows)
 
 
 def _store_kv_kernel(
@@ -133,8 +104,14 @@ def _store_kv_fp8_kernel(
     DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    """One program per token: quantise its key and value rows to e4m3 (``e4m3_rows``), one scale per KV head
-    (``fp8_cache``), and store them through byte views of the cache (``KEY_CACHE``/``VALUE_CACHE`` are ``uint8``)."""
+    """One program per token: quantise its key and value rows to e4m3, one scale per KV head (``fp8_cache``):
+    ``scale = amax / 448``, ``value = rne(row / scale)``, both divisions IEEE-rounded (``div_rn``) as in PyTorch.
+
+    The row is rounded to the e4m3 grid in float32 (the exponent picks the grid step: ``2**(e - 3)``, at least
+    ``2**-9``, the subnormal step), then its e4m3 byte is assembled from the bits and stored through a byte view
+    of the cache (``KEY_CACHE``/``VALUE_CACHE`` are ``uint8``): no float-to-fp8 conversion, whose rounding
+    differs between Triton's interpreter (a carry into the exponent is lost) and the GPU (-0 becomes +0).
+    """
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + token)
     if slot < 0:
@@ -153,8 +130,22 @@ def _store_kv_fp8_kernel(
         else:
             src, cache, scales = V + token * stride_v_tok, VALUE_CACHE, VALUE_SCALES
             src += offs_h[:, None] * stride_v_head
-        codes, scale = e4m3_rows(tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32))
-        tl.store(cache + dst, codes, mask=mask)
+        x = tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.div_rn(tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max), 448.0)
+        y = tl.div_rn(x, tl.where(scale > 0.0, scale, 1.0)[:, None])
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        bits = y.to(tl.int32, bitcast=True)
+        step_exp = tl.maximum((bits >> 23) & 0xFF, 121) - 3  # biased exponent of the grid step
+        inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
+        step = (step_exp << 23).to(tl.float32, bitcast=True)
+        magnitude = tl.abs(((y * inv_step + 12582912.0) - 12582912.0) * step)  # 1.5 * 2**23: ties to even
+        # The e4m3 byte is built from the rounded value's bits, not by a conversion: the H200's float-to-e4m3
+        # conversion writes a negative value rounded to zero as +0 (docs/benchmarks.md, rounds 4 and 5).
+        mag_bits = magnitude.to(tl.int32, bitcast=True)
+        exponent = (mag_bits >> 23) - 120  # e4m3's biased exponent (bias 7 against float32's 127)
+        code = tl.where(exponent > 0, (exponent << 3) | ((mag_bits >> 20) & 7), (magnitude * 512.0).to(tl.int32))
+        code = tl.where(magnitude != magnitude, 0x7F, code) | tl.where(bits < 0, 0x80, 0)  # NaN; the sign
+        tl.store(cache + dst, code.to(tl.uint8), mask=mask)
         tl.store(scales + block * stride_s_block + offs_h * stride_s_head + row, scale, mask=head_mask)
 
 
@@ -170,18 +161,10 @@ def _decode_split_kernel(
     OUT,
     PART_OUT,
     PART_LSE,
-    K_NEW,
-    V_NEW,
-    SLOTS,
-    COUNTERS,
     scale_log2,
     num_splits,
     stride_q_tok,
     stride_q_head,
-    stride_kn_tok,
-    stride_kn_head,
-    stride_vn_tok,
-    stride_vn_head,
     stride_c_block,
     stride_c_tok,
     stride_c_head,
@@ -201,8 +184,6 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
-    FUSED_STORE: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
     KV_FP8: tl.constexpr,
     HALF_DOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -227,17 +208,6 @@ def _decode_split_kernel(
     the cache's bytes, set the kernel's pace. ``Q`` is clamped to float16's range. The value scales multiply the
     probabilities (a ``[heads, keys]`` tile) instead of the ``[keys, head_dim]`` values, times 256 so that small
     products stay clear of float16's subnormals; the output divides the 256 out.
-
-    ``FUSED_STORE`` (a decode-only step): the step's new key and value rows (``K_NEW``/``V_NEW``, token
-    ``query_start_loc[seq]``, stored at ``SLOTS[token]``; ``-1``: nowhere) are written into the cache by this
-    kernel instead of a store kernel before it. The program of the split holding the context's last tile (where
-    the new token is) writes its KV head's rows, as ``store_kv``/``store_kv_fp8`` would, and waits on a barrier
-    before reading its tiles; no other program reads that row.
-
-    ``FUSED_MERGE`` (with several splits): no merge kernel after this one. Each program counts itself in
-    ``COUNTERS[seq, kv_head]`` (int32, zero before the launch) after writing its partial output; the last of
-    the ``num_splits`` to arrive merges them (in split order, so which one is last does not change a bit) for
-    its ``GROUP`` heads, writes ``OUT`` and sets the counter back to zero for the next launch.
     """
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -257,26 +227,6 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_h
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    if FUSED_STORE:
-        slot = tl.load(SLOTS + q_start)
-        if (slot >= 0) & (split == (num_tiles - 1) // tiles_per_split):
-            new_offsets = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_tok
-            new_offsets += kv_head * stride_c_head + offs_d[None, :]
-            k_new = tl.load(K_NEW + q_start.to(tl.int64) * stride_kn_tok + kv_head * stride_kn_head + offs_d[None, :])
-            v_new = tl.load(V_NEW + q_start.to(tl.int64) * stride_vn_tok + kv_head * stride_vn_head + offs_d[None, :])
-            if KV_FP8:
-                scale_offset = (slot // BLOCK_SIZE) * stride_s_block + kv_head * stride_s_head + slot % BLOCK_SIZE
-                scale_offset += tl.arange(0, 1)
-                k_codes, k_new_scale = e4m3_rows(k_new.to(tl.float32))
-                v_codes, v_new_scale = e4m3_rows(v_new.to(tl.float32))
-                tl.store(KEY_CACHE.to(tl.pointer_type(tl.uint8)) + new_offsets, k_codes)
-                tl.store(VALUE_CACHE.to(tl.pointer_type(tl.uint8)) + new_offsets, v_codes)
-                tl.store(KEY_SCALES + scale_offset, k_new_scale)
-                tl.store(VALUE_SCALES + scale_offset, v_new_scale)
-            else:
-                tl.store(KEY_CACHE + new_offsets, k_new)
-                tl.store(VALUE_CACHE + new_offsets, v_new)
-        tl.debug_barrier()  # the row is in memory before any thread's tile loads
     q_ptrs = Q + q_start.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0)
     if HALF_DOTS:  # then k.to(q.dtype) below is float16 too
@@ -343,29 +293,6 @@ def _decode_split_kernel(
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         pl_ptrs = PART_LSE + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
         tl.store(pl_ptrs, lse, mask=head_mask)
-        if FUSED_MERGE:
-            tl.debug_barrier()  # every thread's partial is written before the count says so
-            counter = COUNTERS + seq * tl.num_programs(0) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                lse_base = PART_LSE + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head
-                lse_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-                for other in range(num_splits):
-                    lse_other = tl.load(lse_base + other, mask=head_mask, other=float("-inf"), cache_modifier=".cg")
-                    lse_max = tl.maximum(lse_max, lse_other)
-                lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-                total = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
-                merged = tl.full([BLOCK_H, HEAD_DIM], 0.0, dtype=tl.float32)
-                po_base = po_ptrs - split * stride_po_split
-                for other in range(num_splits):
-                    lse_other = tl.load(lse_base + other, mask=head_mask, other=float("-inf"), cache_modifier=".cg")
-                    weight = tl.exp2(lse_other - lse_max)
-                    part = tl.load(po_base + other * stride_po_split, mask=head_mask[:, None], cache_modifier=".cg")
-                    merged += part * weight[:, None]
-                    total += weight
-                merged = merged / tl.where(total > 0.0, total, 1.0)[:, None]
-                o_ptrs = OUT + q_start.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
-                tl.store(o_ptrs, merged.to(OUT.dtype.element_ty), mask=head_mask[:, None])
-                tl.store(counter, 0)
 
 
 def _decode_merge_kernel(
@@ -859,23 +786,6 @@ def _scale_args(
     return key_scales, value_scales, key_scales.stride(0), key_scales.stride(1)
 
 
-MERGE_COUNTERS = 1 << 16  # (sequence, KV head) pairs whose splits the decode kernel merges itself
-_merge_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def merge_counters(device: torch.device) -> torch.Tensor | None:
-    """The decode kernel's ``COUNTERS`` on ``device``: ``MERGE_COUNTERS`` int32 zeros, allocated on first use and
-    kept (every launch leaves them zero, and captured CUDA graphs keep their address). ``None`` if they do not
-    exist yet while a CUDA graph is being captured (the merge kernel runs instead); the backend's ``warmup``
-    allocates them before any capture."""
-    counters = _merge_counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _merge_counters[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return counters
-
-
 def decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -890,8 +800,6 @@ def decode_attention(
     config: DecodeConfig,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    fused_merge: bool = True,
 ) -> None:
     """Paged attention for the sequences of the batch that have exactly one query token.
 
@@ -901,12 +809,6 @@ def decode_attention(
     the head counts and ``num_splits``, never on device data, so a CUDA graph can capture it; the split
     workspace has a static size too. ``key_scales``/``value_scales``: the scales of an FP8 cache
     (``store_kv_fp8``).
-
-    ``new_kv``: ``(k, v, slot_mapping)`` of a decode-only step, stored into the cache by this kernel (as
-    ``store_kv``/``store_kv_fp8`` would, every token a sequence's one query token) before it reads them; without
-    it the step's keys and values must be in the cache already. With several splits the kernel merges them
-    itself (``FUSED_MERGE``) while the batch has at most ``MERGE_COUNTERS`` (sequence, KV head) pairs; beyond
-    that, or with ``fused_merge=False``, a merge kernel follows.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
@@ -920,7 +822,6 @@ def decode_attention(
     group = num_heads // num_kv_heads
     kernels = _kernels_for(q.device)
     one_split = num_splits == 1
-    counters = None
     if one_split:
         part_out = out  # unused
         part_lse = out
@@ -931,15 +832,6 @@ def decode_attention(
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
         po_strides = part_out.stride()[:3]
         pl_strides = part_lse.stride()[:2]
-        if fused_merge and num_seqs * num_kv_heads <= MERGE_COUNTERS:
-            counters = merge_counters(q.device)
-    if new_kv is not None:
-        new_k, new_v, slots = new_kv
-        assert new_k.stride(-1) == 1 and new_v.stride(-1) == 1 and new_k.shape == new_v.shape
-        new_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1))
-    else:
-        new_k, new_v, slots = q, q, seq_lens  # unread
-        new_strides = (0, 0, 0, 0)
     scale_log2 = scale * math.log2(math.e)
     kernels.decode_split[(num_kv_heads, num_splits, num_seqs)](
         q,
@@ -953,15 +845,10 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        new_k,
-        new_v,
-        slots,
-        counters if counters is not None else seq_lens,  # unread without FUSED_MERGE
         scale_log2,
         num_splits,
         q.stride(0),
         q.stride(1),
-        *new_strides,
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
@@ -978,15 +865,13 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         ONE_SPLIT=one_split,
-        FUSED_STORE=new_kv is not None,
-        FUSED_MERGE=counters is not None,
         KV_FP8=key_scales is not None,
         HALF_DOTS=_half_dots(q, key_scales),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if one_split or counters is not None:
+    if one_split:
         return
     kernels.decode_merge[(num_heads, num_seqs)](
         query_start_loc,

@@ -193,33 +193,6 @@ def test_fp8_store_kernel_matches_torch_bit_for_bit(c) -> None:
     assert differ == 0, f"{differ} of {ours.numel()} cache bytes differ from the torch reference's"
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
-@pytest.mark.parametrize("num_seqs", [37, 256])
-def test_decode_kernel_stores_like_the_store_kernel(fp8: bool, num_seqs: int) -> None:
-    """A decode-only step (``decode_fusion``, the default): the decode kernel's store leaves the cache bit for bit
-    as the torch backend's store does (e4m3 bytes and scales on an FP8 cache), it merges its splits itself, and
-    its output matches the unfused path's (store kernel, decode, merge kernel) to float32 rounding."""
-    skip_unless_available(TritonAttentionBackend, torch.bfloat16, 128, 256)
-    if fp8:
-        skip_unless_fp8(TritonAttentionBackend)
-    rnd = random.Random(num_seqs)
-    case = make_case([1] * num_seqs, [rnd.randint(0, 1500) for _ in range(num_seqs)], num_heads=16, num_kv_heads=8,
-                     head_dim=128, block_size=256, dtype=torch.bfloat16, device="cuda", num_pad_rows=3, seed=num_seqs)
-    case = case.fp8() if fp8 else case
-    backend = case.backend(TritonAttentionBackend)
-    assert backend.build_metadata(case.batch).num_splits > 1 or num_seqs == 256
-    fused_cache, plain_cache = case.kv_cache.clone(), case.kv_cache.clone()
-    fused = case.run(backend, fused_cache)
-    plain = case.run(case.backend(TritonAttentionBackend, decode_fusion=False), plain_cache)
-    torch.cuda.synchronize()
-    expected = case.kv_cache.clone()
-    case.run(case.backend(TorchAttentionBackend), expected)
-    assert torch.equal(fused_cache.view(torch.uint8), expected.view(torch.uint8))
-    assert torch.equal(plain_cache.view(torch.uint8), expected.view(torch.uint8))
-    torch.testing.assert_close(fused, plain, atol=1e-2 if fp8 else 8e-3, rtol=1e-2)
-    assert not tk.merge_counters(torch.device("cuda")).any()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fp8_store_kernel_rounds_like_the_exact_reference(dtype: torch.dtype) -> None:
     """Rows with many values exactly halfway between two e4m3 numbers (``testing.bf16_rows``), magnitudes from

@@ -29,7 +29,7 @@ POINTERS = {
     "Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_CACHE": "*bf16", "VALUE_CACHE": "*bf16", "OUT": "*bf16",
     "KEY_SCALES": "*bf16", "VALUE_SCALES": "*bf16",  # unused placeholders with a 16-bit cache
     "PART_OUT": "*fp32", "PART_LSE": "*fp32", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "QUERY_START_LOC": "*i32",
-    "SLOTS": "*i64", "K_NEW": "*bf16", "V_NEW": "*bf16", "COUNTERS": "*i32",
+    "SLOTS": "*i64",
 }
 # an FP8 cache: e4m3 values and float32 scales
 FP8_POINTERS = {"KEY_CACHE": "*fp8e4nv", "VALUE_CACHE": "*fp8e4nv", "KEY_SCALES": "*fp32", "VALUE_SCALES": "*fp32"}
@@ -78,11 +78,10 @@ def count(pattern: str, ptx: str) -> int:
 CP_ASYNC_16 = r"cp\.async\.cg\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*0x10"
 
 
-def decode_constexprs(cfg: tk.DecodeConfig, fp8: bool = False, fused: bool = True) -> dict:
-    """As ``decode_attention`` sets them for a bf16 model (float16 dots with an FP8 cache) in a decode-only step
-    with several splits (``fused``: storing the new keys and values and merging the splits itself)."""
-    return dict(GROUP=2, BLOCK_H=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=cfg.block_n, ONE_SPLIT=False,
-                FUSED_STORE=fused, FUSED_MERGE=fused, KV_FP8=fp8, HALF_DOTS=fp8, DOT_PRECISION="tf32")
+def decode_constexprs(cfg: tk.DecodeConfig, fp8: bool = False) -> dict:
+    """As ``decode_attention`` sets them for a bf16 model (float16 dots with an FP8 cache)."""
+    return dict(GROUP=2, BLOCK_H=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=cfg.block_n, ONE_SPLIT=False, KV_FP8=fp8,
+                HALF_DOTS=fp8, DOT_PRECISION="tf32")
 
 
 def test_decode_kernel_compiles_for_sm90() -> None:
@@ -94,26 +93,6 @@ def test_decode_kernel_compiles_for_sm90() -> None:
     )
     assert count(CP_ASYNC_16, ptx) >= 16, "K/V tiles should stream with 16-byte cp.async"
     assert count(r"mma\.sync", ptx) > 0
-
-
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
-def test_decode_kernel_stores_and_merges_itself(fp8: bool) -> None:
-    """The fused variant: one thread counts the program in with a GPU-scope acquire-release atomic (after a
-    barrier, so every thread's partial is written), and the merge reads the other splits' partials past L1; an
-    FP8 cache's new rows are quantised with IEEE divisions and no hardware float-to-e4m3 conversion."""
-    cfg = tk.default_decode_config(128, 256, fp8=fp8, group=2)
-    fused = compile_ptx(tk._decode_split_kernel, decode_constexprs(cfg, fp8=fp8), cfg.num_warps, cfg.num_stages,
-                        fp8=fp8)
-    plain = compile_ptx(tk._decode_split_kernel, decode_constexprs(cfg, fp8=fp8, fused=False), cfg.num_warps,
-                        cfg.num_stages, fp8=fp8)
-    atomics = re.findall(r"(@%p\d+\s+)?atom\.global\.gpu\.acq_rel\.add\.u32|(@%p\d+\s+)?atom\S*acq_rel\S*", fused)
-    assert len(atomics) == 1 and any(atomics[0]), f"one predicated atomic expected, got {atomics}"
-    assert count(r"atom\.", plain) == 0
-    assert count(r"ld\.global\.cg", fused) > count(r"ld\.global\.cg", plain)
-    assert count(r"bar\.sync", fused) > count(r"bar\.sync", plain)
-    if fp8:
-        assert count(CVT_TO_E4M3, fused) == 0
-        assert count(r"div\.rn\.f32", fused) > 0 == count(r"div\.rn\.f32", plain)
 
 
 def test_merge_kernel_compiles_for_sm90() -> None:
@@ -209,10 +188,8 @@ def test_fp8_decode_kernel_compiles_for_sm90(group: int) -> None:
     assert count(CP_ASYNC_ANY, ptx) > 0, "the e4m3 K/V tiles should stream through cp.async"
     assert count(r"mma\.sync\S*\.f16\.f16", ptx) > 0, "both dots run in float16"
     assert count(r"mma\.sync\S*\.bf16", ptx) == 0
-    # e4m3 -> f16x2 is the only conversion of a K/V value: none on to bfloat16 or float32; to bfloat16 only
-    # the merged output tile, two values a conversion over the program's threads
-    output_cvts = 16 * 128 // (2 * 32 * cfg.num_warps)
-    assert count(r"cvt\.bf16\.f16|cvt\.f32\.f16|cvt\.rn\.bf16x2\.f32", ptx) == output_cvts
+    # e4m3 -> f16x2 is the only conversion of a K/V value: none on to bfloat16 or float32
+    assert count(r"cvt\.bf16\.f16|cvt\.f32\.f16|cvt\.rn\.bf16x2\.f32", ptx) == 0
     # four copy groups per tile (keys, their scales, values, theirs) stay in flight across iterations
     waits = {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)}
     assert 4 * (cfg.num_stages - 2) in waits, f"K/V copies are not kept in flight: wait_group {sorted(waits)}"

@@ -212,11 +212,7 @@ def engine_like_steps(fp8: bool) -> list[PagedCase]:
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["float32-cache", "fp8-cache"])
-@pytest.mark.parametrize(
-    "options",
-    [{}, {"prefill_use_tma": True, "num_kv_splits": 2}, {"decode_fusion": False}],
-    ids=["default", "tma", "unfused"],
-)
+@pytest.mark.parametrize("options", [{}, {"prefill_use_tma": True, "num_kv_splits": 2}], ids=["default", "tma"])
 def test_warmup_launches_every_variant_a_step_meets(launches: set, fp8: bool, options: dict) -> None:
     steps = engine_like_steps(fp8)
     backend = steps[0].backend(TritonAttentionBackend, **options)
@@ -231,10 +227,7 @@ def test_warmup_launches_every_variant_a_step_meets(launches: set, fp8: bool, op
     launches.clear()
     for case in steps:
         case.run(backend)
-    kernels = {key[0] for key in launches}
-    assert kernels >= {"_prefill_kernel", "_decode_split_kernel"}
-    fused = options.get("decode_fusion", True)
-    assert ("_decode_merge_kernel" in kernels) != fused, "with decode_fusion the decode kernel merges its splits"
+    assert {key[0] for key in launches} >= {"_prefill_kernel", "_decode_split_kernel", "_decode_merge_kernel"}
     missing = launches - warmed
     assert not missing, f"variants the warm-up did not compile: {sorted(missing)}"
 
