@@ -44,6 +44,10 @@ class SamplingParams:
     (once / per occurrence); ``repetition_penalty`` divides positive and multiplies negative logits of tokens
     seen in the prompt or the output (1 is off). ``priority``: lower runs first under a priority policy.
     ``truncate_prompt_tokens=k`` keeps only the prompt's last ``k`` tokens (vLLM's: a long prompt then fits).
+    ``min_tokens=k``: no EOS or stop token before ``k`` tokens are out (their logits are masked), and no stop string
+    ends the output before it has ``k`` tokens (vLLM's). ``logit_bias`` (token id -> bias, clamped to [-100, 100],
+    OpenAI's) is added to those tokens' logits before sampling; ``allowed_token_ids`` restricts sampling to those
+    tokens. Like the penalties, these shape what is sampled, not the logprobs reported.
     ``output_kind``: what ``LLMEngine.step`` returns for the request: only the final output, every step's new
     tokens (``delta``) or everything so far (``cumulative``). ``detokenize=False``: outputs carry token ids only
     (``text`` stays empty), for callers that decode the text themselves, as the server's front-end does.
@@ -70,7 +74,15 @@ class SamplingParams:
     output_kind: OutputKind = "final"
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
+    # The token ids min_tokens holds back: stop_token_ids, plus the engine's EOS ids unless ignore_eos
+    # (for_engine adds those; vLLM's all_stop_token_ids)
+    all_stop_token_ids: frozenset[int] = field(init=False, repr=False)
+    # Whether sampling changes some logits of this request (min_tokens, logit_bias, allowed_token_ids)
+    adjusts_logits: bool = field(init=False, repr=False)
     # Whether sampling reads the tokens so far (a penalty is on): the engine must then have the sequence's real
     # tokens on the host before each of its steps is sampled. Derived once, like stop_strings: the sampler reads
     # it for every row of every step, and a property would cost several times a plain attribute there.
@@ -133,6 +145,47 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of non-negative token ids")
         if self.top_k == 0:
             self.top_k = -1
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"an integer from 0 to max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                _is_int(t) and t >= 0 and _is_number(b) and math.isfinite(b) for t, b in self.logit_bias.items()
+            ):
+                raise bad("logit_bias", "None or a dict of non-negative token ids to finite numbers")
+            self.logit_bias = {t: min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, (list, tuple))
+            or not self.allowed_token_ids
+            or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", "None or a non-empty list of non-negative token ids")
+        self.all_stop_token_ids = frozenset(self.stop_token_ids)
+        self.adjusts_logits = bool(self.min_tokens or self.logit_bias or self.allowed_token_ids)
         self.needs_output_token_ids = (
             self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
         )
+
+    def for_engine(self, eos_token_ids: frozenset[int] | set[int], vocab_size: int | None) -> SamplingParams:
+        """These parameters as one request of an engine with these EOS ids and vocabulary: token ids outside the
+        vocabulary are an InvalidRequestError; with ``min_tokens`` a copy whose ``all_stop_token_ids`` holds the
+        EOS ids too (unless ``ignore_eos``), else ``self``."""
+        if vocab_size is not None:
+            token_lists = (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()))
+            for name, ids in token_lists:
+                bad = sorted(t for t in ids if t >= vocab_size)
+                if bad:
+                    raise InvalidRequestError(
+                        f"SamplingParams.{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})"
+                    )
+        if self.min_tokens and self.allowed_token_ids:
+            stops = self.all_stop_token_ids | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+            if stops.issuperset(self.allowed_token_ids):
+                raise InvalidRequestError(
+                    "SamplingParams.allowed_token_ids holds only EOS and stop tokens, which min_tokens="
+                    f"{self.min_tokens} masks: nothing could be sampled"
+                )
+        if not self.min_tokens or self.ignore_eos or eos_token_ids <= self.all_stop_token_ids:
+            return self
+        params = replace(self)
+        params.all_stop_token_ids = self.all_stop_token_ids | frozenset(eos_token_ids)
+        return params

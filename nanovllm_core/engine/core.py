@@ -197,6 +197,7 @@ class EngineCore:
                 raise InvalidRequestError(
                     f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
                 )
+        params = params.for_engine(self.eos_token_ids, self.vocab_size)
         max_len = self.max_model_len
         if len(token_ids) >= max_len:
             raise InvalidRequestError(
@@ -477,6 +478,8 @@ class EngineCore:
     def _token_stop(self, seq: Sequence) -> str | None:
         """``"stop"`` when the last token is an EOS, a stop token or completes a stop string, else None."""
         params = seq.sampling_params
+        if seq.num_completion_tokens < params.min_tokens:
+            return None  # EOS and stop tokens were masked; stop strings wait too (vLLM's)
         token = seq.token_ids[-1]
         if token in self.eos_token_ids and not params.ignore_eos:
             return "stop"
@@ -490,8 +493,10 @@ class EngineCore:
             window = max(map(len, params.stop_strings)) + 8
             tail = seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - window) :]
             text = self._decode(tail, params.skip_special_tokens)
+            # min_tokens left the text before this token unchecked: only a stop string this token completes counts
+            checked = len(self._decode(tail[:-1], params.skip_special_tokens)) if params.min_tokens else 0
             for stop in params.stop_strings:
-                if stop in text:
+                if text.find(stop, max(0, checked - len(stop) + 1)) >= 0:
                     seq.stop_reason = stop
                     return "stop"
         return None
@@ -518,7 +523,8 @@ class EngineCore:
         params = seq.sampling_params
         text = self._decode(seq.completion_token_ids, params.skip_special_tokens)
         if isinstance(seq.stop_reason, str):
-            cut = text.find(seq.stop_reason)
+            # the stop string that ended it; with min_tokens the same string may also stand earlier in the text
+            cut = text.rfind(seq.stop_reason) if params.min_tokens else text.find(seq.stop_reason)
             if cut >= 0:
                 text = text[: cut + len(seq.stop_reason)] if params.include_stop_str_in_output else text[:cut]
         return text

@@ -1,4 +1,5 @@
-"""Token sampling: penalties, greedy, temperature, top-k, top-p, min-p, with per-request seeds; logprobs."""
+"""Token sampling: logit adjustments (min_tokens, logit_bias, allowed_token_ids), penalties, greedy, temperature,
+top-k, top-p, min-p, with per-request seeds; logprobs."""
 
 from __future__ import annotations
 
@@ -80,6 +81,69 @@ class Penalties:
 
 
 @dataclass
+class LogitAdjustments:
+    """What ``allowed_token_ids``, ``min_tokens`` and ``logit_bias`` do to the logits of the rows that use them,
+    in that order (vLLM's): every token but the allowed ones masked; the EOS and stop tokens masked while a
+    sequence has fewer than ``min_tokens`` tokens out; the biases added. Masked logits are -inf."""
+
+    rows: torch.Tensor  # int64 [m]: which rows of the batch
+    allowed: torch.Tensor | None  # bool [m, vocab]: what a row may sample (everything for rows without a list)
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (index into rows, token id) pairs masked this step
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (index into rows, token id, float32 bias)
+
+    @classmethod
+    def from_seqs(
+        cls, seqs: list[Sequence], rows: list[int], vocab_size: int, device: torch.device
+    ) -> LogitAdjustments:
+        params = [seqs[row].sampling_params for row in rows]
+        allowed = None
+        restricted = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        if restricted:
+            allowed = torch.ones((len(rows), vocab_size), dtype=torch.bool, device=device)
+            allowed[host_tensor(restricted, torch.int64, device)] = False
+            lists = [(i, params[i].allowed_token_ids) for i in restricted]
+            allowed_rows = host_tensor([i for i, ids in lists for _ in ids], torch.int64, device)
+            allowed[allowed_rows, host_tensor([t for _, ids in lists for t in ids], torch.int64, device)] = True
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for i, (row, p) in enumerate(zip(rows, params)):
+            if p.min_tokens and seqs[row].num_completion_tokens < p.min_tokens:
+                banned_rows += [i] * len(p.all_stop_token_ids)
+                banned_ids += p.all_stop_token_ids
+            if p.logit_bias:
+                bias_rows += [i] * len(p.logit_bias)
+                bias_ids += p.logit_bias.keys()
+                bias_values += p.logit_bias.values()
+        banned = None
+        if banned_ids:
+            banned = (host_tensor(banned_rows, torch.int64, device), host_tensor(banned_ids, torch.int64, device))
+        bias = None
+        if bias_ids:
+            bias = (
+                host_tensor(bias_rows, torch.int64, device),
+                host_tensor(bias_ids, torch.int64, device),
+                host_tensor(bias_values, torch.float32, device),
+            )
+        return cls(host_tensor(rows, torch.int64, device), allowed, banned, bias)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The adjusted logits as a new float32 tensor (``logits`` is left as it is)."""
+        logits = logits.float()
+        adjusted = logits[self.rows]
+        if self.allowed is not None:
+            adjusted = adjusted.masked_fill(~self.allowed, float("-inf"))
+        if self.banned is not None:
+            adjusted[self.banned] = float("-inf")
+        if self.bias is not None:
+            index_rows, index_ids, values = self.bias
+            adjusted.index_put_((index_rows, index_ids), values, accumulate=True)
+        return logits.index_copy(0, self.rows, adjusted)
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling parameters of one step, as tensors on the logits' device."""
 
@@ -92,6 +156,7 @@ class SamplingBatch:
     any_greedy: bool = True
     penalties: Penalties | None = None
     num_logprobs: list[int | None] | None = None  # each row's ``logprobs``; None when no row asks
+    adjustments: LogitAdjustments | None = None
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -115,6 +180,10 @@ class SamplingBatch:
         num_logprobs: list[int | None] | None = [p.logprobs for p in params]
         if num_logprobs.count(None) == len(params):
             num_logprobs = None
+        adjustments = None
+        if any(p.adjusts_logits for p in params):
+            rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+            adjustments = LogitAdjustments.from_seqs(seqs, rows, vocab_size, device)
         return cls(
             host_tensor(temperatures, torch.float32, device),
             top_k,
@@ -125,6 +194,7 @@ class SamplingBatch:
             num_greedy > 0,
             penalties,
             num_logprobs,
+            adjustments,
         )
 
 
@@ -149,6 +219,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """One token id per row (int64); ``logits`` itself is not modified."""
+        if batch.adjustments is not None:
+            logits = batch.adjustments.apply(logits)
         if batch.penalties is not None:
             logits = batch.penalties.apply(logits)
         if batch.all_greedy:

@@ -3,8 +3,9 @@
 
 Requests accept unknown fields (logged and ignored, as vLLM does), and vLLM's extra fields: ``top_k``,
 ``min_p``, ``ignore_eos``, ``repetition_penalty``, ``priority``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``skip_special_tokens``, ``return_tokens_as_token_ids`` (logprob tokens as
-``"token_id:N"``, which unlike text is unique per token), and ``prompt_logprobs`` for completions.
+``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``, ``allowed_token_ids``,
+``truncate_prompt_tokens``, ``return_tokens_as_token_ids`` (logprob tokens as ``"token_id:N"``, which unlike text
+is unique per token), and ``prompt_logprobs`` for completions.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class SamplingRequest(OpenAIModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's) -> bias, clamped to [-100, 100]
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
@@ -57,14 +58,17 @@ class SamplingRequest(OpenAIModel):
     priority: int = 0
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    allowed_token_ids: list[StrictInt] | None = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported (send null or leave it out)")
+        if self.logit_bias and not all(key.isdecimal() for key in self.logit_bias):
+            bad = [key for key in self.logit_bias if not key.isdecimal()][:3]
+            raise ValueError(f"logit_bias keys are token ids written as decimal strings (such as \"1234\"), not {bad}")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ValueError(
                 f"response_format {self.response_format.get('type')!r} is not supported: this server has no "
@@ -98,6 +102,9 @@ class SamplingRequest(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             priority=self.priority,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            min_tokens=self.min_tokens,
+            logit_bias={int(key): bias for key, bias in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
             output_kind="delta",
         )
 

@@ -221,7 +221,10 @@ def test_bad_shapes_are_400(client, server):
         ({"prompt": []}, None, "prompt must not be empty"),
         ({}, "prompt", "Field required"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, None, "only allowed with stream=true"),
-        ({"prompt": "x", "logit_bias": {"1": 5}}, None, "logit_bias is not supported"),
+        ({"prompt": "x", "logit_bias": {"a1": 5}}, None, "logit_bias keys are token ids written as decimal strings"),
+        ({"prompt": "x", "logit_bias": {"100000": 5}}, None, "logit_bias has token ids [100000] outside the vocab"),
+        ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, None, "min_tokens=4 is invalid"),
+        ({"prompt": "x", "allowed_token_ids": [1, 10**6]}, None, "allowed_token_ids has token ids [1000000]"),
         ({"prompt": "x", "stop": [1]}, "stop", "must be a string, a list of strings, or null"),
         ({"prompt": [1, 10**6]}, None, "outside the vocabulary"),
         # constrained decoding would be silently lost if ignored: refused
@@ -346,6 +349,27 @@ def test_prompt_logprobs(server, offline, stream):
         for token, position in zip(ids[1:], positions[1:]):
             assert str(token) in position and 2 <= len(position) <= 3  # the prompt's token and the top 2
             assert all(entry["logprob"] <= 0 for entry in position.values())
+
+
+def test_logit_bias_min_tokens_and_allowed_token_ids_match_offline(client, offline):
+    """OpenAI's logit_bias (token ids as strings) and vLLM's min_tokens and allowed_token_ids give the offline
+    engine's tokens."""
+    prompt = [5, 6, 7, 8]
+    plain = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    cases = [
+        ({"logit_bias": {str(plain.token_ids[0]): -100, "77": 2.0}}, {"ignore_eos": True}),
+        ({}, {"allowed_token_ids": [plain.token_ids[1], 200, 201], "min_tokens": 5,
+              "stop_token_ids": [plain.token_ids[1]]}),
+    ]  # fmt: skip
+    for native, extra in cases:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, **native,
+                                        extra_body=extra)  # fmt: skip
+        bias = {int(k): v for k, v in native.get("logit_bias", {}).items()} or None
+        want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8, logit_bias=bias, **extra),
+                                use_tqdm=False)[0].outputs[0]  # fmt: skip
+        assert out.choices[0].text == want.text and out.choices[0].finish_reason == want.finish_reason
+        assert out.usage.completion_tokens == len(want.token_ids)
+        assert want.token_ids != plain.token_ids
 
 
 def test_truncate_prompt_tokens_lets_a_long_prompt_fit(client, greedy):
