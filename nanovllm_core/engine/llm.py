@@ -137,11 +137,14 @@ class LLM(LLMEngine):
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (``[{"role": ..., "content": ...}, ...]``) or a list of them, through the
         tokenizer's chat template (or ``chat_template``), as vLLM's ``LLM.chat``; one output per conversation.
         ``continue_final_message`` (with ``add_generation_prompt=False``): the prompt ends inside the last message,
-        so the reply continues it.
+        so the reply continues it. ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` dicts) go to the
+        template, which describes them to the model; ``serving.tool_calls.tool_parser("hermes").parse(text)``
+        reads the calls in a reply.
 
         Raises InvalidRequestError when the tokenizer has no chat template and none is given.
         """
@@ -155,6 +158,8 @@ class LLM(LLMEngine):
             if add_generation_prompt:
                 raise InvalidRequestError("continue_final_message=True needs add_generation_prompt=False")
             kwargs = {**kwargs, "continue_final_message": True}
+        if tools:
+            kwargs = {**kwargs, "tools": tools}
         prompts = [
             render_chat(self.tokenizer, c, add_generation_prompt, chat_template, **kwargs) for c in conversations
         ]

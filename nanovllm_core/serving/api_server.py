@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from nanovllm_core import __version__
-from nanovllm_core.errors import InvalidRequestError
+from nanovllm_core.errors import ConfigError, InvalidRequestError
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from nanovllm_core.serving.chat import render_chat
@@ -46,6 +46,7 @@ from nanovllm_core.serving.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from nanovllm_core.serving.tool_calls import TOOL_PARSERS, tool_parser
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,10 +75,28 @@ class ServerSettings:
     shutdown_timeout: float = 0.0  # seconds the lifespan's shutdown lets in-flight requests finish
     chat_template: str | None = None  # a Jinja chat template instead of the tokenizer's (vLLM's --chat-template)
     allowed_origins: list[str] | None = None  # CORS: browser pages of these origins may call the API; None: none
+    # vLLM's --enable-auto-tool-choice and --tool-call-parser: chat replies to requests with tools (tool_choice
+    # "auto") are parsed for tool calls
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        check_tool_call_settings(self.enable_auto_tool_choice, self.tool_call_parser)
 
     @property
     def model_names(self) -> tuple[str, ...]:
         return (self.served_model_name, *self.other_model_names)
+
+
+def check_tool_call_settings(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+    """A ConfigError unless the parser is known and auto tool choice has one (vLLM's rule for the two flags)."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (known: {', '.join(TOOL_PARSERS)})")
+    if tool_call_parser is not None:
+        try:
+            tool_parser(tool_call_parser)
+        except ValueError as exc:
+            raise ConfigError(f"--tool-call-parser: {exc}") from None
 
 
 class APIError(Exception):
@@ -316,6 +335,7 @@ class OpenAIServer:
                 self.settings.chat_template,
                 add_special_tokens=add_special_tokens,
                 **({"continue_final_message": True} if body.continue_final_message else {}),
+                **({"tools": body.template_tools()} if body.tools else {}),
                 **(body.chat_template_kwargs or {}),
             )
         except InvalidRequestError as exc:
@@ -345,8 +365,19 @@ class OpenAIServer:
         return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        parser = None
+        if body.parses_tool_calls:
+            if not self.settings.enable_auto_tool_choice:
+                raise APIError(
+                    400,
+                    'tool_choice "auto" (the default with tools) needs the server started with '
+                    '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none"',
+                    "tool_choice",
+                )
+            parser = tool_parser(self.settings.tool_call_parser)  # type: ignore[arg-type]
         ids = self.chat_prompt(body)
         job = await self.submit(body, [ids], body.requested_max_tokens, "messages", "chatcmpl")
+        job.tool_parser = parser
         if body.stream:
             return EventStreamResponse(chat_events(job))
         result = await until_disconnected(request, chat_response(job))

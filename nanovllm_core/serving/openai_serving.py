@@ -27,12 +27,16 @@ from nanovllm_core.serving.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     PromptLogprob,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     now,
 )
+from nanovllm_core.serving.tool_calls import HermesToolParser, ParsedToolCall, ToolCallStream
 
 DONE = "data: [DONE]\n\n"
 dumps = json.JSONEncoder(ensure_ascii=False).encode  # one encoder: json.dumps with options builds one per call
@@ -58,6 +62,7 @@ class Job:
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
     echo_only: bool = False  # echo with max_tokens=0: the prompt alone (the engine's one token is left out)
     show_prompt_logprobs: bool = False  # the prompt_logprobs field (vLLM's) was asked for
+    tool_parser: HermesToolParser | None = None  # chat with tools and tool_choice "auto": the reply is parsed
     prompt_logprobs_sent: set[int] = field(default_factory=set)
     completion_tokens: list[int] = field(default_factory=list)
     prompt_logprobs: dict[int, list] = field(default_factory=dict)  # prompt index -> the engine's prompt logprobs
@@ -368,9 +373,21 @@ async def chat_response(job: Job) -> ChatCompletionResponse:
                     choice.logprobs.content.extend(delta.content or [])  # type: ignore[union-attr]
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     for index, choice in choices.items():
-        choice.message.content = "".join(texts[index])
+        text = "".join(texts[index])
+        if job.tool_parser is None:
+            choice.message.content = text
+            continue
+        parsed = job.tool_parser.parse(text)
+        choice.message.content = parsed.content
+        choice.message.tool_calls = [tool_call(call) for call in parsed.tool_calls]
+        if parsed.tool_calls:
+            choice.finish_reason = "tool_calls"
     ordered = [choices[i] for i in sorted(choices)]
     return ChatCompletionResponse(id=job.response_id, model=job.model, choices=ordered, usage=job.usage())
+
+
+def tool_call(call: ParsedToolCall) -> ToolCall:
+    return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
 async def chat_events(job: Job) -> AsyncIterator[str]:
@@ -388,18 +405,22 @@ async def chat_events(job: Job) -> AsyncIterator[str]:
             [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(num_choices)],
             job.chunk_usage(None),
         )
+        tool_streams = {i: ToolCallStream(job.tool_parser) for i in range(num_choices)} if job.tool_parser else None
         async with job.reading() as outputs:
             async for index, c in outputs:
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
-                if job.logprobs is None:
+                if job.logprobs is None and tool_streams is None:
                     yield job.chat_chunk(index, c)
                     continue
+                delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                if tool_streams is not None:
+                    delta, finish_reason = tool_delta(tool_streams[index], c)
                 choice = ChatStreamChoice(
                     index=index,
-                    delta=DeltaMessage(content=c.text),
+                    delta=delta,
                     logprobs=chat_logprobs(job, c),
-                    finish_reason=c.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
                 )
                 yield chunk([choice], job.chunk_usage(index))
@@ -408,6 +429,25 @@ async def chat_events(job: Job) -> AsyncIterator[str]:
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream
         yield sse(stream_error(exc))
     yield DONE
+
+
+def tool_delta(stream: ToolCallStream, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:
+    """A chat delta of a reply searched for tool calls: the content the stream lets out and each call whole as it
+    closes; the last delta's finish_reason is "tool_calls" if the reply made any."""
+    content, calls = stream.feed(c.text)
+    first = stream.num_calls - len(calls)
+    if c.finish_reason is not None:
+        rest, _ = stream.finish()
+        content += rest
+    deltas = [
+        DeltaToolCall(index=first + i, id=call.id, type="function", function=FunctionCall(name=call.name,
+                                                                                          arguments=call.arguments))
+        for i, call in enumerate(calls)
+    ]  # fmt: skip
+    finish_reason = c.finish_reason
+    if finish_reason is not None and stream.num_calls:
+        finish_reason = "tool_calls"
+    return DeltaMessage(content=content, tool_calls=deltas), finish_reason
 
 
 def stream_error(exc: Exception) -> str:

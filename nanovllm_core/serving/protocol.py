@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer, model_validator
 
 from nanovllm_core.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
@@ -180,12 +180,25 @@ class ChatMessage(OpenAIModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatPrompt(OpenAIModel):
-    """The fields that make a chat prompt, shared by chat completions and ``/tokenize``: the messages and how the
-    chat template renders them (vLLM's ``continue_final_message``: the prompt ends inside the last message, the
-    assistant's, so that the reply continues it; it excludes ``add_generation_prompt``, a new turn)."""
+    """The fields that make a chat prompt, shared by chat completions and ``/tokenize``: the messages, the tools
+    the chat template describes to the model, and how it renders them (vLLM's ``continue_final_message``: the
+    prompt ends inside the last message, the assistant's, so that the reply continues it; it excludes
+    ``add_generation_prompt``, a new turn)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -200,6 +213,10 @@ class ChatPrompt(OpenAIModel):
             if self.messages[-1].role != "assistant":
                 raise ValueError("continue_final_message=true needs the last message to be the assistant's")
         return self
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the dicts a chat template reads (``apply_chat_template(tools=...)``), or None."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the plain dicts a chat template reads (content parts joined into one string)."""
@@ -219,15 +236,28 @@ class ChatCompletionRequest(SamplingRequest, ChatPrompt):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    # "auto" (the default with tools) needs the server's --enable-auto-tool-choice; "required" and a named
+    # function need constrained decoding, which this server does not have
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # accepted; a parser returns every call the model wrote
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        if self.tools:
-            raise ValueError("tools are not supported")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+        if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
+            raise ValueError(
+                f"tool_choice {self.tool_choice!r} is not supported: forcing a tool call needs constrained "
+                'decoding, which this server does not have; use "auto" (with --enable-auto-tool-choice) or "none"'
+            )
         return self
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the reply is searched for tool calls: tools given and tool_choice "auto" (their default)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -327,9 +357,28 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # the call's position in the message: clients assemble a call's deltas by it
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class AssistantMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # vLLM's: [] when the model called none
 
 
 class ChatChoice(BaseModel):
@@ -352,6 +401,14 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)  # left out of the JSON when empty, as vLLM does
+
+    @model_serializer(mode="wrap")
+    def _without_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if not self.tool_calls:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatStreamChoice(BaseModel):

@@ -62,6 +62,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "'[\"http://localhost:3000\"]' or '[\"*\"]' (vLLM's flag; default: none, unlike vLLM's \"*\": any web "
         "page the user opens could otherwise call this server)",
     )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse chat replies to requests with tools (tool_choice "auto") for tool calls (vLLM\'s flag; needs '
+        "--tool-call-parser)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        help="how the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3: <tool_call>{...}</tool_call>)",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -117,7 +127,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     import uvicorn
 
     from nanovllm_core.gc_heap import freeze_startup_heap
-    from nanovllm_core.serving.api_server import ServerSettings, build_app
+    from nanovllm_core.serving.api_server import ServerSettings, build_app, check_tool_call_settings
     from nanovllm_core.serving.async_llm import AsyncLLM
 
     take_model_from_names(args)
@@ -129,6 +139,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         raise ConfigError(f"--shutdown-timeout {args.shutdown_timeout}: 0 seconds or more")
     chat_template = read_chat_template(args.chat_template)  # before the engine loads: a bad value costs nothing
     allowed_origins = read_allowed_origins(args.allowed_origins)
+    check_tool_call_settings(args.enable_auto_tool_choice, args.tool_call_parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = AsyncLLM.from_config(config=args.config, cli_overrides=overrides, engine_process=args.engine_process)
     settings = ServerSettings(
@@ -138,6 +149,8 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         max_queued_requests=args.max_queued_requests,
         chat_template=chat_template,
         allowed_origins=allowed_origins,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     app = build_app(engine, settings)
     freeze_startup_heap()  # this process is the server's own: see nanovllm_core.gc_heap
