@@ -46,6 +46,7 @@ from nanovllm_core.serving.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from nanovllm_core.serving.reasoning import REASONING_PARSERS
 from nanovllm_core.serving.tool_calls import TOOL_PARSERS, tool_parser
 
 logger = logging.getLogger(__name__)
@@ -79,17 +80,24 @@ class ServerSettings:
     # "auto") are parsed for tool calls
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: chat replies' thinking as reasoning_content
 
     def __post_init__(self) -> None:
-        check_tool_call_settings(self.enable_auto_tool_choice, self.tool_call_parser)
+        check_reply_parsers(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser)
 
     @property
     def model_names(self) -> tuple[str, ...]:
         return (self.served_model_name, *self.other_model_names)
 
 
-def check_tool_call_settings(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
-    """A ConfigError unless the parser is known and auto tool choice has one (vLLM's rule for the two flags)."""
+def check_reply_parsers(
+    enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None = None
+) -> None:
+    """A ConfigError unless the parsers are known and auto tool choice has one (vLLM's rule for the flags)."""
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ConfigError(
+            f"--reasoning-parser {reasoning_parser!r} is unknown (known: {', '.join(sorted(REASONING_PARSERS))})"
+        )
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (known: {', '.join(TOOL_PARSERS)})")
     if tool_call_parser is not None:
@@ -378,6 +386,8 @@ class OpenAIServer:
         ids = self.chat_prompt(body)
         job = await self.submit(body, [ids], body.requested_max_tokens, "messages", "chatcmpl")
         job.tool_parser = parser
+        if self.settings.reasoning_parser is not None:
+            job.reasoning_parser = REASONING_PARSERS[self.settings.reasoning_parser]
         if body.stream:
             return EventStreamResponse(chat_events(job))
         result = await until_disconnected(request, chat_response(job))

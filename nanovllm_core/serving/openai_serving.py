@@ -36,6 +36,7 @@ from nanovllm_core.serving.protocol import (
     UsageInfo,
     now,
 )
+from nanovllm_core.serving.reasoning import ReasoningParser, ReasoningStream
 from nanovllm_core.serving.tool_calls import HermesToolParser, ParsedToolCall, ToolCallStream
 
 DONE = "data: [DONE]\n\n"
@@ -63,6 +64,7 @@ class Job:
     echo_only: bool = False  # echo with max_tokens=0: the prompt alone (the engine's one token is left out)
     show_prompt_logprobs: bool = False  # the prompt_logprobs field (vLLM's) was asked for
     tool_parser: HermesToolParser | None = None  # chat with tools and tool_choice "auto": the reply is parsed
+    reasoning_parser: ReasoningParser | None = None  # chat on a server with --reasoning-parser
     prompt_logprobs_sent: set[int] = field(default_factory=set)
     completion_tokens: list[int] = field(default_factory=list)
     prompt_logprobs: dict[int, list] = field(default_factory=dict)  # prompt index -> the engine's prompt logprobs
@@ -374,8 +376,10 @@ async def chat_response(job: Job) -> ChatCompletionResponse:
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     for index, choice in choices.items():
         text = "".join(texts[index])
+        if job.reasoning_parser is not None:
+            choice.message.reasoning_content, text = job.reasoning_parser.parse(text)
         if job.tool_parser is None:
-            choice.message.content = text
+            choice.message.content = text if text or choice.message.reasoning_content is None else None
             continue
         parsed = job.tool_parser.parse(text)
         choice.message.content = parsed.content
@@ -405,17 +409,18 @@ async def chat_events(job: Job) -> AsyncIterator[str]:
             [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(num_choices)],
             job.chunk_usage(None),
         )
-        tool_streams = {i: ToolCallStream(job.tool_parser) for i in range(num_choices)} if job.tool_parser else None
+        parsed = job.tool_parser is not None or job.reasoning_parser is not None
+        replies = [ReplyStream(job.tool_parser, job.reasoning_parser) for _ in range(num_choices)] if parsed else None
         async with job.reading() as outputs:
             async for index, c in outputs:
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
-                if job.logprobs is None and tool_streams is None:
+                if job.logprobs is None and replies is None:
                     yield job.chat_chunk(index, c)
                     continue
                 delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
-                if tool_streams is not None:
-                    delta, finish_reason = tool_delta(tool_streams[index], c)
+                if replies is not None:
+                    delta, finish_reason = replies[index].delta(c)
                 choice = ChatStreamChoice(
                     index=index,
                     delta=delta,
@@ -431,23 +436,43 @@ async def chat_events(job: Job) -> AsyncIterator[str]:
     yield DONE
 
 
-def tool_delta(stream: ToolCallStream, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:
-    """A chat delta of a reply searched for tool calls: the content the stream lets out and each call whole as it
-    closes; the last delta's finish_reason is "tool_calls" if the reply made any."""
-    content, calls = stream.feed(c.text)
-    first = stream.num_calls - len(calls)
-    if c.finish_reason is not None:
-        rest, _ = stream.finish()
-        content += rest
-    deltas = [
-        DeltaToolCall(index=first + i, id=call.id, type="function", function=FunctionCall(name=call.name,
-                                                                                          arguments=call.arguments))
-        for i, call in enumerate(calls)
-    ]  # fmt: skip
-    finish_reason = c.finish_reason
-    if finish_reason is not None and stream.num_calls:
-        finish_reason = "tool_calls"
-    return DeltaMessage(content=content, tool_calls=deltas), finish_reason
+class ReplyStream:
+    """One choice of a chat stream whose reply is parsed: reasoning apart (``reasoning_parser``), then the answer
+    searched for tool calls (``tool_parser``), each a delta at a time."""
+
+    def __init__(self, tool_parser: HermesToolParser | None, reasoning_parser: ReasoningParser | None) -> None:
+        self.tools = ToolCallStream(tool_parser) if tool_parser is not None else None
+        self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser is not None else None
+
+    def delta(self, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:
+        """The delta of output ``c``: its reasoning, the content let out and each tool call whole as it closes;
+        the last delta's finish_reason is "tool_calls" if the reply made any."""
+        reasoning: str | None = None
+        content: str | None = c.text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(c.text)
+            if c.finish_reason is not None:
+                more_reasoning, more_content = self.reasoning.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        calls: list[ParsedToolCall] = []
+        first = 0
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            first = self.tools.num_calls - len(calls)
+            if c.finish_reason is not None:
+                rest, _ = self.tools.finish()
+                content += rest
+        deltas = [
+            DeltaToolCall(index=first + i, id=call.id, type="function",
+                          function=FunctionCall(name=call.name, arguments=call.arguments))
+            for i, call in enumerate(calls)
+        ]  # fmt: skip
+        finish_reason = c.finish_reason
+        if finish_reason is not None and self.tools is not None and self.tools.num_calls:
+            finish_reason = "tool_calls"
+        if not content and (reasoning or deltas):
+            content = None  # a delta of thinking or of calls only
+        return DeltaMessage(content=content, reasoning_content=reasoning or None, tool_calls=deltas), finish_reason
 
 
 def stream_error(exc: Exception) -> str:

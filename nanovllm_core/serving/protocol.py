@@ -377,6 +377,7 @@ class DeltaToolCall(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: str = "assistant"
+    reasoning_content: str | None = None  # with a --reasoning-parser: the thinking, apart from the answer
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)  # vLLM's: [] when the model called none
 
@@ -401,13 +402,17 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
-    tool_calls: list[DeltaToolCall] = Field(default_factory=list)  # left out of the JSON when empty, as vLLM does
+    # both left out of the JSON when empty, as vLLM does
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
     @model_serializer(mode="wrap")
-    def _without_empty_tool_calls(self, handler: Any) -> dict[str, Any]:
+    def _without_empty_extras(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
         if not self.tool_calls:
             data.pop("tool_calls", None)
+        if self.reasoning_content is None:
+            data.pop("reasoning_content", None)
         return data
 
 

@@ -72,6 +72,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         help="how the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3: <tool_call>{...}</tool_call>)",
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        help="return a reasoning model's thinking (<think>...</think>) as reasoning_content: qwen3, deepseek_r1 "
+        "(vLLM's flag)",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -127,7 +132,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     import uvicorn
 
     from nanovllm_core.gc_heap import freeze_startup_heap
-    from nanovllm_core.serving.api_server import ServerSettings, build_app, check_tool_call_settings
+    from nanovllm_core.serving.api_server import ServerSettings, build_app, check_reply_parsers
     from nanovllm_core.serving.async_llm import AsyncLLM
 
     take_model_from_names(args)
@@ -139,7 +144,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         raise ConfigError(f"--shutdown-timeout {args.shutdown_timeout}: 0 seconds or more")
     chat_template = read_chat_template(args.chat_template)  # before the engine loads: a bad value costs nothing
     allowed_origins = read_allowed_origins(args.allowed_origins)
-    check_tool_call_settings(args.enable_auto_tool_choice, args.tool_call_parser)
+    check_reply_parsers(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = AsyncLLM.from_config(config=args.config, cli_overrides=overrides, engine_process=args.engine_process)
     settings = ServerSettings(
@@ -151,6 +156,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         allowed_origins=allowed_origins,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     app = build_app(engine, settings)
     freeze_startup_heap()  # this process is the server's own: see nanovllm_core.gc_heap

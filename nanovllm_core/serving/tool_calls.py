@@ -91,7 +91,7 @@ class ToolCallStream:
             if not self.in_call:
                 at = self.pending.find(start)
                 if at < 0:
-                    keep = _partial_suffix(self.pending, start)
+                    keep = partial_suffix(self.pending, start)
                     content.append(self.pending[: len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep :]
                     break
@@ -118,7 +118,7 @@ class ToolCallStream:
         return rest, []
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that is a proper start of ``tag``."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-length:]):

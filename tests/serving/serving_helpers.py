@@ -1,5 +1,5 @@
 """Shared by the serving tests: a real uvicorn server on 127.0.0.1 (a free port) around an engine, run in a
-thread of the test process so that tests can read the engine's state directly."""
+thread of the test process so that tests can read the engine's state directly; a chat job with a scripted reply."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import asyncio
 import socket
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import uvicorn
 
+from nanovllm_core.outputs import CompletionOutput
 from nanovllm_core.serving.api_server import ServerSettings, build_app
 from nanovllm_core.serving.async_llm import AsyncLLM
+from nanovllm_core.serving.openai_serving import Job
 
 ENGINE = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=512, max_model_len=512, max_num_seqs=64)
 API_KEY = "test-key"
@@ -68,3 +71,24 @@ class ServerThread:
 def start_server(path: Any, settings: ServerSettings, **engine_overrides: Any) -> ServerThread:
     engine = AsyncLLM.from_config(str(path), **{**ENGINE, **engine_overrides})
     return ServerThread(build_app(engine, settings), engine).start()
+
+
+class ScriptedJob(Job):
+    """A chat job whose one choice's reply arrives in the given pieces, the last one finishing it (the reply
+    parsers' tests: no engine behind it)."""
+
+    def __init__(self, pieces: list[str], **parsers: Any) -> None:
+        stream = SimpleNamespace(done=True, num_prompt_tokens=3, request_id="r")
+        super().__init__(None, "chatcmpl-test", MODEL, [stream], 1, None, **parsers)  # type: ignore[arg-type]
+        self.pieces = pieces
+
+    async def _outputs(self) -> Any:
+        for i, piece in enumerate(self.pieces):
+            last = i == len(self.pieces) - 1
+            self.completion_tokens[0] += 1
+            yield 0, CompletionOutput(0, piece, [i], "stop" if last else None)
+
+
+def pieces_of(text: str, size: int) -> list[str]:
+    """``text`` in pieces of ``size`` characters (one empty piece for an empty text)."""
+    return [text[i : i + size] for i in range(0, len(text), size)] or [""]

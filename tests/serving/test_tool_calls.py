@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from serving_helpers import API_KEY, MODEL, start_server
+from serving_helpers import API_KEY, MODEL, ScriptedJob, pieces_of, start_server
 
 from nanovllm_core.errors import ConfigError
-from nanovllm_core.outputs import CompletionOutput
 from nanovllm_core.serving.api_server import ServerSettings
-from nanovllm_core.serving.openai_serving import Job, chat_events, chat_response
+from nanovllm_core.serving.openai_serving import chat_events, chat_response
 from nanovllm_core.serving.tool_calls import HermesToolParser, ToolCallStream, tool_parser
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -68,29 +66,10 @@ def test_a_stream_cut_anywhere_parses_as_the_whole(text: str, cuts: list[int]) -
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in parsed.tool_calls]
 
 
-class ScriptedJob(Job):
-    """A chat job whose one choice's reply arrives in the given pieces, the last one finishing it."""
-
-    def __init__(self, pieces: list[str]) -> None:
-        stream = SimpleNamespace(done=True, num_prompt_tokens=3, request_id="r")
-        super().__init__(None, "chatcmpl-test", MODEL, [stream], 1, None, tool_parser=HermesToolParser())
-        self.pieces = pieces
-
-    async def _outputs(self):
-        for i, piece in enumerate(self.pieces):
-            last = i == len(self.pieces) - 1
-            self.completion_tokens[0] += 1
-            yield 0, CompletionOutput(0, piece, [i], "stop" if last else None)
-
-
-def pieces_of(text: str, size: int) -> list[str]:
-    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
-
-
 @pytest.mark.parametrize("size", [1, 7, 1000])
 def test_chat_response_and_stream_carry_the_same_tool_calls(size: int) -> None:
     text = "Let me check.\n" + WEATHER + TIME
-    response = asyncio.run(chat_response(ScriptedJob(pieces_of(text, size))))
+    response = asyncio.run(chat_response(ScriptedJob(pieces_of(text, size), tool_parser=HermesToolParser())))
     message = response.choices[0].message
     assert message.content == "Let me check.\n" and response.choices[0].finish_reason == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
@@ -98,8 +77,8 @@ def test_chat_response_and_stream_carry_the_same_tool_calls(size: int) -> None:
     assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in message.tool_calls)
 
     async def events() -> list[dict]:
-        return [json.loads(e[len("data: ") :]) async for e in chat_events(ScriptedJob(pieces_of(text, size)))
-                if e.startswith("data: {")]  # fmt: skip
+        job = ScriptedJob(pieces_of(text, size), tool_parser=HermesToolParser())
+        return [json.loads(e[len("data: ") :]) async for e in chat_events(job) if e.startswith("data: {")]
 
     chunks = asyncio.run(events())
     deltas = [c["choices"][0] for c in chunks]
@@ -111,7 +90,7 @@ def test_chat_response_and_stream_carry_the_same_tool_calls(size: int) -> None:
 
 
 def test_a_reply_without_calls_keeps_its_finish_reason() -> None:
-    response = asyncio.run(chat_response(ScriptedJob(["just ", "text"])))
+    response = asyncio.run(chat_response(ScriptedJob(["just ", "text"], tool_parser=HermesToolParser())))
     choice = response.choices[0]
     assert choice.message.content == "just text" and choice.message.tool_calls == []
     assert choice.finish_reason == "stop"
