@@ -59,6 +59,12 @@ class EngineConfig(BaseModel):
 
     model: str = Field(..., description="Path to a Hugging Face checkpoint folder (config.json + safetensors).")
     tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to `model`.")
+    generation_config: str = Field(
+        "auto",
+        description="Sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, "
+        "repetition_penalty), as vLLM's flag: `auto` from the model folder's generation_config.json, `vllm` none "
+        "(SamplingParams' own defaults), or a folder holding a generation_config.json.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto` is `cuda` when available.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="`auto`: float32 on CPU; the checkpoint's dtype on CUDA (bfloat16 if it is float32)."

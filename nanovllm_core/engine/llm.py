@@ -14,6 +14,7 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import Prompt
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError
+from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, with_priority
 
@@ -61,7 +62,7 @@ class LLM(LLMEngine):
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SequenceABC) and len(sampling_params) == len(prompts):
             params_list = list(sampling_params)
         else:
@@ -118,6 +119,11 @@ class LLM(LLMEngine):
     def get_tokenizer(self) -> Any:
         """The tokenizer prompts are encoded with (vLLM's ``LLM.get_tokenizer``)."""
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without sampling params (vLLM's): SamplingParams' defaults with those
+        of the checkpoint's generation_config.json over them (``generation_config``)."""
+        return SamplingParams(**sampling_defaults(self.config))
 
     def _progress_text(self) -> str:
         stats = self.stats()

@@ -26,6 +26,7 @@ from nanovllm_core.engine.parallel import (
     serve_torchrun,
 )
 from nanovllm_core.errors import ConfigError, ModelLoadError
+from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler, SchedulerOutput
 from nanovllm_core.loader import load_hf_config
 from nanovllm_core.plugins import PluginRegistry, get_registry
@@ -180,6 +181,13 @@ class LLMEngine(EngineCore):
         validate_plugin_options(cfg.plugins, scheduler_cls, block_manager_cls, backend_cls)  # before weights load
         self.tokenizer = self._load_tokenizer(cfg.tokenizer or cfg.model)
         self.eos_token_ids = self._eos_token_ids()
+        defaults = sampling_defaults(cfg)  # a generation_config folder without the file fails here, early
+        if defaults:
+            logger.info(
+                "requests that leave them out sample with %s from the checkpoint's generation_config.json "
+                "(generation_config='vllm' turns this off)",
+                ", ".join(f"{k}={v}" for k, v in defaults.items()),
+            )
         self.step_stats = StepStats()
         self.tp_group: TensorParallelGroup | None = None
         tp = cfg.tensor_parallel_size

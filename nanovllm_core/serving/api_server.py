@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from nanovllm_core import __version__
 from nanovllm_core.errors import ConfigError, InvalidRequestError
+from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from nanovllm_core.serving.chat import render_chat
@@ -230,6 +231,7 @@ class OpenAIServer:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        self.sampling_defaults = sampling_defaults(engine.config)  # for the fields a request leaves out
 
     def check_model(self, model: str | None) -> None:
         names = self.settings.model_names
@@ -288,7 +290,7 @@ class OpenAIServer:
         max_tokens = min(self.max_tokens(len(ids), requested, prompt_param) for ids in prompts)
         logprobs = self.logprobs_of(body)
         prompt_logprobs = completion.engine_prompt_logprobs if completion is not None else None
-        params: SamplingParams = body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        params: SamplingParams = body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.sampling_defaults)
         self.check_capacity(len(prompts))
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []

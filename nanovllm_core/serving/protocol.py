@@ -80,14 +80,21 @@ class SamplingRequest(OpenAIModel):
         return self
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
+        """The engine's parameters for this request; ``defaults`` (the checkpoint's generation_config.json, vLLM's
+        ``--generation-config``) stand in for the sampling fields the request left out."""
+        defaults = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
         return SamplingParams(
             n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k if self.top_k is not None else -1,
-            min_p=self.min_p,
+            temperature=defaults.get("temperature", self.temperature),
+            top_p=defaults.get("top_p", self.top_p),
+            top_k=defaults.get("top_k", self.top_k if self.top_k is not None else -1),
+            min_p=defaults.get("min_p", self.min_p),
             max_tokens=max_tokens,
             stop=self.stop or None,
             stop_token_ids=self.stop_token_ids,
@@ -98,7 +105,7 @@ class SamplingRequest(OpenAIModel):
             prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=defaults.get("repetition_penalty", self.repetition_penalty),
             include_stop_str_in_output=self.include_stop_str_in_output,
             priority=self.priority,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
