@@ -31,6 +31,7 @@ from nanovllm_core.interfaces import (
     SchedulerOutput,
 )
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
+from nanovllm_core.parsing import ParsedToolCall, ReasoningParser, TaggedToolParser, ThinkTagReasoningParser, ToolParser
 from nanovllm_core.plugins import get_registry, register_plugin, unregister_plugin
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
@@ -54,7 +55,9 @@ __all__ = [
     "NanoVLLMError",
     "PluginConflictError",
     "PluginError",
+    "ParsedToolCall",
     "PluginsConfig",
+    "ReasoningParser",
     "RequestOutput",
     "SamplingParams",
     "Scheduler",
@@ -62,6 +65,9 @@ __all__ = [
     "SchedulerOutput",
     "Sequence",
     "SequenceStatus",
+    "TaggedToolParser",
+    "ThinkTagReasoningParser",
+    "ToolParser",
     "UnknownPluginError",
     "get_registry",
     "hookimpl",

@@ -86,3 +86,26 @@ def nanovllm_register_models(register: Register) -> None:
     ``load_weights``), built as ``cls(hf_config)``; its attention layers are :class:`nanovllm_core.layers.Attention`.
     :class:`nanovllm_core.testing.conformance.ModelConformance` compares its greedy output with ``transformers``.
     """
+
+
+@hookspec
+def nanovllm_register_tool_parsers(register: Register) -> None:
+    """Register tool-call parser classes: ``register("hermes", HermesToolParser)``.
+
+    The class subclasses :class:`nanovllm_core.ToolParser` (for a format that wraps each call
+    in tags, :class:`nanovllm_core.TaggedToolParser`: set ``start`` and ``end`` and write
+    ``parse_call``). ``nanovllm serve --enable-auto-tool-choice --tool-call-parser hermes`` selects it; the server
+    builds it as ``cls()`` for each chat request with tools and ``tool_choice`` ``"auto"``, and reads the reply's
+    ``content`` and ``tool_calls`` from it, a piece at a time in a stream.
+    """
+
+
+@hookspec
+def nanovllm_register_reasoning_parsers(register: Register) -> None:
+    """Register reasoning parser classes: ``register("qwen3", Qwen3ReasoningParser)``.
+
+    The class subclasses :class:`nanovllm_core.ReasoningParser` (thinking inside tags at the
+    reply's start: :class:`nanovllm_core.ThinkTagReasoningParser`, with its ``start``,
+    ``end`` and ``opens_in_prompt``). ``nanovllm serve --reasoning-parser qwen3`` selects it; the server builds it
+    as ``cls()`` for each chat request and returns the thinking as ``reasoning_content``.
+    """

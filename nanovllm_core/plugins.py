@@ -35,12 +35,15 @@ from torch import nn
 from nanovllm_core import hookspecs
 from nanovllm_core.errors import PluginConflictError, UnknownPluginError
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler
+from nanovllm_core.parsing import ReasoningParser, ToolParser
 
 KINDS: dict[str, str] = {
     "scheduler": "nanovllm_register_schedulers",
     "block_manager": "nanovllm_register_block_managers",
     "attention": "nanovllm_register_attention_backends",
     "model": "nanovllm_register_models",
+    "tool_parser": "nanovllm_register_tool_parsers",
+    "reasoning_parser": "nanovllm_register_reasoning_parsers",
 }
 HOOK_NAMES = frozenset(KINDS.values())
 API_ATTRIBUTE = "NANOVLLM_PLUGIN_API"
@@ -48,7 +51,13 @@ API_ATTRIBUTE = "NANOVLLM_PLUGIN_API"
 DEFAULT_PLUGIN_API = "==1"
 """What a plugin that declares nothing is taken to support: API 1, the API before versions were declared."""
 
-_BASES: dict[str, type] = {"scheduler": Scheduler, "block_manager": BlockManager, "attention": AttentionBackend}
+_BASES: dict[str, type] = {
+    "scheduler": Scheduler,
+    "block_manager": BlockManager,
+    "attention": AttentionBackend,
+    "tool_parser": ToolParser,
+    "reasoning_parser": ReasoningParser,
+}
 _MODEL_METHODS = ("forward", "compute_logits", "load_weights")
 
 
@@ -140,6 +149,8 @@ def _kind_hint(kind: str) -> str:
         "[plugins] block_manager.",
         "attention": "Install an attention plugin (e.g. nanovllm-attention-flash) or fix [plugins] attention.",
         "model": "Install a model plugin that supports this architecture (e.g. nanovllm-models-qwen3).",
+        "tool_parser": "Install a plugin that registers it, or fix --tool-call-parser.",
+        "reasoning_parser": "Install a plugin that registers it, or fix --reasoning-parser.",
     }[kind]
 
 

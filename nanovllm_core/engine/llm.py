@@ -149,8 +149,8 @@ class LLM(LLMEngine):
         tokenizer's chat template (or ``chat_template``), as vLLM's ``LLM.chat``; one output per conversation.
         ``continue_final_message`` (with ``add_generation_prompt=False``): the prompt ends inside the last message,
         so the reply continues it. ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` dicts) go to the
-        template, which describes them to the model; ``serving.tool_calls.tool_parser("hermes").parse(text)``
-        reads the calls in a reply.
+        template, which describes them to the model; a tool parser reads the calls in a reply
+        (``nanovllm_core.parsing.tool_calls.HermesToolParser().parse(text)``).
 
         Raises InvalidRequestError when the tokenizer has no chat template and none is given.
         """

@@ -25,8 +25,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from nanovllm_core import __version__
-from nanovllm_core.errors import ConfigError, InvalidRequestError
+from nanovllm_core.errors import ConfigError, InvalidRequestError, NanoVLLMError
 from nanovllm_core.generation_config import sampling_defaults
+from nanovllm_core.plugins import get_registry
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from nanovllm_core.serving.chat import render_chat
@@ -47,8 +48,6 @@ from nanovllm_core.serving.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from nanovllm_core.serving.reasoning import REASONING_PARSERS
-from nanovllm_core.serving.tool_calls import TOOL_PARSERS, tool_parser
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -91,21 +90,26 @@ class ServerSettings:
         return (self.served_model_name, *self.other_model_names)
 
 
+def reply_parser(kind: str, name: str) -> type:
+    """The class registered as tool parser or reasoning parser ``name``; a ConfigError names the installed ones."""
+    try:
+        return get_registry().get(kind, name).obj
+    except NanoVLLMError as exc:
+        flag = "--tool-call-parser" if kind == "tool_parser" else "--reasoning-parser"
+        raise ConfigError(f"{flag} {name!r}: {exc}") from None
+
+
 def check_reply_parsers(
     enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None = None
 ) -> None:
-    """A ConfigError unless the parsers are known and auto tool choice has one (vLLM's rule for the flags)."""
-    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-        raise ConfigError(
-            f"--reasoning-parser {reasoning_parser!r} is unknown (known: {', '.join(sorted(REASONING_PARSERS))})"
-        )
+    """A ConfigError unless the parsers are installed and auto tool choice has one (vLLM's rule for the flags)."""
     if enable_auto_tool_choice and tool_call_parser is None:
-        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (known: {', '.join(TOOL_PARSERS)})")
+        installed = ", ".join(get_registry().names("tool_parser")) or "none"
+        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (installed: {installed})")
     if tool_call_parser is not None:
-        try:
-            tool_parser(tool_call_parser)
-        except ValueError as exc:
-            raise ConfigError(f"--tool-call-parser: {exc}") from None
+        reply_parser("tool_parser", tool_call_parser)
+    if reasoning_parser is not None:
+        reply_parser("reasoning_parser", reasoning_parser)
 
 
 class APIError(Exception):
@@ -384,12 +388,12 @@ class OpenAIServer:
                     '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none"',
                     "tool_choice",
                 )
-            parser = tool_parser(self.settings.tool_call_parser)  # type: ignore[arg-type]
+            parser = reply_parser("tool_parser", self.settings.tool_call_parser)()  # type: ignore[arg-type]
         ids = self.chat_prompt(body)
         job = await self.submit(body, [ids], body.requested_max_tokens, "messages", "chatcmpl")
         job.tool_parser = parser
         if self.settings.reasoning_parser is not None:
-            job.reasoning_parser = REASONING_PARSERS[self.settings.reasoning_parser]
+            job.reasoning_parser = reply_parser("reasoning_parser", self.settings.reasoning_parser)()
         if body.stream:
             return EventStreamResponse(chat_events(job))
         result = await until_disconnected(request, chat_response(job))

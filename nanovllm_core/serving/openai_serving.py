@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
+from nanovllm_core.parsing import ParsedToolCall, ReasoningParser, ToolParser
 from nanovllm_core.serving.async_llm import AsyncLLM, RequestStream
 from nanovllm_core.serving.protocol import (
     AssistantMessage,
@@ -36,8 +37,6 @@ from nanovllm_core.serving.protocol import (
     UsageInfo,
     now,
 )
-from nanovllm_core.serving.reasoning import ReasoningParser, ReasoningStream
-from nanovllm_core.serving.tool_calls import HermesToolParser, ParsedToolCall, ToolCallStream
 
 DONE = "data: [DONE]\n\n"
 dumps = json.JSONEncoder(ensure_ascii=False).encode  # one encoder: json.dumps with options builds one per call
@@ -63,7 +62,7 @@ class Job:
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
     echo_only: bool = False  # echo with max_tokens=0: the prompt alone (the engine's one token is left out)
     show_prompt_logprobs: bool = False  # the prompt_logprobs field (vLLM's) was asked for
-    tool_parser: HermesToolParser | None = None  # chat with tools and tool_choice "auto": the reply is parsed
+    tool_parser: ToolParser | None = None  # chat with tools and tool_choice "auto": the reply is parsed
     reasoning_parser: ReasoningParser | None = None  # chat on a server with --reasoning-parser
     prompt_logprobs_sent: set[int] = field(default_factory=set)
     completion_tokens: list[int] = field(default_factory=list)
@@ -440,9 +439,9 @@ class ReplyStream:
     """One choice of a chat stream whose reply is parsed: reasoning apart (``reasoning_parser``), then the answer
     searched for tool calls (``tool_parser``), each a delta at a time."""
 
-    def __init__(self, tool_parser: HermesToolParser | None, reasoning_parser: ReasoningParser | None) -> None:
-        self.tools = ToolCallStream(tool_parser) if tool_parser is not None else None
-        self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser is not None else None
+    def __init__(self, tool_parser: ToolParser | None, reasoning_parser: ReasoningParser | None) -> None:
+        self.tools = tool_parser.new_stream() if tool_parser is not None else None
+        self.reasoning = reasoning_parser.new_stream() if reasoning_parser is not None else None
 
     def delta(self, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:
         """The delta of output ``c``: its reasoning, the content let out and each tool call whole as it closes;

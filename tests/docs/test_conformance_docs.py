@@ -23,8 +23,10 @@ BLOCK = re.compile(r'^```\w+ title="([^"]+)"\n(.*?)^```$', re.M | re.S)
 
 sys.path.insert(0, str(HOOKS))  # as pytest would for a test file in examples/hooks
 
+from test_function_tag_tool_parser import TestFunctionTagToolParser  # noqa: E402, F401
 from test_llama_model import TestLlamaForCausalLM  # noqa: E402, F401
 from test_naive_attention import TestNaiveAttentionBackend  # noqa: E402, F401
+from test_reasoning_tag_parser import TestReasoningTagParser  # noqa: E402, F401
 from test_serial_scheduler import TestSerialScheduler  # noqa: E402, F401
 from test_simple_block_manager import TestSimpleBlockManager  # noqa: E402, F401
 
@@ -44,6 +46,8 @@ def test_plugins_md_shows_every_example_verbatim() -> None:
         ("simple_block_manager", "block_manager", "simple"),
         ("naive_attention", "attention", "naive"),
         ("llama_model", "model", "LlamaForCausalLM"),
+        ("function_tag_tool_parser", "tool_parser", "function_tag"),
+        ("reasoning_tag_parser", "reasoning_parser", "reasoning_tag"),
     ],
 )
 def test_each_example_registers_as_a_plugin(module: str, kind: str, name: str) -> None:

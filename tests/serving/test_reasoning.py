@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 from serving_helpers import API_KEY, MODEL, ScriptedJob, pieces_of, start_server
 
 from nanovllm_core.errors import ConfigError
+from nanovllm_core.parsing.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from nanovllm_core.parsing.tool_calls import HermesToolParser
 from nanovllm_core.serving.api_server import ServerSettings
 from nanovllm_core.serving.openai_serving import chat_events, chat_response
-from nanovllm_core.serving.reasoning import ReasoningStream, reasoning_parser
-from nanovllm_core.serving.tool_calls import HermesToolParser
+from nanovllm_core.testing.conformance import ReasoningParserConformance
 
-QWEN3, R1 = reasoning_parser("qwen3"), reasoning_parser("deepseek_r1")
+QWEN3, R1 = Qwen3ReasoningParser(), DeepSeekR1ReasoningParser()
 TEXTS = ["<think>\nThe user asks.\n</think>\n\nParis.", "  <think>x</think>y", "no thinking here",
          "<think>never closed", "<thi", "", "a</think>b", "<think>a</think>b</think>c", "\n"]  # fmt: skip
 
@@ -47,7 +48,7 @@ def test_whole_replies(parser, text: str, want: tuple) -> None:
 @given(st.sampled_from([QWEN3, R1]), st.sampled_from(TEXTS), st.lists(st.integers(0, 100), max_size=10))
 def test_a_stream_cut_anywhere_splits_as_the_whole(parser, text: str, cuts: list[int]) -> None:
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    stream = ReasoningStream(parser)
+    stream = parser.new_stream()
     reasoning = content = ""
     for a, b in zip(bounds, bounds[1:]):
         r, c = stream.feed(text[a:b])
@@ -97,5 +98,17 @@ def test_a_reply_without_thinking_on_a_reasoning_server(tiny_path) -> None:
         assert not any("reasoning_content" in d for d in deltas)
     finally:
         thread.stop()
-    with pytest.raises(ConfigError, match="--reasoning-parser 'o1' is unknown \\(known: deepseek_r1, qwen3\\)"):
+    with pytest.raises(ConfigError, match="no reasoning parser named 'o1' is installed; installed: deepseek_r1, qwen3"):
         ServerSettings(served_model_name=MODEL, reasoning_parser="o1")
+
+
+class TestQwen3ReasoningParser(ReasoningParserConformance):
+    parser_cls = Qwen3ReasoningParser
+    replies = TEXTS[:4]
+    expected = [("\nThe user asks.\n", "\n\nParis."), ("x", "y"), (None, TEXTS[2]), ("never closed", "")]
+
+
+class TestDeepSeekR1ReasoningParser(ReasoningParserConformance):
+    parser_cls = DeepSeekR1ReasoningParser
+    replies = ["a</think>b", TEXTS[0], TEXTS[2]]
+    expected = [("a", "b"), ("\nThe user asks.\n", "\n\nParis."), (TEXTS[2], "")]

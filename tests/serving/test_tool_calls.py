@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from serving_helpers import API_KEY, MODEL, ScriptedJob, pieces_of, start_server
 
 from nanovllm_core.errors import ConfigError
+from nanovllm_core.parsing.tool_calls import HermesToolParser
 from nanovllm_core.serving.api_server import ServerSettings
 from nanovllm_core.serving.openai_serving import chat_events, chat_response
-from nanovllm_core.serving.tool_calls import HermesToolParser, ToolCallStream, tool_parser
+from nanovllm_core.testing.conformance import ToolParserConformance
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "c"}}\n</tool_call>'
@@ -44,15 +45,13 @@ def test_hermes_parser_splits_content_and_calls() -> None:
     assert whole(TEXTS[4]) == (TEXTS[4], []), "an unclosed call stays as written"
     assert whole("") == ("", [])
     assert '"Zürich"' in HermesToolParser().parse(WEATHER).tool_calls[0].arguments  # not \\u-escaped
-    with pytest.raises(ValueError, match="unknown tool call parser 'mistral' \\(known: hermes\\)"):
-        tool_parser("mistral")
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.sampled_from(TEXTS), st.lists(st.integers(min_value=0, max_value=200), max_size=12))
 def test_a_stream_cut_anywhere_parses_as_the_whole(text: str, cuts: list[int]) -> None:
     bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
-    stream = ToolCallStream(HermesToolParser())
+    stream = HermesToolParser().new_stream()
     content, calls = "", []
     for a, b in zip(bounds, bounds[1:]):
         piece, new = stream.feed(text[a:b])
@@ -157,9 +156,10 @@ def test_tool_choice_needs_the_flag_and_no_constrained_decoding(server, tool_ser
 
 
 def test_the_flags_are_checked_before_anything_loads() -> None:
-    with pytest.raises(ConfigError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+    with pytest.raises(ConfigError, match=r"--enable-auto-tool-choice needs --tool-call-parser \(installed: hermes\)"):
         ServerSettings(served_model_name=MODEL, enable_auto_tool_choice=True)
-    with pytest.raises(ConfigError, match="--tool-call-parser: unknown tool call parser 'pythonic'"):
+    unknown = "--tool-call-parser 'pythonic': no tool parser named 'pythonic' is installed; installed: hermes"
+    with pytest.raises(ConfigError, match=unknown):
         ServerSettings(served_model_name=MODEL, tool_call_parser="pythonic")
 
 
@@ -173,3 +173,8 @@ def test_llm_chat_gives_tools_to_the_template(tiny_path) -> None:
     without = llm.chat(messages, params, use_tqdm=False, chat_template=TOOLS_TEMPLATE)[0]
     assert "get_weather" in llm.tokenizer.decode(with_tools.prompt_token_ids)
     assert "get_weather" not in llm.tokenizer.decode(without.prompt_token_ids)
+
+
+class TestHermesToolParser(ToolParserConformance):
+    parser_cls = HermesToolParser
+    replies = ["Let me check.\n" + WEATHER, WEATHER + "\n" + TIME + " done"]

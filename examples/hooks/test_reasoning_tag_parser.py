@@ -1,0 +1,9 @@
+from reasoning_tag_parser import ReasoningTagParser
+
+from nanovllm_core.testing.conformance import ReasoningParserConformance
+
+
+class TestReasoningTagParser(ReasoningParserConformance):
+    parser_cls = ReasoningTagParser
+    replies = ["<reasoning>2 + 2 is 4.</reasoning>It is 4.", "It is 4.", "<reasoning>still thinking"]
+    expected = [("2 + 2 is 4.", "It is 4."), (None, "It is 4."), ("still thinking", "")]
