@@ -123,6 +123,13 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r12-d)  # round 12, one H200 (about 2 minutes): min_tokens, logit_bias and allowed_token_ids on CUDA (the tiny
+    # checkpoint, greedy and seeded sampling), then the 0.6B offline on the bf16 cache once (host preparation with
+    # the new per-row checks)
+    TAIL=3 step logit_adjustments 60 python benchmarks/gpu_logit_adjustments_check.py
+    TAIL=4 bench bf16 --attention triton --runs 1 --warmup-prompts 1
+    pack
+    ;;
   r12-c)  # round 12, one H200 (about 9 minutes): decode_fusion on and off, back to back: the 0.6B on both caches
     # while the 8B checkpoint is written, then the 8B on both caches (runs at b5f3965, where decode_fusion exists)
     setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
