@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
@@ -47,7 +48,9 @@ class SamplingParams:
     ``min_tokens=k``: no EOS or stop token before ``k`` tokens are out (their logits are masked), and no stop string
     ends the output before it has ``k`` tokens (vLLM's). ``logit_bias`` (token id -> bias, clamped to [-100, 100],
     OpenAI's) is added to those tokens' logits before sampling; ``allowed_token_ids`` restricts sampling to those
-    tokens. Like the penalties, these shape what is sampled, not the logprobs reported.
+    tokens. ``bad_words`` are never generated (vLLM's): each word, with and without a leading space, as the
+    tokenizer writes it; its last token is masked whenever the output so far ends with the tokens before it.
+    Like the penalties, these shape what is sampled, not the logprobs reported.
     ``output_kind``: what ``LLMEngine.step`` returns for the request: only the final output, every step's new
     tokens (``delta``) or everything so far (``cumulative``). ``detokenize=False``: outputs carry token ids only
     (``text`` stays empty), for callers that decode the text themselves, as the server's front-end does.
@@ -77,7 +80,10 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
+    # bad_words as token ids (for_engine tokenizes them; vLLM's _bad_words_token_ids)
+    bad_words_token_ids: list[list[int]] = field(init=False, repr=False)
     # The token ids min_tokens holds back: stop_token_ids, plus the engine's EOS ids unless ignore_eos
     # (for_engine adds those; vLLM's all_stop_token_ids)
     all_stop_token_ids: frozenset[int] = field(init=False, repr=False)
@@ -159,16 +165,29 @@ class SamplingParams:
             or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
         ):
             raise bad("allowed_token_ids", "None or a non-empty list of non-negative token ids")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w for w in self.bad_words)
+        ):
+            raise bad("bad_words", "None or a list of non-empty strings")
         self.all_stop_token_ids = frozenset(self.stop_token_ids)
-        self.adjusts_logits = bool(self.min_tokens or self.logit_bias or self.allowed_token_ids)
+        self.bad_words_token_ids = []
+        self.adjusts_logits = bool(self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words)
+        # bad words of several tokens are matched against the output so far
         self.needs_output_token_ids = (
             self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+            or bool(self.bad_words)
         )
 
-    def for_engine(self, eos_token_ids: frozenset[int] | set[int], vocab_size: int | None) -> SamplingParams:
-        """These parameters as one request of an engine with these EOS ids and vocabulary: token ids outside the
-        vocabulary are an InvalidRequestError; with ``min_tokens`` a copy whose ``all_stop_token_ids`` holds the
-        EOS ids too (unless ``ignore_eos``), else ``self``."""
+    def for_engine(
+        self,
+        eos_token_ids: frozenset[int] | set[int],
+        vocab_size: int | None,
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> SamplingParams:
+        """These parameters as one request of an engine with these EOS ids, vocabulary and tokenizer (``encode``,
+        without special tokens): token ids outside the vocabulary are an InvalidRequestError; with ``min_tokens``
+        a copy whose ``all_stop_token_ids`` holds the EOS ids too (unless ``ignore_eos``); with ``bad_words`` a copy
+        that holds their token ids; else ``self``."""
         if vocab_size is not None:
             token_lists = (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()))
             for name, ids in token_lists:
@@ -184,8 +203,18 @@ class SamplingParams:
                     "SamplingParams.allowed_token_ids holds only EOS and stop tokens, which min_tokens="
                     f"{self.min_tokens} masks: nothing could be sampled"
                 )
-        if not self.min_tokens or self.ignore_eos or eos_token_ids <= self.all_stop_token_ids:
+        holds_eos = not self.min_tokens or self.ignore_eos or eos_token_ids <= self.all_stop_token_ids
+        if holds_eos and not self.bad_words:
             return self
         params = replace(self)
-        params.all_stop_token_ids = self.all_stop_token_ids | frozenset(eos_token_ids)
+        if not holds_eos:
+            params.all_stop_token_ids = self.all_stop_token_ids | frozenset(eos_token_ids)
+        if self.bad_words:
+            if encode is None:
+                raise InvalidRequestError("SamplingParams.bad_words needs an engine with a tokenizer")
+            for word in self.bad_words:
+                for text in (word, " " + word.lstrip(" ")):
+                    ids = list(encode(text))
+                    if ids and ids not in params.bad_words_token_ids:
+                        params.bad_words_token_ids.append(ids)
         return params

@@ -11,6 +11,7 @@ in flight between steps.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -197,7 +198,10 @@ class EngineCore:
                 raise InvalidRequestError(
                     f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
                 )
-        params = params.for_engine(self.eos_token_ids, self.vocab_size)
+        encode = None
+        if self.tokenizer is not None:
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        params = params.for_engine(self.eos_token_ids, self.vocab_size, encode)
         max_len = self.max_model_len
         if len(token_ids) >= max_len:
             raise InvalidRequestError(

@@ -82,9 +82,10 @@ class Penalties:
 
 @dataclass
 class LogitAdjustments:
-    """What ``allowed_token_ids``, ``min_tokens`` and ``logit_bias`` do to the logits of the rows that use them,
-    in that order (vLLM's): every token but the allowed ones masked; the EOS and stop tokens masked while a
-    sequence has fewer than ``min_tokens`` tokens out; the biases added. Masked logits are -inf."""
+    """What ``allowed_token_ids``, ``min_tokens``, ``bad_words`` and ``logit_bias`` do to the logits of the rows
+    that use them, in that order (vLLM's): every token but the allowed ones masked; the EOS and stop tokens masked
+    while a sequence has fewer than ``min_tokens`` tokens out; a bad word's last token masked where the output
+    ends with the rest of it; the biases added. Masked logits are -inf."""
 
     rows: torch.Tensor  # int64 [m]: which rows of the batch
     allowed: torch.Tensor | None  # bool [m, vocab]: what a row may sample (everything for rows without a list)
@@ -113,6 +114,13 @@ class LogitAdjustments:
             if p.min_tokens and seqs[row].num_completion_tokens < p.min_tokens:
                 banned_rows += [i] * len(p.all_stop_token_ids)
                 banned_ids += p.all_stop_token_ids
+            if p.bad_words_token_ids:  # the output's real tokens are on the host (needs_output_token_ids)
+                output = seqs[row].completion_token_ids
+                for word in p.bad_words_token_ids:
+                    before = len(word) - 1
+                    if before == 0 or (len(output) >= before and output[len(output) - before :] == word[:-1]):
+                        banned_rows.append(i)
+                        banned_ids.append(word[-1])
             if p.logit_bias:
                 bias_rows += [i] * len(p.logit_bias)
                 bias_ids += p.logit_bias.keys()

@@ -3,7 +3,7 @@
 
 Requests accept unknown fields (logged and ignored, as vLLM does), and vLLM's extra fields: ``top_k``,
 ``min_p``, ``ignore_eos``, ``repetition_penalty``, ``priority``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``, ``allowed_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``,
 ``truncate_prompt_tokens``, ``return_tokens_as_token_ids`` (logprob tokens as ``"token_id:N"``, which unlike text
 is unique per token), and ``prompt_logprobs`` for completions.
 """
@@ -60,6 +60,7 @@ class SamplingRequest(OpenAIModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     min_tokens: int = Field(0, ge=0)
     allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -112,6 +113,7 @@ class SamplingRequest(OpenAIModel):
             min_tokens=self.min_tokens,
             logit_bias={int(key): bias for key, bias in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             output_kind="delta",
         )
 

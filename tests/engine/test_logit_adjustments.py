@@ -4,6 +4,7 @@ scheduling on and off."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 
@@ -15,15 +16,21 @@ from nanovllm_core import LLM, SamplingParams
 Adjust = Callable[[int, torch.Tensor], torch.Tensor]  # (output position, float32 logits) -> adjusted logits
 
 
-def hf_greedy(path, prompt: list[int], max_new_tokens: int, adjust: Adjust) -> list[int]:
+def hf_greedy(
+    path, prompt: list[int], max_new_tokens: int, adjust: Adjust, output: list[int] | None = None
+) -> list[int]:
+    """transformers' float32 greedy tokens with ``adjust`` applied to each position's logits; ``output`` (if given)
+    holds the tokens chosen so far while ``adjust`` runs."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
+    output = [] if output is None else output
     with torch.no_grad():
         for position in range(max_new_tokens):
             logits = adjust(position, model(ids).logits[0, -1].float().clone())
             ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+            output.append(int(ids[0, -1]))
     return ids[0, len(prompt) :].tolist()
 
 
@@ -153,3 +160,30 @@ def test_biases_are_clamped_and_the_engine_checks_token_ids(llm) -> None:
     held = SamplingParams(min_tokens=2, stop_token_ids=[9]).for_engine(frozenset(eos), vocab)
     assert held.all_stop_token_ids == {9, *eos}
     assert SamplingParams(min_tokens=2, ignore_eos=True).for_engine(frozenset(eos), vocab).all_stop_token_ids == set()
+
+
+def test_bad_words_are_never_generated(llm, qwen3_path, hf_reference):
+    """vLLM's bad_words: each word (and its leading-space form) as the tokenizer writes it; the last token of one is
+    masked where the output ends with the others, a one-token word everywhere."""
+    prompt = [10, 11, 12]
+    plain = hf_reference(qwen3_path, [prompt], 16)[0]
+    decode = llm.tokenizer.decode
+    words = [decode(plain[1:3]), decode(plain[5:6])]
+    params = greedy(16, ignore_eos=True, bad_words=words)
+    encode = functools.partial(llm.tokenizer.encode, add_special_tokens=False)
+    sequences = params.for_engine(llm.eos_token_ids, llm.vocab_size, encode).bad_words_token_ids
+    assert sequences and all(sequences)
+
+    def masked(position: int, logits: torch.Tensor, output: list[int]) -> torch.Tensor:
+        for word in sequences:
+            before = len(word) - 1
+            if before == 0 or (len(output) >= before and output[len(output) - before :] == word[:-1]):
+                logits[word[-1]] = float("-inf")
+        return logits
+
+    so_far: list[int] = []
+    hf = hf_greedy(qwen3_path, prompt, 16, lambda position, logits: masked(position, logits, so_far), so_far)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out == hf and out != plain
+    for word in sequences:
+        assert not any(out[i : i + len(word)] == word for i in range(len(out))), word

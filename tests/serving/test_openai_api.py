@@ -225,6 +225,7 @@ def test_bad_shapes_are_400(client, server):
         ({"prompt": "x", "logit_bias": {"100000": 5}}, None, "logit_bias has token ids [100000] outside the vocab"),
         ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, None, "min_tokens=4 is invalid"),
         ({"prompt": "x", "allowed_token_ids": [1, 10**6]}, None, "allowed_token_ids has token ids [1000000]"),
+        ({"prompt": "x", "bad_words": [""]}, None, "bad_words=[''] is invalid: allowed None or a list of non-empty"),
         ({"prompt": "x", "stop": [1]}, "stop", "must be a string, a list of strings, or null"),
         ({"prompt": [1, 10**6]}, None, "outside the vocabulary"),
         # constrained decoding would be silently lost if ignored: refused
@@ -351,15 +352,16 @@ def test_prompt_logprobs(server, offline, stream):
             assert all(entry["logprob"] <= 0 for entry in position.values())
 
 
-def test_logit_bias_min_tokens_and_allowed_token_ids_match_offline(client, offline):
-    """OpenAI's logit_bias (token ids as strings) and vLLM's min_tokens and allowed_token_ids give the offline
-    engine's tokens."""
+def test_logit_bias_min_tokens_allowed_token_ids_and_bad_words_match_offline(client, offline):
+    """OpenAI's logit_bias (token ids as strings) and vLLM's min_tokens, allowed_token_ids and bad_words give the
+    offline engine's tokens."""
     prompt = [5, 6, 7, 8]
     plain = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
     cases = [
         ({"logit_bias": {str(plain.token_ids[0]): -100, "77": 2.0}}, {"ignore_eos": True}),
         ({}, {"allowed_token_ids": [plain.token_ids[1], 200, 201], "min_tokens": 5,
               "stop_token_ids": [plain.token_ids[1]]}),
+        ({}, {"bad_words": [offline.tokenizer.decode(plain.token_ids[:2])], "ignore_eos": True}),
     ]  # fmt: skip
     for native, extra in cases:
         out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, **native,
