@@ -9,6 +9,7 @@ and for plugin authors: :data:`hookimpl`, the interfaces in :mod:`nanovllm_core.
 """
 
 from nanovllm_core.config import EngineConfig, PluginsConfig
+from nanovllm_core.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nanovllm_core.engine.llm import LLM
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import (
@@ -44,6 +45,9 @@ __all__ = [
     "PLUGIN_API_VERSION",
     "AttentionBackend",
     "AttentionBatch",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "BlockManager",
     "CausalLM",
     "CompletionOutput",

@@ -11,7 +11,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.core import Prompt
+from nanovllm_core.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from nanovllm_core.engine.core import Prompt, unwrap_prompt
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.generation_config import sampling_defaults
@@ -119,6 +120,18 @@ class LLM(LLMEngine):
     def get_tokenizer(self) -> Any:
         """The tokenizer prompts are encoded with (vLLM's ``LLM.get_tokenizer``)."""
         return self.tokenizer
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` beams of each prompt (``beam_search``), one
+        ``generate`` call a step; turn on ``enable_prefix_caching`` so that the beams' shared prefixes are not
+        computed again each step."""
+        token_prompts = [self._tokenize(unwrap_prompt(p))[1] for p in _as_prompt_list(prompts)]
+
+        def generate(batch: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
+            return self.generate(batch, step, use_tqdm=False)
+
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return beam_search(generate, token_prompts, params, frozenset(self.eos_token_ids), decode)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without sampling params (vLLM's): SamplingParams' defaults with those
