@@ -70,12 +70,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tool-call-parser",
-        help="how the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3: <tool_call>{...}</tool_call>)",
+        help="how the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3: <tool_call>{...}</tool_call>), or "
+        "one a plugin registers (`nanovllm plugins` lists them)",
     )
     parser.add_argument(
         "--reasoning-parser",
-        help="return a reasoning model's thinking (<think>...</think>) as reasoning_content: qwen3, deepseek_r1 "
-        "(vLLM's flag)",
+        help="return a reasoning model's thinking (<think>...</think>) as reasoning_content: qwen3, deepseek_r1, "
+        "or one a plugin registers (vLLM's flag)",
     )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
