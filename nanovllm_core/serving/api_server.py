@@ -3,7 +3,7 @@
 ``build_app(engine, settings)`` returns the ASGI app; its lifespan starts the engine's step loop and, at
 shutdown, aborts what is still in flight and stops the loop. Routes: ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and vLLM's
-``POST /tokenize``, ``POST /detokenize`` and ``GET /version``.
+``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET``/``POST /ping`` (``/health``'s answer).
 """
 
 from __future__ import annotations
@@ -477,6 +477,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
         if not engine.is_running:
             return error_response(503, "the engine is not running")
         return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # vLLM's, for SageMaker: what /health says
+        return await health()
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -179,6 +179,7 @@ def test_models_and_health(client, server):
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].max_model_len == ENGINE["max_model_len"]
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ping").status_code == httpx.post(server.url + "/ping").status_code == 200
 
 
 def test_wrong_api_key_is_401(server):
