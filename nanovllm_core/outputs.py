@@ -72,3 +72,4 @@ class RequestOutput:
     error: str | None = None
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    embedding: list[float] | None = None  # SamplingParams.embed: the prompt's L2-normalised last hidden state

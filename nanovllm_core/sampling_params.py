@@ -50,7 +50,9 @@ class SamplingParams:
     OpenAI's) is added to those tokens' logits before sampling; ``allowed_token_ids`` restricts sampling to those
     tokens. ``bad_words`` are never generated (vLLM's): each word, with and without a leading space, as the
     tokenizer writes it; its last token is masked whenever the output so far ends with the tokens before it.
-    Like the penalties, these shape what is sampled, not the logprobs reported.
+    Like the penalties, these shape what is sampled, not the logprobs reported. ``embed=True`` (``LLM.embed``
+    sets it): the output's ``embedding`` is the last prompt token's final hidden state, L2-normalised
+    (last-token pooling, as Qwen3-Embedding's), with ``n=1``.
     ``output_kind``: what ``LLMEngine.step`` returns for the request: only the final output, every step's new
     tokens (``delta``) or everything so far (``cumulative``). ``detokenize=False``: outputs carry token ids only
     (``text`` stays empty), for callers that decode the text themselves, as the server's front-end does.
@@ -81,6 +83,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    embed: bool = False
     stop_strings: list[str] = field(init=False, repr=False)
     # bad_words as token ids (for_engine tokenizes them; vLLM's _bad_words_token_ids)
     bad_words_token_ids: list[list[int]] = field(init=False, repr=False)
@@ -139,6 +142,8 @@ class SamplingParams:
             self.stop_strings = list(self.stop)
         else:
             raise bad("stop", "a non-empty string, a list of non-empty strings, or None")
+        if not isinstance(self.embed, bool) or (self.embed and self.n != 1):
+            raise bad("embed", "True or False (True with n=1: one embedding a prompt)")
         if not isinstance(self.detokenize, bool):
             raise bad("detokenize", "True or False")
         if not self.detokenize and self.stop_strings:

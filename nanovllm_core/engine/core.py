@@ -98,6 +98,7 @@ class Request:
         self.held_back = self.seqs[1:] if hold_siblings else []
         self.metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(token_ids))
         self.num_finished = 0
+        self.embedding: list[float] | None = None  # params.embed: set when the prompt's step is read
         self.streams: list[IncrementalDetokenizer] | None = None
         self.sent_tokens = [0] * params.n  # delta outputs: how much of each sample was returned
         self.sent_text = [0] * params.n
@@ -407,6 +408,7 @@ class EngineCore:
         tokens = launched.tokens()
         sample_logprobs = launched.logprobs() if getattr(launched, "wants_logprobs", False) else None
         prompt_logprobs = launched.prompt_logprobs() if getattr(launched, "wants_prompt_logprobs", False) else None
+        embeddings = launched.embeddings() if getattr(launched, "wants_embeddings", False) else None
         now = time.monotonic()
         requests, eos = self._requests, self.eos_token_ids
         finished: dict[str, Request] = {}
@@ -423,6 +425,8 @@ class EngineCore:
             token_ids[-1] = token
             num_received += 1
             request = requests[seq.request_id]
+            if embeddings and row in embeddings:
+                request.embedding = embeddings[row]
             params = request.params
             reason = None
             if (token in eos and not params.ignore_eos) or params.stop_token_ids or params.stop_strings:
@@ -580,6 +584,7 @@ class EngineCore:
             num_cached_tokens=first.num_cached_prompt_tokens or 0,
             metrics=request.metrics,
             prompt_logprobs=request.prompt_logprobs,
+            embedding=request.embedding,
         )
 
 

@@ -133,6 +133,14 @@ class LLM(LLMEngine):
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         return beam_search(generate, token_prompts, params, frozenset(self.eos_token_ids), decode)
 
+    def embed(self, prompts: Prompt | list[Prompt], use_tqdm: bool = True) -> list[RequestOutput]:
+        """vLLM's ``LLM.embed``: one output per prompt whose ``embedding`` is the prompt's last token's final hidden
+        state, L2-normalised (last-token pooling: Qwen3-Embedding's; end the prompt as the model card says, for
+        Qwen3-Embedding with its ``<|endoftext|>`` token). A rejected prompt's output has ``error`` set and no
+        embedding."""
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False, embed=True)
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without sampling params (vLLM's): SamplingParams' defaults with those
         of the checkpoint's generation_config.json over them (``generation_config``)."""

@@ -287,6 +287,7 @@ class PendingStep:
         sample_logprobs: RowsLogprobs | None = None,
         prompt_logprobs: RowsLogprobs | None = None,
         prompt_positions: dict[int, int] | None = None,
+        embeddings: tuple[list[int], torch.Tensor] | None = None,
     ) -> None:
         self.batch = batch
         self.sample_rows = sample_rows
@@ -296,6 +297,8 @@ class PendingStep:
         self.prompt_positions = prompt_positions or {}
         self.wants_logprobs = sample_logprobs is not None
         self.wants_prompt_logprobs = prompt_logprobs is not None
+        self.wants_embeddings = embeddings is not None
+        self._embeddings = embeddings  # (batch rows, float32 [rows, hidden]) of the rows whose requests embed
         self._host = token_tensor
         self._logprobs = (sample_logprobs, prompt_logprobs)
         self._copied: torch.cuda.Event | None = None
@@ -308,6 +311,8 @@ class PendingStep:
             for lp in self._logprobs:
                 if lp is not None:
                     lp.tensors = lp.tensors.map(_pinned_copy)
+            if embeddings is not None:
+                self._embeddings = (embeddings[0], _pinned_copy(embeddings[1]))
             self._copied = torch.cuda.Event()
             self._copied.record()
 
@@ -335,6 +340,14 @@ class PendingStep:
             for row, entries in self._logprobs[0].per_row().items():
                 out[row] = entries[0]
         return out
+
+    def embeddings(self) -> dict[int, list[float]]:
+        """For each row whose request asks ``embed``: its last prompt token's final hidden state, L2-normalised."""
+        if self._embeddings is None:
+            return {}
+        self._wait()
+        rows, vectors = self._embeddings
+        return dict(zip(rows, vectors.tolist()))
 
     def prompt_logprobs(self) -> dict[int, list[SampleLogprobs]]:
         """For each row whose request asks ``prompt_logprobs`` and whose chunk scored prompt tokens: one entry
@@ -619,19 +632,26 @@ class ModelRunner:
             events[0].record()
             self._step_events.append((*events, (len(host.seq_lens), len(host.input_ids), sum(host.seq_lens))))
         logits, hidden = self._forward(inputs)
-        token_tensor = sample_logprobs = prompt_logprobs = None
+        token_tensor = sample_logprobs = prompt_logprobs = embeddings = None
         if inputs.sample_rows:
             seqs: list[Sequence] = [batch.seqs[r] for r in inputs.sample_rows]
             sampling = SamplingBatch.from_seqs(seqs, self.vocab_size, self.device)
             token_tensor = self.sampler(logits, sampling)
             if sampling.num_logprobs is not None:
                 sample_logprobs = self._sample_logprobs(logits, token_tensor, sampling.num_logprobs, inputs.sample_rows)
+            embed_rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.embed]
+            if embed_rows:  # last-token pooling: the hidden state that gave this step's logits
+                pooled = hidden[inputs.logits_indices[host_tensor(embed_rows, torch.int64, self.device)]]
+                embeddings = ([inputs.sample_rows[i] for i in embed_rows],
+                              torch.nn.functional.normalize(pooled.float(), dim=-1))  # fmt: skip
         if plan is not None:
             prompt_logprobs = self._score_prompts(hidden, inputs, plan)
         if events is not None:
             events[1].record()
         positions = dict(zip(plan.rows, plan.first_positions)) if plan is not None else None
-        return PendingStep(batch, inputs.sample_rows, token_tensor, sample_logprobs, prompt_logprobs, positions)
+        return PendingStep(
+            batch, inputs.sample_rows, token_tensor, sample_logprobs, prompt_logprobs, positions, embeddings
+        )
 
     def execute(self, batch: SchedulerOutput) -> list[int | None]:
         """Run one step; returns the sampled token for each sequence of ``batch`` (``None`` mid-prompt)."""

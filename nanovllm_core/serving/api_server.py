@@ -2,17 +2,19 @@
 
 ``build_app(engine, settings)`` returns the ASGI app; its lifespan starts the engine's step loop and, at
 shutdown, aborts what is still in flight and stops the loop. Routes: ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and vLLM's
-``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET``/``POST /ping`` (``/health``'s answer).
+``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and
+vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET``/``POST /ping`` (``/health``'s answer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import json
 import logging
+import struct
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -39,6 +41,10 @@ from nanovllm_core.serving.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
@@ -62,6 +68,7 @@ ERROR_TYPES = {
 # what a field of a union type accepts, for errors that pydantic reports once per member of the union
 UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
+    "input": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
     "stop": "a string, a list of strings, or null",
     "content": 'a string, or a list of {"type": "text", "text": ...} parts',
 }
@@ -340,6 +347,44 @@ class OpenAIServer:
         result = await until_disconnected(request, completion_response(job))
         return JSONResponse(result.model_dump()) if result is not None else Response(status_code=499)
 
+    async def embeddings(self, body: EmbeddingRequest) -> EmbeddingResponse:
+        """OpenAI's ``/v1/embeddings``: one engine request a prompt, each the prompt's last-token embedding."""
+        self.check_model(body.model)
+        if body.dimensions is not None:
+            raise APIError(
+                400, "dimensions is not supported: embeddings have the model's hidden size (leave it out)", "dimensions"
+            )
+        prompts = [self.engine.tokenize(p) for p in body.inputs()]
+        if body.truncate_prompt_tokens is not None:
+            prompts = [ids[-body.truncate_prompt_tokens :] for ids in prompts]
+        self.check_capacity(len(prompts))
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False, embed=True,
+                                output_kind="delta")  # fmt: skip
+        response_id = f"embd-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(await self.engine.add_request(ids, params, f"{response_id}-{i}"))
+            finals = []
+            for stream in streams:
+                async for out in stream:
+                    final = out
+                finals.append(final)
+        except BaseException:
+            for stream in streams:
+                if not stream.done:
+                    self.engine.abort_nowait(stream.request_id)
+            raise
+        data = []
+        for i, out in enumerate(finals):
+            vector: list[float] | str = out.embedding or []
+            if body.encoding_format == "base64":
+                vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append(EmbeddingData(index=i, embedding=vector))
+        tokens = sum(len(ids) for ids in prompts)
+        return EmbeddingResponse(id=response_id, model=self.settings.served_model_name, data=data,
+                                 usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))  # fmt: skip
+
     def chat_prompt(self, body: ChatPrompt, add_special_tokens: bool = False) -> list[int]:
         try:
             return render_chat(
@@ -453,6 +498,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await server.chat(await read_body(request, ChatCompletionRequest), request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        result = await server.embeddings(await read_body(request, EmbeddingRequest))
+        return JSONResponse(result.model_dump())
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -465,3 +465,47 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class EmbeddingRequest(OpenAIModel):
+    """``POST /v1/embeddings`` (OpenAI's): each input's L2-normalised last-token hidden state (``LLM.embed``)."""
+
+    model: str | None = None
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_input(self) -> EmbeddingRequest:
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input must not be empty")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        if isinstance(self.input, str):
+            return [self.input]
+        if isinstance(self.input[0], int):
+            return [list(self.input)]  # type: ignore[arg-type]
+        return list(self.input)  # type: ignore[arg-type]
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a base64 string of little-endian float32 with encoding_format "base64"
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
