@@ -32,6 +32,13 @@ def test_embeddings_match_the_offline_engine(client, offline):
     assert floats == pytest.approx(want[1], abs=1e-6)
 
 
+def test_embeddings_leave_nothing_behind(client, server):
+    """Every engine request of an embeddings call finishes with it: no request, no KV block left."""
+    client.embeddings.create(model=MODEL, input=["a b c"] * 5)
+    stats = server.wait_idle()
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
 def test_embedding_errors(server):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     for body, text in (({"input": []}, "input must not be empty"), ({"input": "x", "dimensions": 8}, "dimensions"),
