@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from nanovllm_core.engine.core import Prompt, unwrap_prompt
+from nanovllm_core.engine.core import Prompt
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.generation_config import sampling_defaults
@@ -125,7 +125,7 @@ class LLM(LLMEngine):
         """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` beams of each prompt (``beam_search``), one
         ``generate`` call a step; turn on ``enable_prefix_caching`` so that the beams' shared prefixes are not
         computed again each step."""
-        token_prompts = [self._tokenize(unwrap_prompt(p))[1] for p in _as_prompt_list(prompts)]
+        token_prompts = [self._tokenize(p)[1] for p in _as_prompt_list(prompts)]
 
         def generate(batch: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
             return self.generate(batch, step, use_tqdm=False)
@@ -143,8 +143,11 @@ class LLM(LLMEngine):
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without sampling params (vLLM's): SamplingParams' defaults with those
-        of the checkpoint's generation_config.json over them (``generation_config``)."""
-        return SamplingParams(**sampling_defaults(self.config))
+        of the checkpoint's generation_config.json over them (``generation_config``), read once."""
+        defaults = getattr(self, "_sampling_defaults", None)
+        if defaults is None:
+            defaults = self._sampling_defaults = sampling_defaults(self.config)
+        return SamplingParams(**defaults)
 
     def _progress_text(self) -> str:
         stats = self.stats()

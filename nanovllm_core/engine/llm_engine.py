@@ -181,7 +181,8 @@ class LLMEngine(EngineCore):
         validate_plugin_options(cfg.plugins, scheduler_cls, block_manager_cls, backend_cls)  # before weights load
         self.tokenizer = self._load_tokenizer(cfg.tokenizer or cfg.model)
         self.eos_token_ids = self._eos_token_ids()
-        defaults = sampling_defaults(cfg)  # a generation_config folder without the file fails here, early
+        # a generation_config folder without the file fails here, early; LLM.get_default_sampling_params reads this
+        defaults = self._sampling_defaults = sampling_defaults(cfg)
         if defaults:
             logger.info(
                 "requests that leave them out sample with %s from the checkpoint's generation_config.json "
