@@ -32,6 +32,16 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
+def prompt_batch(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A completion's ``prompt`` or an embedding's ``input`` (validated as one of the union's members) as a list
+    of prompts, each a string or a list of token ids."""
+    if isinstance(value, str):
+        return [value]
+    if value and isinstance(value[0], int):  # a list of ints: one prompt of token ids
+        return [list(value)]  # type: ignore[arg-type]
+    return list(value)  # type: ignore[arg-type]
+
+
 class SamplingRequest(OpenAIModel):
     """The fields both endpoints share: the model, streaming, and how to sample."""
 
@@ -164,11 +174,7 @@ class CompletionRequest(SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the batch, each a string or a list of token ids."""
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if self.prompt and isinstance(self.prompt[0], int):  # validated as one of the union's lists: all ints
-            return [list(self.prompt)]  # type: ignore[arg-type]
-        return list(self.prompt)  # type: ignore[arg-type]
+        return prompt_batch(self.prompt)
 
 
 class ContentPart(OpenAIModel):
@@ -484,11 +490,7 @@ class EmbeddingRequest(OpenAIModel):
         return self
 
     def inputs(self) -> list[str | list[int]]:
-        if isinstance(self.input, str):
-            return [self.input]
-        if isinstance(self.input[0], int):
-            return [list(self.input)]  # type: ignore[arg-type]
-        return list(self.input)  # type: ignore[arg-type]
+        return prompt_batch(self.input)
 
 
 class EmbeddingData(BaseModel):
