@@ -123,6 +123,29 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r13-a)  # round 13, one H200 (about 8 minutes): where the steps that run prompts spend their time (--profile now
+    # profiles them too), on the 0.6B and the 8B (FP8 cache), the 8B decode step at 64, 128 and 256 sequences; then
+    # the priority server (two classes, nano-vllm workload) idle and at round 8's 70% load, async scheduling on, off
+    setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    TAIL=60 bench fp8_profile --attention triton --kv-cache-dtype fp8 --runs 1 --warmup-prompts 1 --profile \
+      --profile-seqs 64,256
+    for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
+    BENCH_LIMIT=200 TAIL=80 bench 8b_fp8_profile --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 1 \
+      --warmup-prompts 1 --profile --profile-seqs 64,128,256
+    for mode in on off; do
+      serve_start "priority_async_$mode" --scheduler priority --max-num-batched-tokens 2048 --async-scheduling "$mode"
+      TAIL=3 serve_bench "priority_${mode}_idle" --dataset nano --num-prompts 24 --request-rate 2 --priorities 0,1
+      stages "priority_${mode}_idle"
+      TAIL=3 serve_bench "priority_${mode}_70" --dataset nano --num-prompts 512 --request-rate 33.6 \
+        --priorities 0,1 --warmup 0
+      stages "priority_${mode}_70" "priority_${mode}_idle"
+      serve_stop
+    done
+    summarize "$OUT"/serve_*.json
+    pack
+    ;;
   r12-d)  # round 12, one H200 (about 2 minutes): min_tokens, logit_bias and allowed_token_ids on CUDA (the tiny
     # checkpoint, greedy and seeded sampling), then the 0.6B offline on the bf16 cache once (host preparation with
     # the new per-row checks)

@@ -103,7 +103,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "that no prompt is found in the prefix cache); the last run is reported, every run is listed",
     )
     parser.add_argument(
-        "--profile", action="store_true", help="afterwards, profile 32 decode steps and print the top GPU kernels"
+        "--profile",
+        action="store_true",
+        help="afterwards, profile 32 decode steps and print the top GPU kernels, then the same for the steps that "
+        "run the prompts",
     )
     parser.add_argument(
         "--profile-seqs",
@@ -412,6 +415,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         if data_parallel == 1:
             for n in profile_seqs:
                 profile_decode(llm, prompts[:n])
+            profile_prompts(llm, [[(t + 7) % vocab for t in p] for p in prompts[: max(profile_seqs)]])
         else:
             print("--profile profiles one engine in this process: run it without --data-parallel-size")
     if args.json:
@@ -441,18 +445,48 @@ def profile_decode(llm: Any, prompts: list[list[int]], steps: int = 32) -> None:
         torch.cuda.synchronize()
     for request_id in ids:
         llm.abort_request(request_id)
+    print_kernels(prof, f"profile of {steps} decode steps with {len(prompts)} sequences", steps, start, end)
+
+
+def profile_prompts(llm: Any, prompts: list[list[int]]) -> None:
+    """Profile the steps that run ``prompts`` (fresh token ids: no prefix-cache hits) until each has its first
+    token, and print their kernels as :func:`profile_decode` does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanovllm_core import SamplingParams
+
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2)
+    before_tokens, steps = llm.stats().num_generation_tokens, 0
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        ids = [llm.add_request(p, params) for p in prompts]
+        while llm.stats().num_generation_tokens < before_tokens + len(prompts):
+            llm.step()
+            steps += 1
+        end.record()
+        torch.cuda.synchronize()
+    for request_id in ids:
+        llm.abort_request(request_id)
+    tokens = sum(len(p) for p in prompts)
+    label = f"profile of the {steps} steps that run {len(prompts)} prompts ({tokens} tokens)"
+    print_kernels(prof, label, steps, start, end)
+
+
+def print_kernels(prof: Any, label: str, steps: int, start: Any, end: Any) -> None:
+    """The profile's GPU time a step, its kernel count, the time between kernels, and its top 15 kernels."""
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)
     span_ms = start.elapsed_time(end) / steps
     kernels_ms = total / 1e3 / steps
     print(
-        f"profile of {steps} decode steps with {len(prompts)} sequences: "
-        f"GPU kernel time {kernels_ms:.2f} ms/step in {sum(e.count for e in events) / steps:.0f} kernels "
+        f"{label}: GPU kernel time {kernels_ms:.2f} ms/step in {sum(e.count for e in events) / steps:.0f} kernels "
         f"and copies a step; {span_ms:.2f} ms/step from first to last, so {span_ms - kernels_ms:.2f} ms/step "
         f"between them"
     )
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
         print(
             f"  {100 * e.self_device_time_total / total:5.1f}%  {e.self_device_time_total / 1e3 / steps:7.3f} ms/step"
-            f"  x{e.count // steps:<4d} {e.key[:90]}"
+            f"  x{e.count / steps:<5.1f} {e.key[:90]}"
         )
