@@ -123,6 +123,27 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r13-b)  # round 13, one H200 (about 9 minutes): the Triton SiLU-and-mul kernel: its GPU tests and the engine's
+    # transformers parity, the small kernels timed (SiLU both ways, the split merge per num_warps), then the 0.6B
+    # and 8B offline on the FP8 cache with the kernel and without it (torch.compile's fusion), back to back
+    setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    TAIL=6 step gpu_tests 150 python -m pytest tests/unit/test_silu_and_mul_kernel.py tests/gpu/test_gpu_engine.py \
+      -m gpu -q -rf -k "silu or greedy_and_logits"
+    TAIL=20 step small_kernels 60 python benchmarks/small_kernels.py
+    cp nanovllm_core/layers/activation.py /tmp/activation_with.py
+    without() { sed -i 's/if x.is_cuda and fused_enabled() and/if False and/' nanovllm_core/layers/activation.py; }
+    TAIL=4 bench fp8_silu --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    without; TAIL=4 bench fp8_compiled --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
+    BENCH_LIMIT=150 TAIL=4 bench 8b_fp8_compiled --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 2 \
+      --warmup-prompts 1
+    cp /tmp/activation_with.py nanovllm_core/layers/activation.py
+    BENCH_LIMIT=150 TAIL=4 bench 8b_fp8_silu --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 2 \
+      --warmup-prompts 1
+    pack
+    ;;
   r13-a)  # round 13, one H200 (about 8 minutes): where the steps that run prompts spend their time (--profile now
     # profiles them too), on the 0.6B and the 8B (FP8 cache), the 8B decode step at 64, 128 and 256 sequences; then
     # the priority server (two classes, nano-vllm workload) idle and at round 8's 70% load, async scheduling on, off
