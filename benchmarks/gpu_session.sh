@@ -123,6 +123,39 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r13-c)  # round 13, one H200 (about 9 minutes): the Triton RMSNorm kernel and the one-warp split merge beside the
+    # SiLU kernel: GPU tests and the engine's transformers parity, the small kernels timed, then the 0.6B and the 8B
+    # on the FP8 cache with all three and with none of them (round 12's state), back to back, then the bf16 caches
+    setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    TAIL=6 step gpu_tests 150 python -m pytest tests/unit/test_silu_and_mul_kernel.py tests/unit/test_rms_norm_kernel.py \
+      tests/gpu/test_gpu_engine.py plugins/attention_flash/tests/test_conformance_attention.py -m gpu -q -rf \
+      -k "silu or rms or greedy_and_logits or Triton or triton"
+    TAIL=30 step small_kernels 60 python benchmarks/small_kernels.py
+    for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
+    mkdir -p /tmp/with && cp nanovllm_core/layers/activation.py nanovllm_core/layers/norm.py \
+      plugins/attention_flash/nanovllm_attention_flash/triton_kernels.py /tmp/with/
+    none() {
+      sed -i 's/if x.is_cuda and fused_enabled() and/if False and/' nanovllm_core/layers/activation.py \
+        nanovllm_core/layers/norm.py
+      sed -i 's/^        num_warps=1,$/        num_warps=4,/' plugins/attention_flash/nanovllm_attention_flash/triton_kernels.py
+      grep -c "if False and" nanovllm_core/layers/activation.py nanovllm_core/layers/norm.py
+    }
+    all3() {
+      cp /tmp/with/activation.py /tmp/with/norm.py nanovllm_core/layers/
+      cp /tmp/with/triton_kernels.py plugins/attention_flash/nanovllm_attention_flash/
+    }
+    TAIL=4 bench fp8_new --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    none; TAIL=4 bench fp8_old --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    BENCH_LIMIT=150 TAIL=4 bench 8b_fp8_old --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 2 \
+      --warmup-prompts 1
+    all3; BENCH_LIMIT=150 TAIL=4 bench 8b_fp8_new --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 2 \
+      --warmup-prompts 1
+    TAIL=4 bench bf16_new --attention triton --runs 2 --warmup-prompts 1
+    BENCH_LIMIT=150 TAIL=4 bench 8b_bf16_new --shape qwen3-8b --attention triton --runs 2 --warmup-prompts 1
+    pack
+    ;;
   r13-b)  # round 13, one H200 (about 9 minutes): the Triton SiLU-and-mul kernel: its GPU tests and the engine's
     # transformers parity, the small kernels timed (SiLU both ways, the split merge per num_warps), then the 0.6B
     # and 8B offline on the FP8 cache with the kernel and without it (torch.compile's fusion), back to back

@@ -1,10 +1,11 @@
-"""Two small kernels of a decode step, timed as CUDA-graph replays: SiLU-and-mul (the Triton kernel against
-``torch.compile``'s fusion) and the decode-attention split merge at each ``num_warps``.
+"""Small kernels of a step, timed as CUDA-graph replays: SiLU-and-mul and (add-)RMSNorm (the Triton kernels
+against ``torch.compile``'s fusions) and the decode-attention split merge at each ``num_warps``.
 
     python benchmarks/small_kernels.py [--layers 36] [--iters 5]
 
-Round 13's profiles had ``torch.compile``'s SiLU-and-mul at a third of the copy rate and the split merge at
-13.5 us a call for 128 sequences of Qwen3-8B (4 splits, 32 heads). Each case captures one call per layer (each
+Round 13's profiles had ``torch.compile``'s SiLU-and-mul at a third of the copy rate, its 8B add-RMSNorm at
+3.6 us a call for 256 rows, and the split merge at 13.5 us a call for 128 sequences of Qwen3-8B (4 splits, 32
+heads). Each case captures one call per layer (each
 on its own input, as a step's layers are) in a CUDA graph and reports the median microseconds a call over
 ``--iters`` replays. CUDA only.
 """
@@ -25,6 +26,14 @@ SILU_CASES = [  # (name, rows, intermediate size)
     ("8B decode", 128, 12288),
     ("8B decode", 256, 12288),
     ("8B prompt step", 14336, 12288),
+]
+NORM_CASES = [  # (name, rows, hidden size)
+    ("0.6B decode", 64, 1024),
+    ("0.6B decode", 256, 1024),
+    ("0.6B prompt step", 14336, 1024),
+    ("8B decode", 64, 4096),
+    ("8B decode", 256, 4096),
+    ("8B prompt step", 14336, 4096),
 ]
 MERGE_CASES = [  # (name, sequences, query heads, splits): the split counts choose_num_splits gives on an H200
     ("0.6B FP8", 64, 16, 8),
@@ -63,13 +72,37 @@ def silu_table(layers: int, iters: int) -> None:
     from nanovllm_core.layers.silu_and_mul_kernel import silu_and_mul as triton_kernel
 
     set_compile(True)
-    print("| case | rows | intermediate | torch.compile us | Triton us | Triton TB/s |")
+    print("| SiLU-and-mul | rows | intermediate | torch.compile us | Triton us | Triton TB/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, rows, width in SILU_CASES:
         n = layers if rows <= 1024 else 4  # prompt-step inputs are large: four are past the L2 already
         xs = [torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
         us = [graph_us([lambda x=x, f=f: f(x) for x in xs], iters) for f in (compiled, triton_kernel)]
         tbs = rows * width * 3 * 2 / (us[1] * 1e-6) / 1e12
+        print(f"| {name} | {rows} | {width} | {us[0]:.1f} | {us[1]:.1f} | {tbs:.2f} |")
+    set_compile(False)
+
+
+def norm_table(layers: int, iters: int) -> None:
+    from nanovllm_core.layers.fused import add_rms_norm as compiled
+    from nanovllm_core.layers.fused import set_compile
+    from nanovllm_core.layers.rms_norm_kernel import rms_norm as triton_kernel
+
+    set_compile(True)
+    print("| add-RMSNorm | rows | hidden | torch.compile us | Triton us | Triton TB/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, rows, width in NORM_CASES:
+        n = layers if rows <= 1024 else 4
+        bufs = [
+            [torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(n)
+        ]
+        weight = torch.rand(width, device="cuda", dtype=torch.bfloat16)
+        calls = (
+            [lambda b=b, w=weight: compiled(b[0], b[1], w, 1e-6) for b in bufs],
+            [lambda b=b, w=weight: triton_kernel(b[0], w, 1e-6, b[1]) for b in bufs],
+        )
+        us = [graph_us(c, iters) for c in calls]
+        tbs = rows * width * 4 * 2 / (us[1] * 1e-6) / 1e12
         print(f"| {name} | {rows} | {width} | {us[0]:.1f} | {us[1]:.1f} | {tbs:.2f} |")
     set_compile(False)
 
@@ -121,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         print("needs CUDA")
         return 1
     silu_table(args.layers, args.iters)
+    print()
+    norm_table(args.layers, args.iters)
     print()
     merge_table(args.layers, args.iters)
     return 0

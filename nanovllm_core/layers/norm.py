@@ -1,11 +1,28 @@
+import functools
+from types import ModuleType
+
 import torch
 from torch import nn
 
-from nanovllm_core.layers.fused import add_rms_norm, rms_norm
+from nanovllm_core.layers.fused import add_rms_norm, fused_enabled, rms_norm
+
+
+@functools.cache
+def _triton_kernel() -> ModuleType | None:
+    """The Triton RMSNorm module, or None without triton (the core does not depend on it)."""
+    try:
+        from nanovllm_core.layers import rms_norm_kernel
+    except ImportError:
+        return None
+    return rms_norm_kernel
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation in float32; with ``residual`` it adds first and returns ``(normed, new_residual)``."""
+    """RMS normalisation in float32; with ``residual`` it adds first and returns ``(normed, new_residual)``.
+
+    With fused small ops on CUDA (``compile_small_ops``) rows of hidden states run a hand-written Triton kernel
+    (see ``rms_norm_kernel``); everything else the same arithmetic through ``torch.compile`` or eagerly.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -15,6 +32,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda and fused_enabled() and (kernel := _triton_kernel()) is not None:
+            if kernel.supports(x, self.weight, residual):
+                return kernel.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -885,7 +885,9 @@ def decode_attention(
         *pl_strides,
         HEAD_DIM=head_dim,
         SPLITS_P2=triton.next_power_of_2(num_splits),
-        num_warps=4,
+        # one warp a (head, sequence): 2.7-2.9x faster than four for the 8B's 4 and 8 splits (round 13,
+        # benchmarks/small_kernels.py), and no slower anywhere measured
+        num_warps=1,
     )
 
 
