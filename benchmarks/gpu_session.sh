@@ -123,6 +123,18 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r13-d)  # round 13, one H200 (about 4 minutes): the RMSNorm GPU tests after their tolerance fix, then the 0.6B and
+    # the 8B on the FP8 cache again (the run-to-run spread of r13-c's figures)
+    setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    TAIL=3 step gpu_tests 60 python -m pytest tests/unit/test_rms_norm_kernel.py -m gpu -q -rf
+    TAIL=4 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+    for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
+    BENCH_LIMIT=120 TAIL=4 bench 8b_fp8 --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 2 \
+      --warmup-prompts 1
+    pack
+    ;;
   r13-c)  # round 13, one H200 (about 9 minutes): the Triton RMSNorm kernel and the one-warp split merge beside the
     # SiLU kernel: GPU tests and the engine's transformers parity, the small kernels timed, then the 0.6B and the 8B
     # on the FP8 cache with all three and with none of them (round 12's state), back to back, then the bf16 caches

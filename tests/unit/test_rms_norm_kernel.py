@@ -84,10 +84,12 @@ def test_cuda_matches_eager(rows, width):
     out, new_residual = rms_norm(x, weight, EPS, residual)
     ref, ref_residual = eager_add_rms_norm.__wrapped__(x, residual, weight, EPS)
     assert torch.equal(new_residual, ref_residual)
-    # rsqrt and the sum's order may move the normalised value by one float32 bit: one bf16 ulp at most, rarely
-    assert _within_ulps(out, ref, 1)
+    # rsqrt and the sum's order may move the normalised value by one float32 bit, rarely: one bf16 ulp of the
+    # normalised row when its rounding flips, two of the output after the weight's product is rounded too (r13-c:
+    # a 14,336-row case had one past one ulp)
+    assert _within_ulps(out, ref, 2)
     assert (out != ref).float().mean() < 1e-2
-    assert _within_ulps(rms_norm(x, weight, EPS), eager_rms_norm.__wrapped__(x, weight, EPS), 1)
+    assert _within_ulps(rms_norm(x, weight, EPS), eager_rms_norm.__wrapped__(x, weight, EPS), 2)
     norm = RMSNorm(width, EPS).to("cuda", torch.bfloat16)
     norm.weight.data.copy_(weight)
     set_compile(True)
