@@ -102,8 +102,8 @@ class EngineConfig(BaseModel):
     )
     compile_small_ops: bool = Field(
         True,
-        description="On CUDA, fuse the small ops: norms, rotary and activation with torch.compile; q/k norm + "
-        "rotary and temperature sampling with hand-written Triton kernels.",
+        description="On CUDA, fuse the small ops: RMSNorm (with its residual add), SiLU-and-mul, q/k norm + rotary "
+        "and temperature sampling with hand-written Triton kernels; the other norms and rotary with torch.compile.",
     )
     async_scheduling: Literal["auto", "on", "off"] = Field(
         "auto",
