@@ -123,6 +123,30 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r14-a)  # next round, one H200 (about 8 minutes): the priority server idle and at round 8's 70% load with
+    # first-token-first hand-over (two classes, nano-vllm workload); the 8B's decode GEMMs on cuBLAS and cuBLASLt;
+    # the 8B on the FP8 cache with the SM clock and power sampled every 100 ms (is its FP8 decode kernel, 15%
+    # slower a call than the 0.6B's on the same contexts in r13-a, running at a lower clock?)
+    setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    TAIL=24 step gemm_8b 120 python benchmarks/decode_gemm.py --shape qwen3-8b --rows 64,128,256 \
+      --blas default,cublaslt --json "$OUT/gemm_8b.json"
+    for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 100 \
+      > "$OUT/clocks_8b.csv" 2>&1 &
+    SMI=$!
+    BENCH_LIMIT=150 TAIL=4 bench 8b_fp8 --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 2 \
+      --warmup-prompts 1
+    kill $SMI
+    serve_start priority --scheduler priority --max-num-batched-tokens 2048
+    TAIL=3 serve_bench priority_idle --dataset nano --num-prompts 24 --request-rate 2 --priorities 0,1
+    TAIL=3 serve_bench priority_70 --dataset nano --num-prompts 512 --request-rate 33.6 --priorities 0,1 --warmup 0
+    stages priority_70 priority_idle
+    serve_stop
+    summarize "$OUT"/serve_*.json
+    pack
+    ;;
   r13-d)  # round 13, one H200 (about 4 minutes): the RMSNorm GPU tests after their tolerance fix, then the 0.6B and
     # the 8B on the FP8 cache again (the run-to-run spread of r13-c's figures)
     setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
