@@ -26,6 +26,6 @@ class SiluAndMul(nn.Module):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and fused_enabled() and (kernel := _triton_kernel()) is not None:
+        if x.is_cuda and fused_enabled() and (kernel := _triton_kernel()) is not None and kernel.supports(x):
             return kernel.silu_and_mul(x)
         return silu_and_mul(x)

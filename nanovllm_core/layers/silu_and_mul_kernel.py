@@ -46,6 +46,11 @@ def _kernel(interpret: bool) -> object:
     return wrap_kernel(_silu_and_mul_kernel, interpret)
 
 
+def supports(x: torch.Tensor) -> bool:
+    """Whether :func:`silu_and_mul` takes ``x``: an even, contiguous last dimension."""
+    return x.dim() >= 1 and x.size(-1) % 2 == 0 and x.stride(-1) == 1
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :n]) * x[..., n:]`` for ``x`` of last dimension ``2n`` (the last dimension contiguous).
 

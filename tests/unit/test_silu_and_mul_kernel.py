@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from nanovllm_core.layers import SiluAndMul  # noqa: E402
 from nanovllm_core.layers.fused import set_compile  # noqa: E402
 from nanovllm_core.layers.fused import silu_and_mul as eager_silu_and_mul  # noqa: E402
-from nanovllm_core.layers.silu_and_mul_kernel import silu_and_mul  # noqa: E402
+from nanovllm_core.layers.silu_and_mul_kernel import silu_and_mul, supports  # noqa: E402
 
 
 def _eager(x: torch.Tensor) -> torch.Tensor:
@@ -59,6 +59,7 @@ def test_no_rows_and_bad_layouts():
         silu_and_mul(torch.empty(2, 63))
     with pytest.raises(ValueError, match="last dimension must be contiguous"):
         silu_and_mul(torch.empty(64, 4).t())
+    assert not supports(torch.empty(2, 63)) and not supports(torch.empty(64, 4).t()) and supports(torch.empty(2, 8))
 
 
 def test_module_keeps_the_eager_path_off_cuda():
