@@ -1,8 +1,10 @@
 """Per-step host work for 256 running sequences in decode: schedule + postprocess + input preparation.
 
     python benchmarks/host_overhead.py [--num-seqs 256] [--steps 200] [--block-size 256]
+                                       [--scheduler fifo|mixed|priority] [--stream ids|text]
 
-Runs the real engine core (step validation, postprocess, stop checks, outputs) with the `fifo` scheduler, the
+Runs the real engine core (step validation, postprocess, stop checks, outputs) with a scheduler policy (`fifo`;
+`mixed` and `priority` when their plugins are installed, with `--max-num-batched-tokens` steps), the
 `prefix_cache` block manager, the sampler's per-step parameter gathering and the model runner's input preparation
 (tensors on the CPU; on a GPU they would be copied from pinned memory without a sync). No model runs: this is
 the time the host adds per step.
@@ -61,6 +63,8 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--block-size", type=int, default=256)
+    parser.add_argument("--scheduler", choices=["fifo", "mixed", "priority"], default="fifo")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument(
         "--stream",
         choices=["ids", "text"],
@@ -72,7 +76,7 @@ def main() -> None:
     config = EngineConfig(
         model="unused",
         max_num_seqs=args.num_seqs,
-        max_num_batched_tokens=16384,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=4096,
         kvcache_block_size=args.block_size,
     )
@@ -85,14 +89,21 @@ def main() -> None:
         tokenizer, kind = build_tokenizer(), "delta"
         vocab = tokenizer.vocab_size - 1
         runner.tokens = [t % vocab + 1 for t in runner.tokens]
+    scheduler_cls = FifoScheduler
+    if args.scheduler == "mixed":
+        from nanovllm_scheduler_mixed import MixedScheduler as scheduler_cls
+    elif args.scheduler == "priority":
+        from nanovllm_scheduler_priority import PriorityScheduler as scheduler_cls
     core = EngineCore(
-        config, FifoScheduler(config, bm), runner, scheduler_name="fifo", tokenizer=tokenizer, eos_token_ids={0}
+        config, scheduler_cls(config, bm), runner, scheduler_name=args.scheduler, tokenizer=tokenizer,
+        eos_token_ids={0},
     )
     rng = random.Random(0)
     for _ in range(args.num_seqs):
         prompt = [rng.randint(1, vocab) for _ in range(rng.randint(100, 1024))]
         params = SamplingParams(
-            temperature=0.6, ignore_eos=True, max_tokens=2048, output_kind=kind, detokenize=args.stream != "ids"
+            temperature=0.6, ignore_eos=True, max_tokens=2048, output_kind=kind, detokenize=args.stream != "ids",
+            priority=rng.randint(0, 1) if args.scheduler == "priority" else 0,
         )
         core.add_request(prompt, params)
     while core.scheduler.num_waiting:  # prefill everything
@@ -113,7 +124,8 @@ def main() -> None:
             pickle.dumps(("out", [], pack_outputs(outputs), 0.0, None), protocol=pickle.HIGHEST_PROTOCOL)
             timings["emit (pack + pickle)"].append((time.perf_counter() - t0) * 1e3)
     print(
-        f"host work per decode step, {args.num_seqs} running sequences, block size {args.block_size}, "
+        f"host work per decode step ({args.scheduler}), {args.num_seqs} running sequences, block size "
+        f"{args.block_size}, "
         f"median of {args.steps} steps (ms):"
     )
     print(f"  (machine speed now: a fixed pure-Python reference loop takes {reference_ms():.1f} ms)")
