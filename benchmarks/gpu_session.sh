@@ -123,10 +123,12 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
-  r14-a)  # next round, one H200 (about 8 minutes): the priority server idle and at round 8's 70% load with
-    # first-token-first hand-over (two classes, nano-vllm workload); the 8B's decode GEMMs on cuBLAS and cuBLASLt;
-    # the 8B on the FP8 cache with the SM clock and power sampled every 100 ms (is its FP8 decode kernel, 15%
-    # slower a call than the 0.6B's on the same contexts in r13-a, running at a lower clock?)
+  r14-a)  # next round, one H200 (about 9 minutes): the 0.6B on the FP8 cache with nothing beside it (first run
+    # against second), the priority server idle and at round 8's 70% load with first-token-first hand-over (two
+    # classes, nano-vllm workload); the 8B's decode GEMMs on cuBLAS and cuBLASLt; the 8B on the FP8 cache with the
+    # SM clock and power sampled every 100 ms (is its FP8 decode kernel, 15% slower a call than the 0.6B's on the
+    # same contexts in r13-a, running at a lower clock?)
+    TAIL=4 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 3 --warmup-prompts 1
     setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
       "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
       > /tmp/ckpt_8b.log 2>&1 < /dev/null &
