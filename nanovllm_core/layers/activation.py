@@ -1,20 +1,8 @@
-import functools
-from types import ModuleType
-
 import torch
 from torch import nn
 
 from nanovllm_core.layers.fused import fused_enabled, silu_and_mul
-
-
-@functools.cache
-def _triton_kernel() -> ModuleType | None:
-    """The Triton SiLU-and-mul module, or None without triton (the core does not depend on it)."""
-    try:
-        from nanovllm_core.layers import silu_and_mul_kernel
-    except ImportError:
-        return None
-    return silu_and_mul_kernel
+from nanovllm_core.layers.triton_jit import kernel_module
 
 
 class SiluAndMul(nn.Module):
@@ -26,6 +14,7 @@ class SiluAndMul(nn.Module):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and fused_enabled() and (kernel := _triton_kernel()) is not None and kernel.supports(x):
+        kernel = kernel_module("silu_and_mul_kernel") if x.is_cuda and fused_enabled() else None
+        if kernel is not None and kernel.supports(x):
             return kernel.silu_and_mul(x)
         return silu_and_mul(x)

@@ -1,20 +1,8 @@
-import functools
-from types import ModuleType
-
 import torch
 from torch import nn
 
 from nanovllm_core.layers.fused import add_rms_norm, fused_enabled, rms_norm
-
-
-@functools.cache
-def _triton_kernel() -> ModuleType | None:
-    """The Triton RMSNorm module, or None without triton (the core does not depend on it)."""
-    try:
-        from nanovllm_core.layers import rms_norm_kernel
-    except ImportError:
-        return None
-    return rms_norm_kernel
+from nanovllm_core.layers.triton_jit import kernel_module
 
 
 class RMSNorm(nn.Module):
@@ -32,9 +20,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.is_cuda and fused_enabled() and (kernel := _triton_kernel()) is not None:
-            if kernel.supports(x, self.weight, residual):
-                return kernel.rms_norm(x, self.weight, self.eps, residual)
+        kernel = kernel_module("rms_norm_kernel") if x.is_cuda and fused_enabled() else None
+        if kernel is not None and kernel.supports(x, self.weight, residual):
+            return kernel.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

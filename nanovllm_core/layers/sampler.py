@@ -3,16 +3,15 @@ top-k, top-p, min-p, with per-request seeds; logprobs."""
 
 from __future__ import annotations
 
-import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from types import ModuleType
 
 import torch
 
 from nanovllm_core.host_tensor import host_tensor
 from nanovllm_core.layers.fused import fused_enabled, temperature_race
+from nanovllm_core.layers.triton_jit import kernel_module
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence
 
 
@@ -234,7 +233,8 @@ class Sampler:
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         if self._use_kernel(logits, batch):
-            return _sampling_kernel().sample_temperature(logits, batch.temperatures, self._kernel_seeds.getrandbits(31))
+            seed = self._kernel_seeds.getrandbits(31)
+            return kernel_module("sampling_kernel").sample_temperature(logits, batch.temperatures, seed)
         temps = batch.temperatures
         is_greedy = temps == 0
         safe_temps = torch.where(is_greedy, torch.ones_like(temps), temps)
@@ -258,13 +258,14 @@ class Sampler:
     def warmup(logits: torch.Tensor) -> None:
         """Compile the sampling kernel's variants for logits like these (the model's) now, at start-up, instead
         of in the first requests whose row counts need them."""
-        kernels = _sampling_kernel()
+        kernels = kernel_module("sampling_kernel")
         if logits.is_cuda and fused_enabled() and kernels is not None:
             kernels.warmup(logits)
 
     @staticmethod
     def _use_kernel(logits: torch.Tensor, batch: SamplingBatch) -> bool:
-        return logits.is_cuda and fused_enabled() and kernel_eligible(batch) and _sampling_kernel() is not None
+        eligible = logits.is_cuda and fused_enabled() and kernel_eligible(batch)
+        return eligible and kernel_module("sampling_kernel") is not None
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -294,16 +295,6 @@ def kernel_eligible(batch: SamplingBatch) -> bool:
     """Whether the in-kernel-noise sampler can draw this batch: temperature only, no per-request generator."""
     no_filters = batch.top_k is None and batch.top_p is None and batch.min_p is None
     return no_filters and all(gen is None for gen in batch.generators)
-
-
-@functools.cache
-def _sampling_kernel() -> ModuleType | None:
-    """The Triton sampling module, or None without triton (core does not depend on it)."""
-    try:
-        from nanovllm_core.layers import sampling_kernel
-    except ImportError:
-        return None
-    return sampling_kernel
 
 
 @dataclass

@@ -7,7 +7,10 @@ anything else, so CI checks the same arithmetic on a CPU. Used by the core's ker
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 
@@ -44,3 +47,13 @@ def wrap_kernel(fn: Callable, interpret: bool, **options: Any) -> Any:
     from triton.runtime.jit import JITFunction
 
     return JITFunction(fn, **options)
+
+
+@functools.cache
+def kernel_module(name: str) -> ModuleType | None:
+    """``nanovllm_core.layers.<name>``, a module of Triton kernels that imports ``triton`` at its top, or None
+    where triton cannot be imported (the core does not depend on it; callers keep their torch path)."""
+    try:
+        return importlib.import_module(f"nanovllm_core.layers.{name}")
+    except ImportError:
+        return None
