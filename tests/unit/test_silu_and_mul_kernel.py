@@ -87,3 +87,11 @@ def test_cuda_matches_eager(rows, width):
         assert torch.equal(SiluAndMul()(x), out)
     finally:
         set_compile(False)
+
+
+def test_kernel_modules_load_once_and_a_missing_one_is_none():
+    from nanovllm_core.layers import silu_and_mul_kernel
+    from nanovllm_core.layers.triton_jit import kernel_module
+
+    assert kernel_module("silu_and_mul_kernel") is silu_and_mul_kernel
+    assert kernel_module("no_such_kernel_module") is None
