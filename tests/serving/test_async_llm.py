@@ -300,31 +300,3 @@ def test_merge_keeps_logprobs_in_order():
     merged = merge_deltas([a, b])
     assert merged.outputs[0].logprobs == [{1: 0.0}, {2: -1.0}] and merged.finished
     assert merged.outputs[0].text == "ab" and merged.outputs[0].finish_reason == "length"
-
-
-def test_first_tokens_and_urgent_streams_are_handed_over_first(engine):
-    """Within one step's outputs, consumers wake in this order: requests still waiting for their first token,
-    then the more urgent priority, then the engine's order; one request's outputs keep their own order."""
-
-    async def body(llm: AsyncLLM) -> list[str]:
-        woken: list[str] = []
-        streams = {
-            name: RequestStream(name, [1], priority=priority)
-            for name, priority in [("running-1", 1), ("running-0", 0), ("new-1", 1), ("new-0", 0), ("new-0b", 0)]
-        }
-        for name, stream in streams.items():
-            if name.startswith("running"):
-                stream.last_token_time = time.monotonic()
-            stream.put = lambda item, name=name: woken.append(f"{name}:{item.outputs[0].token_ids[0]}")
-            llm._streams[name] = stream
-        outputs = [
-            RequestOutput(name, None, [1], [CompletionOutput(0, "", [token])], finished=False)
-            for name, token in [("running-1", 1), ("new-1", 1), ("running-0", 1), ("new-0b", 1), ("new-0", 1),
-                                ("gone", 1), ("new-1", 2)]
-        ]
-        llm._deliver([], outputs, time.monotonic(), llm.account)
-        for name in streams:
-            del llm._streams[name]
-        return woken
-
-    assert run(engine, body) == ["new-0b:1", "new-0:1", "new-1:1", "new-1:2", "running-0:1", "running-1:1"]
