@@ -269,6 +269,30 @@ def fit_decode_steps(records: list[tuple[int, int, int, float]], kv_bytes_per_to
     return result
 
 
+def run_step_timing(summary: dict[str, float], records: list[tuple[int, int, int, float]]) -> dict[str, Any]:
+    """One run's device time by kind of step, and its slowest decode steps: where a first run's extra time goes
+    (compilation shows as a long prompt or decode step, a graph's first replay as a slow decode step)."""
+    decode = [r for r in records if r[0] == r[1]]
+    slowest = sorted(decode, key=lambda r: r[3], reverse=True)[:5]
+    return {
+        "gpu_busy_s": summary.get("gpu_busy_s", 0.0),
+        "gpu_idle_s": summary.get("gpu_idle_s", 0.0),
+        "host_prepare_s": summary.get("host_prepare_s", 0.0),
+        "prompt_steps_s": sum(r[3] for r in records if r[0] != r[1]) / 1e3,
+        "decode_steps_s": sum(r[3] for r in decode) / 1e3,
+        "slowest_decode_steps": [{"seqs": r[0], "kv_tokens": r[2], "ms": r[3]} for r in slowest],
+    }
+
+
+def format_run_timing(timing: dict[str, Any]) -> str:
+    slowest = ", ".join(f"{s['ms']:.2f} ms ({s['seqs']} seqs)" for s in timing["slowest_decode_steps"])
+    return (
+        f"GPU busy {timing['gpu_busy_s']:.3f} s (prompt steps {timing['prompt_steps_s']:.3f}, decode steps "
+        f"{timing['decode_steps_s']:.3f}), idle {timing['gpu_idle_s']:.3f} s, host input preparation "
+        f"{timing['host_prepare_s']:.3f} s; slowest decode steps: {slowest}"
+    )
+
+
 def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from nanovllm_core import LLM, SamplingParams
 
@@ -299,6 +323,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     run_tok_per_s = []
     run_gc: list[GCPauses] = []
+    run_timing: list[dict[str, Any]] = []
     for run in range(max(1, args.runs)):
         run_prompts = prompts if run == 0 else [[(t + run) % vocab for t in p] for p in prompts]
         before = llm.stats()
@@ -315,9 +340,13 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         run_gc.append(pauses)
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
         run_tok_per_s.append(produced / elapsed)
+        if data_parallel == 1 and device.type == "cuda":
+            run_timing.append(run_step_timing(llm.runner.timing_summary(), llm.runner.step_records()))
         if args.runs > 1:
             print(f"run {run + 1}: {produced} tok in {elapsed:.2f} s = {produced / elapsed:,.0f} tok/s; "
                   f"garbage collection: {pauses.summary()}")  # fmt: skip
+            if run_timing:
+                print(f"  {format_run_timing(run_timing[-1])}")
     after = llm.stats()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     if data_parallel == 1:
@@ -358,6 +387,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         "runs_tok_per_s": run_tok_per_s,
         "runs_gc_seconds": [sum(p.seconds) for p in run_gc],
         "runs_gc_full_collections": [p.collections[2] for p in run_gc],
+        "runs_timing": run_timing,
     }
     if data_parallel == 1:
         result.update(llm.runner.timing_summary())

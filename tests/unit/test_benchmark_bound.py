@@ -85,3 +85,18 @@ def test_a_config_file_without_a_model_runs_on_the_random_weights(tmp_path):
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert result["model"].startswith("/tmp/nanovllm-bench-tiny") and result["attention"] == "torch"
+
+
+def test_run_step_timing_splits_prompt_and_decode_steps_and_names_the_slowest():
+    from nanovllm_core.benchmark import format_run_timing, run_step_timing
+
+    # (sequences, query tokens, KV tokens, GPU ms): two prompt steps, then decode steps of one token a sequence
+    records = [(2, 900, 900, 4.0), (1, 300, 300, 1.0)] + [(3, 3, 1000 + i, 1.0 + i / 10) for i in range(8)]
+    summary = {"gpu_busy_s": 0.02, "gpu_idle_s": 0.001, "host_prepare_s": 0.004}
+    timing = run_step_timing(summary, records)
+    assert timing["prompt_steps_s"] == pytest.approx(0.005)
+    assert timing["decode_steps_s"] == pytest.approx(sum(1.0 + i / 10 for i in range(8)) / 1e3)
+    assert [s["ms"] for s in timing["slowest_decode_steps"]] == pytest.approx([1.7, 1.6, 1.5, 1.4, 1.3])
+    assert timing["slowest_decode_steps"][0] == {"seqs": 3, "kv_tokens": 1007, "ms": pytest.approx(1.7)}
+    line = format_run_timing(timing)
+    assert "prompt steps 0.005" in line and "1.70 ms (3 seqs)" in line
