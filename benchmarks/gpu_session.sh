@@ -25,6 +25,9 @@ ckpt() {  # the random-weight Qwen3-0.6B checkpoint `nanovllm bench` writes (mad
 }
 serve_start() {  # serve_start NAME ARGS...: `nanovllm serve` on 127.0.0.1:$PORT in the background, up when /health answers
   local name=$1; shift
+  # the stack uvicorn picks ("auto"): uvloop and httptools when installed (the [serve] extra's), else asyncio and h11
+  python -c "import importlib.util as u; print('server $name on', 'uvloop' if u.find_spec('uvloop') else 'asyncio', \
+'httptools' if u.find_spec('httptools') else 'h11')" | tee -a "$OUT/gpu.txt"
   # (TORCH_LOGS=recompiles: a torch.compile recompilation while serving shows in the log, with its cause)
   TORCH_LOGS=recompiles python -m nanovllm_core.cli serve "$(ckpt)" --port "${PORT:-8000}" --attention triton "$@" \
     > "$OUT/serve_$name.log" 2>&1 &
@@ -123,29 +126,57 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
-  r14-a)  # next round, one H200 (about 9 minutes): the 0.6B on the FP8 cache with nothing beside it (first run
-    # against second), the priority server idle and at round 8's 70% load with first-token-first hand-over (two
-    # classes, nano-vllm workload); the 8B's decode GEMMs on cuBLAS and cuBLASLt; the 8B on the FP8 cache with the
-    # SM clock and power sampled every 100 ms (is its FP8 decode kernel, 15% slower a call than the 0.6B's on the
-    # same contexts in r13-a, running at a lower clock?)
+  r14-c)  # round 14, one H200 (about 6 minutes): the 0.6B on the FP8 cache, three runs, with every CUDA graph replayed
+    # once at start-up and without (the first run's extra time, step kind by step kind); then the priority server
+    # (engine-order hand-over again) at round 8's 70% load with 2,048-token and with 512-token steps
+    TAIL=12 bench fp8_replayed --attention triton --kv-cache-dtype fp8 --runs 3 --warmup-prompts 1
+    cp nanovllm_core/engine/cuda_graph.py /tmp/cuda_graph.py
+    sed -i '/^        graph.replay()$/d' nanovllm_core/engine/cuda_graph.py
+    grep -c 'graph.replay()' nanovllm_core/engine/cuda_graph.py
+    TAIL=12 bench fp8_unreplayed --attention triton --kv-cache-dtype fp8 --runs 3 --warmup-prompts 1
+    cp /tmp/cuda_graph.py nanovllm_core/engine/cuda_graph.py
+    for tokens in 2048 512; do
+      serve_start "priority_$tokens" --scheduler priority --max-num-batched-tokens "$tokens"
+      TAIL=3 serve_bench "priority_${tokens}_70" --dataset nano --num-prompts 512 --request-rate 33.6 --priorities 0,1
+      stages "priority_${tokens}_70"
+      serve_stop
+    done
+    summarize "$OUT"/serve_*.json
+    pack
+    ;;
+  r14-a)  # round 14, one H200 (about 8 minutes; ran at 6ea8dd1 plus this phase, when main had the hand-over order): the 0.6B on the FP8 cache with nothing beside it (first run against
+    # second); the 8B's decode GEMMs on cuBLAS and cuBLASLt; the 8B on the FP8 cache with the SM clock and power sampled
+    # every 100 ms, then again with TORCH_BLAS_PREFER_CUBLASLT=1; the priority server idle and at round 8's 70% load
+    # with first-token-first hand-over, then at 70% without it (two classes, nano-vllm workload)
     TAIL=4 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 3 --warmup-prompts 1
     setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
       "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
       > /tmp/ckpt_8b.log 2>&1 < /dev/null &
-    TAIL=24 step gemm_8b 120 python benchmarks/decode_gemm.py --shape qwen3-8b --rows 64,128,256 \
+    TAIL=24 step gemm_8b 100 python benchmarks/decode_gemm.py --shape qwen3-8b --rows 64,128,256 \
       --blas default,cublaslt --json "$OUT/gemm_8b.json"
     for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 100 \
-      > "$OUT/clocks_8b.csv" 2>&1 &
-    SMI=$!
-    BENCH_LIMIT=150 TAIL=4 bench 8b_fp8 --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 2 \
-      --warmup-prompts 1
-    kill $SMI
+    for blas in cublas cublaslt; do
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 100 \
+        > "$OUT/clocks_8b_$blas.csv" 2>&1 &
+      SMI=$!
+      prefer=$([ "$blas" = cublaslt ] && echo 1 || echo 0)
+      TORCH_BLAS_PREFER_CUBLASLT=$prefer BENCH_LIMIT=110 TAIL=4 bench "8b_fp8_$blas" --shape qwen3-8b \
+        --attention triton --kv-cache-dtype fp8 --runs 2 --warmup-prompts 1
+      kill $SMI
+    done
     serve_start priority --scheduler priority --max-num-batched-tokens 2048
     TAIL=3 serve_bench priority_idle --dataset nano --num-prompts 24 --request-rate 2 --priorities 0,1
     TAIL=3 serve_bench priority_70 --dataset nano --num-prompts 512 --request-rate 33.6 --priorities 0,1 --warmup 0
     stages priority_70 priority_idle
     serve_stop
+    cp nanovllm_core/serving/async_llm.py /tmp/async_llm.py
+    sed -i 's/^        if len(pairs) > 1:$/        if False:/' nanovllm_core/serving/async_llm.py
+    grep -c '^        if False:$' nanovllm_core/serving/async_llm.py
+    serve_start priority_engine_order --scheduler priority --max-num-batched-tokens 2048
+    TAIL=3 serve_bench priority_engine_order_70 --dataset nano --num-prompts 512 --request-rate 33.6 --priorities 0,1
+    stages priority_engine_order_70
+    serve_stop
+    cp /tmp/async_llm.py nanovllm_core/serving/async_llm.py
     summarize "$OUT"/serve_*.json
     pack
     ;;
