@@ -126,6 +126,28 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r15-a)  # next round, one H200 (about 6 minutes): the 0.6B on the FP8 cache, three runs, in the machine's first
+    # process with each run's allocator growth (is the first run's extra time pinned or device memory being
+    # created?); then priority (two classes, nano-vllm workload) idle and at round 8's 70% load on uvloop and
+    # httptools (the [serve] extra's stack, new in .gpu-wheels/serve), then at 70% with the server on asyncio and h11
+    # (both hidden from the path while it starts; the client keeps uvloop), which every H200 server before ran on
+    TAIL=12 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 3 --warmup-prompts 1
+    serve_start priority_uvloop --scheduler priority --max-num-batched-tokens 2048
+    TAIL=3 serve_bench priority_uvloop_idle --dataset nano --num-prompts 24 --request-rate 2 --priorities 0,1
+    TAIL=3 serve_bench priority_uvloop_70 --dataset nano --num-prompts 512 --request-rate 33.6 --priorities 0,1 --warmup 0
+    stages priority_uvloop_70 priority_uvloop_idle
+    serve_stop
+    site=${PYTHONPATH%%:*}
+    for m in uvloop httptools; do [ -d "$site/$m" ] && mv "$site/$m" "/tmp/$m.hidden"; done
+    serve_start priority_h11 --scheduler priority --max-num-batched-tokens 2048
+    # back for the client: only the server (which picked its stack at start-up) runs without them
+    for m in uvloop httptools; do [ -d "/tmp/$m.hidden" ] && mv "/tmp/$m.hidden" "$site/$m"; done
+    TAIL=3 serve_bench priority_h11_70 --dataset nano --num-prompts 512 --request-rate 33.6 --priorities 0,1
+    stages priority_h11_70
+    serve_stop
+    summarize "$OUT"/serve_*.json
+    pack
+    ;;
   r14-c)  # round 14, one H200 (about 6 minutes): the 0.6B on the FP8 cache, three runs, with every CUDA graph replayed
     # once at start-up and without (the first run's extra time, step kind by step kind); then the priority server
     # (engine-order hand-over again) at round 8's 70% load with 2,048-token and with 512-token steps

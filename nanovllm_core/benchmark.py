@@ -284,12 +284,33 @@ def run_step_timing(summary: dict[str, float], records: list[tuple[int, int, int
     }
 
 
+def allocator_counts() -> dict[str, float]:
+    """Running totals of the CUDA allocators' growth: pinned host blocks created (and the milliseconds spent
+    creating them), device segments ``cudaMalloc``-ed, and the device allocator's retries (a retry frees the cache
+    and synchronises). A run that grows either pool pays for it inside its steps."""
+    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    device = torch.cuda.memory_stats()
+    return {
+        "pinned_allocs": float(host.get("num_host_alloc", 0)),
+        "pinned_alloc_ms": float(host.get("host_alloc_time.total", 0)) / 1e3,
+        "device_segments": float(device.get("segment.all.allocated", 0)),
+        "device_alloc_retries": float(device.get("num_alloc_retries", 0)),
+    }
+
+
 def format_run_timing(timing: dict[str, Any]) -> str:
     slowest = ", ".join(f"{s['ms']:.2f} ms ({s['seqs']} seqs)" for s in timing["slowest_decode_steps"])
+    grown = timing.get("allocator_growth")
+    growth = (
+        f"; allocators grew by {grown['pinned_allocs']:.0f} pinned blocks ({grown['pinned_alloc_ms']:.1f} ms), "
+        f"{grown['device_segments']:.0f} device segments, {grown['device_alloc_retries']:.0f} retries"
+        if grown
+        else ""
+    )
     return (
         f"GPU busy {timing['gpu_busy_s']:.3f} s (prompt steps {timing['prompt_steps_s']:.3f}, decode steps "
         f"{timing['decode_steps_s']:.3f}), idle {timing['gpu_idle_s']:.3f} s, host input preparation "
-        f"{timing['host_prepare_s']:.3f} s; slowest decode steps: {slowest}"
+        f"{timing['host_prepare_s']:.3f} s; slowest decode steps: {slowest}{growth}"
     )
 
 
@@ -333,6 +354,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             llm.runner.reset_step_tracking()
             if device.type == "cuda":
                 torch.cuda.synchronize()
+        counts_before = allocator_counts() if device.type == "cuda" else None
         with GCPauses() as pauses:  # this process's garbage collections during the run (a full one can take
             start = time.perf_counter()  # a noticeable part of a run: see nanovllm_core.gc_heap)
             outputs = llm.generate(run_prompts, params, use_tqdm=False)
@@ -342,6 +364,9 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         run_tok_per_s.append(produced / elapsed)
         if data_parallel == 1 and device.type == "cuda":
             run_timing.append(run_step_timing(llm.runner.timing_summary(), llm.runner.step_records()))
+            if counts_before is not None:
+                counts_after = allocator_counts()
+                run_timing[-1]["allocator_growth"] = {k: counts_after[k] - counts_before[k] for k in counts_after}
         if args.runs > 1:
             print(f"run {run + 1}: {produced} tok in {elapsed:.2f} s = {produced / elapsed:,.0f} tok/s; "
                   f"garbage collection: {pauses.summary()}")  # fmt: skip

@@ -99,4 +99,8 @@ def test_run_step_timing_splits_prompt_and_decode_steps_and_names_the_slowest():
     assert [s["ms"] for s in timing["slowest_decode_steps"]] == pytest.approx([1.7, 1.6, 1.5, 1.4, 1.3])
     assert timing["slowest_decode_steps"][0] == {"seqs": 3, "kv_tokens": 1007, "ms": pytest.approx(1.7)}
     line = format_run_timing(timing)
-    assert "prompt steps 0.005" in line and "1.70 ms (3 seqs)" in line
+    assert "prompt steps 0.005" in line and "1.70 ms (3 seqs)" in line and "allocators" not in line
+    timing["allocator_growth"] = {
+        "pinned_allocs": 3.0, "pinned_alloc_ms": 1.25, "device_segments": 2.0, "device_alloc_retries": 0.0,
+    }
+    assert "grew by 3 pinned blocks (1.2 ms), 2 device segments, 0 retries" in format_run_timing(timing)
