@@ -128,6 +128,25 @@ def require_serve_extra(modules: tuple[str, ...] = SERVE_MODULES) -> None:
         )
 
 
+def front_end_stack() -> tuple[bool, str]:
+    """Whether the front-end gets uvicorn's fast event loop and HTTP parser (uvloop, httptools: the ``[serve]``
+    extra installs both, uvloop not on Windows; uvicorn falls back to asyncio and h11 without them), and a line
+    saying which it runs on."""
+    import importlib.util
+
+    wanted = ["httptools"] if sys.platform == "win32" else ["uvloop", "httptools"]
+    missing = [m for m in wanted if importlib.util.find_spec(m) is None]
+    loop = "asyncio" if "uvloop" in missing or sys.platform == "win32" else "uvloop"
+    http = "h11" if "httptools" in missing else "httptools"
+    line = f"front-end on {loop} and {http}"
+    if missing:
+        line += (
+            f" ({' and '.join(missing)} not installed: pip install 'nanovllm-core[serve]' installs them; a CPU "
+            "benchmark measured 34.2 against 29.1 us of front-end CPU a streamed token without them)"
+        )
+    return not missing, line
+
+
 def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     require_serve_extra()
     import uvicorn
@@ -147,6 +166,8 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     allowed_origins = read_allowed_origins(args.allowed_origins)
     check_reply_parsers(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    fast, stack = front_end_stack()
+    logging.getLogger(__name__).log(logging.INFO if fast else logging.WARNING, stack)
     engine = AsyncLLM.from_config(config=args.config, cli_overrides=overrides, engine_process=args.engine_process)
     settings = ServerSettings(
         served_model_name=(args.served_model_name or [args.model_path or engine.config.model])[0],

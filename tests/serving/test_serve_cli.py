@@ -67,3 +67,32 @@ def test_a_model_folder_after_the_served_names_is_the_model(tmp_path):
     named = build_parser().parse_args(["serve", str(tmp_path), "--served-model-name", "a", "b"])
     take_model_from_names(named)
     assert named.model_path == str(tmp_path) and named.served_model_name == ["a", "b"]
+
+
+def test_front_end_stack_names_the_loop_and_parser_and_what_to_install(monkeypatch):
+    import importlib.util
+
+    from nanovllm_core.serving.serve import front_end_stack
+
+    real = importlib.util.find_spec
+    present = {"uvloop": True, "httptools": True}  # as if installed or not, whatever this machine has
+
+    def find_spec(name, *args):
+        if name in present:
+            return object() if present[name] else None
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr("sys.platform", "linux")
+    assert front_end_stack() == (True, "front-end on uvloop and httptools")
+    present["uvloop"] = False
+    fast, line = front_end_stack()
+    assert not fast and line.startswith("front-end on asyncio and httptools (uvloop not installed: pip install")
+    present["httptools"] = False
+    fast, line = front_end_stack()
+    assert not fast and "front-end on asyncio and h11 (uvloop and httptools not installed" in line
+    monkeypatch.setattr("sys.platform", "win32")  # no uvloop there: only the parser is asked for
+    fast, line = front_end_stack()
+    assert line.startswith("front-end on asyncio and h11 (httptools not installed")
+    present["httptools"] = True
+    assert front_end_stack() == (True, "front-end on asyncio and httptools")
