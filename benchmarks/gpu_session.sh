@@ -10,10 +10,18 @@ python -m pip install -q --no-deps --no-build-isolation --no-index -e . -e plugi
   -e plugins/attention_flash -e plugins/models_qwen3 -e plugins/scheduler_mixed -e plugins/scheduler_priority \
   > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee -a "$OUT/gpu.txt"
+# A device call ends at its limit whatever runs then, and $OUT comes back only as the files it holds: a phase that
+# overran lost its logs (r14-b). So every step's limit is cut to what is left of PHASE_BUDGET seconds (from the
+# script's start, install included), a step with under 10 s left is skipped, and the logs are packed on exit.
+PHASE_BUDGET=${PHASE_BUDGET:-560}
 step() {  # step NAME SECONDS COMMAND...: run with a limit, keep the log, print its tail
   local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local t0=$SECONDS left=$((PHASE_BUDGET - SECONDS - 10))
+  if [ "$left" -lt 10 ]; then echo "== $name: skipped, $((PHASE_BUDGET - SECONDS)) s of the phase left"; return 124; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  # in the background and waited for: a TERM then reaches the trap at once, not when the step ends
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1 &
+  wait $!
   echo "== $name: exit $? in $((SECONDS - t0)) s"; tail -n "${TAIL:-12}" "$OUT/$name.log"
 }
 bench() {  # bench NAME ARGS...: the nano-vllm workload through `nanovllm bench`
@@ -74,7 +82,14 @@ PY
 rate_of() {  # rate_of JSON FRACTION: FRACTION of the request throughput a `bench serve` all-at-once run measured
   python -c "import json; print(f\"{$2 * json.load(open('$1'))['request_throughput']:.1f}\")"
 }
-pack() { (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz * && find . -maxdepth 1 -type f ! -name logs.tgz -delete); }
+pack() {  # everything in $OUT as one logs.tgz (one file comes back where many might not), once
+  [ -n "${PACKED:-}" ] && return 0
+  PACKED=1
+  (cd "$OUT" && tar czf /tmp/logs.tgz --exclude=logs.tgz --exclude=pip.log . && find . -maxdepth 1 -type f -delete &&
+    mv /tmp/logs.tgz .)
+}
+trap pack EXIT
+trap 'exit 143' TERM  # the call's own timeout: exit through the EXIT trap
 fifo_serve_lane() {  # fifo_serve_lane N LIMIT: the fifo server all at once (nano-vllm's workload), its saturation
   # (1,000 sharegpt-synth requests at once), then N requests at each of 30/50/70/90% of it (the rates go to
   # $OUT/rates.txt for policy_lane), LIMIT seconds for that sweep
