@@ -141,11 +141,13 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
-  r15-a)  # next round, one H200 (about 6 minutes): the 0.6B on the FP8 cache, three runs, in the machine's first
-    # process with each run's allocator growth (is the first run's extra time pinned or device memory being
-    # created?); then priority (two classes, nano-vllm workload) idle and at round 8's 70% load on uvloop and
+  r15-a)  # next round, one H200 (about 7 minutes): the 0.6B on the FP8 cache, three runs, in the machine's first
+    # process with CUDA_MODULE_LOADING=EAGER (every kernel loaded at start-up: is the first process's extra run-1
+    # time in prompt steps cuBLAS kernels loaded on first use, from a cold page cache?), then in a second process as
+    # main runs; both with each run's allocator growth (pinned or device memory created in run 1?); then priority (two classes, nano-vllm workload) idle and at round 8's 70% load on uvloop and
     # httptools (the [serve] extra's stack, new in .gpu-wheels/serve), then at 70% with the server on asyncio and h11
     # (both hidden from the path while it starts; the client keeps uvloop), which every H200 server before ran on
+    CUDA_MODULE_LOADING=EAGER TAIL=12 bench fp8_eager --attention triton --kv-cache-dtype fp8 --runs 3 --warmup-prompts 1
     TAIL=12 bench fp8 --attention triton --kv-cache-dtype fp8 --runs 3 --warmup-prompts 1
     serve_start priority_uvloop --scheduler priority --max-num-batched-tokens 2048
     TAIL=3 serve_bench priority_uvloop_idle --dataset nano --num-prompts 24 --request-rate 2 --priorities 0,1
