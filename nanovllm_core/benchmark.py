@@ -354,7 +354,8 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             llm.runner.reset_step_tracking()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-        counts_before = allocator_counts() if device.type == "cuda" else None
+        # (not under data parallelism: this process holds no GPU, and querying the allocators would create a context)
+        counts_before = allocator_counts() if data_parallel == 1 and device.type == "cuda" else None
         with GCPauses() as pauses:  # this process's garbage collections during the run (a full one can take
             start = time.perf_counter()  # a noticeable part of a run: see nanovllm_core.gc_heap)
             outputs = llm.generate(run_prompts, params, use_tqdm=False)
