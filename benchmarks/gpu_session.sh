@@ -3,6 +3,11 @@
 #   bash benchmarks/gpu_session.sh triton   # Triton kernels: tests, engine parity, end-to-end bench
 #   bash benchmarks/gpu_session.sh flash    # flash-attn-4: tests, kernel micro-benchmarks, end-to-end bench
 # Needs PYTHONPATH with pydantic (and flash-attn-4 for phase flash). Logs and tables go to $OUT.
+# The servers get uvloop and httptools (the [serve] extra's) only if their wheels are installed beside the serving
+# ones; ../shared/gpu/fetch-wheels.sh does not fetch them, so add them to its serve folder once:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .gpu-wheels/serve uvloop httptools
 set -u
 export PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
