@@ -117,11 +117,16 @@ def read_chat_template(value: str | None) -> str | None:
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
 
 
-def require_serve_extra(modules: tuple[str, ...] = SERVE_MODULES) -> None:
-    """A clear error when (the needed part of) the ``[serve]`` extra is not installed."""
+def missing_modules(modules: list[str] | tuple[str, ...]) -> list[str]:
+    """Those of ``modules`` that cannot be imported here (looked up, not imported)."""
     import importlib.util
 
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
+def require_serve_extra(modules: tuple[str, ...] = SERVE_MODULES) -> None:
+    """A clear error when (the needed part of) the ``[serve]`` extra is not installed."""
+    missing = missing_modules(modules)
     if missing:
         raise ConfigError(
             f"serving needs the [serve] extra (missing: {', '.join(missing)}): pip install 'nanovllm-core[serve]'"
@@ -132,10 +137,7 @@ def front_end_stack() -> tuple[bool, str]:
     """Whether the front-end gets uvicorn's fast event loop and HTTP parser (uvloop, httptools: the ``[serve]``
     extra installs both, uvloop not on Windows; uvicorn falls back to asyncio and h11 without them), and a line
     saying which it runs on."""
-    import importlib.util
-
-    wanted = ["httptools"] if sys.platform == "win32" else ["uvloop", "httptools"]
-    missing = [m for m in wanted if importlib.util.find_spec(m) is None]
+    missing = missing_modules(["httptools"] if sys.platform == "win32" else ["uvloop", "httptools"])
     loop = "asyncio" if "uvloop" in missing or sys.platform == "win32" else "uvloop"
     http = "h11" if "httptools" in missing else "httptools"
     line = f"front-end on {loop} and {http}"
