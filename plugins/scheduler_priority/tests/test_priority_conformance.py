@@ -1,4 +1,5 @@
-"""The core's scheduler conformance kit, run against ``priority`` (default options; fast aging with a chunk cap), the urgent lane under each."""
+"""The core's scheduler conformance kit, run against ``priority`` (default options; fast aging with a chunk
+cap), the urgent lane under each."""
 
 from nanovllm_scheduler_priority import PriorityScheduler
 
