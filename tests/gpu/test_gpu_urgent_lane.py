@@ -16,8 +16,8 @@ from nanovllm_core.testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-LOW = [[(7 * i + 3 * j) % 500 + 3 for j in range(40 + 37 * i)] for i in range(12)]
-URGENT = [[(11 * i + 5 * j) % 500 + 3 for j in range(20 + 90 * i)] for i in range(4)]
+LOW = [[(7 * i + 3 * j) % 370 + 3 for j in range(40 + 37 * i)] for i in range(12)]
+URGENT = [[(11 * i + 5 * j) % 370 + 3 for j in range(20 + 90 * i)] for i in range(4)]
 
 
 @pytest.fixture(scope="module")
