@@ -58,7 +58,7 @@ serve_bench() {  # serve_bench NAME ARGS...: `nanovllm bench serve` against the 
     --result-file "$OUT/serve_$name.json" "$@"
   # the server's own account after the run (step-loop busy / emit seconds, front-end CPU): where the time went
   python -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:${PORT:-8000}/metrics').read().decode())" \
-    | grep -E "^(nanovllm:step_loop|process_cpu|nanovllm:generation_tokens|nanovllm:frontend_event_loop_lag|nanovllm:cuda_graph_steps|nanovllm:request_(queue|prefill|intake)_time|nanovllm:output_delivery_lag|nanovllm:num_preemptions)" \
+    | grep -E "^(nanovllm:step_loop|process_cpu|nanovllm:generation_tokens|nanovllm:frontend_event_loop_lag|nanovllm:cuda_graph_steps|nanovllm:urgent_lane_steps|nanovllm:request_(queue|prefill|intake)_time|nanovllm:output_delivery_lag|nanovllm:num_preemptions)" \
     > "$OUT/metrics_$name.txt"
 }
 stages() {  # stages NAME [BEFORE]: the mean request stages and hand-overs (ms) in the server's /metrics after
@@ -146,6 +146,25 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r15-b)  # round 15, one H200 (about 7 minutes): the urgent lane's GPU tests; then priority (two classes, nano-vllm
+    # workload, 2,048-token steps) idle and at round 8's 70% load with the lane (class 0 urgent, 1,024 lane tokens:
+    # every nano-vllm prompt fits), then the same server without the lane
+    TAIL=8 step gpu_tests 150 python -m pytest tests/gpu/test_gpu_urgent_lane.py -m gpu -q -rf -s
+    printf '[plugins]\nscheduler = "priority"\n[plugins.scheduler_options]\nurgent_priority = 0\n' > /tmp/lane.toml
+    for lane in 1024 0; do
+      serve_start "priority_lane$lane" --config /tmp/lane.toml --max-num-batched-tokens 2048 --urgent-lane-tokens $lane
+      TAIL=3 serve_bench "priority_lane${lane}_idle" --dataset nano --num-prompts 24 --request-rate 2 --priorities 0,1
+      for run in 70 70b; do  # twice: single runs' p99 has spread 21-27 ms (round 15)
+        TAIL=3 serve_bench "priority_lane${lane}_$run" --dataset nano --num-prompts 512 --request-rate 33.6 \
+          --priorities 0,1 --warmup 0
+      done
+      stages "priority_lane${lane}_70" "priority_lane${lane}_idle"
+      grep -h "urgent_lane_steps{" "$OUT/metrics_priority_lane${lane}_idle.txt" "$OUT/metrics_priority_lane${lane}_70b.txt"
+      serve_stop
+    done
+    summarize "$OUT"/serve_*.json
+    pack
+    ;;
   r15-a)  # next round, one H200 (about 7 minutes): the 0.6B on the FP8 cache, three runs, in the machine's first
     # process with CUDA_MODULE_LOADING=EAGER (every kernel loaded at start-up: is the first process's extra run-1
     # time in prompt steps cuBLAS kernels loaded on first use, from a cold page cache?), then in a second process as
