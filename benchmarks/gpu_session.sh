@@ -146,6 +146,28 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r16-a)  # round 16, one H200 (about 8 minutes): the warm-up whose first step fills max_num_batched_tokens. The 0.6B
+    # on the FP8 cache, three runs, in the machine's first process (the first-run gap's worst case, 3.7-4.0% in
+    # rounds 14-15), again in a second process, then on the bf16 cache; the new GPU tests while the 8B checkpoint is
+    # written; the 8B on the FP8 cache with the SM clock and power sampled and the GEMM rate sustained for 5 s (the
+    # per-step bound at the rate the power limit leaves)
+    TAIL=8 bench fp8_first --attention triton --kv-cache-dtype fp8 --runs 3 --warmup-prompts 1
+    TAIL=8 bench fp8_second --attention triton --kv-cache-dtype fp8 --runs 3 --warmup-prompts 1
+    TAIL=8 bench bf16 --attention triton --runs 3 --warmup-prompts 1
+    setsid nice -n 10 env OMP_NUM_THREADS=8 python -c \
+      "import torch; from nanovllm_core.benchmark import random_checkpoint as r; print(r('qwen3-8b', torch.bfloat16))" \
+      > /tmp/ckpt_8b.log 2>&1 < /dev/null &
+    TAIL=8 step gpu_tests 120 python -m pytest tests/gpu/test_gpu_engine.py -m gpu -q -rf -s \
+      -k "sustained or warm_up or (greedy_and_logits and triton)"
+    for _ in $(seq 1 240); do grep -q nanovllm-bench /tmp/ckpt_8b.log && break; sleep 1; done
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 100 \
+      > "$OUT/clocks_8b.csv" 2>&1 &
+    SMI=$!
+    BENCH_LIMIT=150 TAIL=8 bench 8b_fp8 --shape qwen3-8b --attention triton --kv-cache-dtype fp8 --runs 2 \
+      --warmup-prompts 1 --sustained-gemm-s 5
+    kill $SMI
+    pack
+    ;;
   r15-b)  # round 15, one H200 (about 7 minutes): the urgent lane's GPU tests; then priority (two classes, nano-vllm
     # workload, 2,048-token steps) idle and at round 8's 70% load with the lane (class 0 urgent, 1,024 lane tokens:
     # every nano-vllm prompt fits), then the same server without the lane

@@ -103,6 +103,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "that no prompt is found in the prefix cache); the last run is reported, every run is listed",
     )
     parser.add_argument(
+        "--sustained-gemm-s",
+        type=float,
+        default=0.0,
+        help="also run the GEMM rate's product back to back for this many seconds, and report the per-step bound at "
+        "the rate of the second half (a GPU held at its power limit sustains less than the short burst's rate)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="afterwards, profile 32 decode steps and print the top GPU kernels, then the same for the steps that "
@@ -148,8 +155,12 @@ def random_checkpoint(shape: str, dtype: torch.dtype) -> Path:
     return path
 
 
-def measure_device(device: torch.device) -> dict[str, float]:
-    """Copy bandwidth (bytes read + written per second) and bf16 GEMM FLOP/s of ``device``."""
+def measure_device(device: torch.device, sustained_gemm_s: float = 0.0) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and bf16 GEMM FLOP/s of ``device``.
+
+    The GEMM rate is a short burst's (10 products, a few milliseconds). With ``sustained_gemm_s``, the same product
+    also runs back to back for that many seconds, and the rate of the second half is ``gemm_flop_per_s_sustained``:
+    what the GPU keeps up once its power limit holds its clock down (an H200 at 700 W, round 14)."""
     if device.type != "cuda":
         return {}
     n = 1 << 30
@@ -178,7 +189,28 @@ def measure_device(device: torch.device) -> dict[str, float]:
     end.record()
     torch.cuda.synchronize()
     flops = 2 * m**3 * 10 / (start.elapsed_time(end) / 1e3)
-    return {"copy_bytes_per_s": bandwidth, "gemm_flop_per_s": flops}
+    rates = {"copy_bytes_per_s": bandwidth, "gemm_flop_per_s": flops}
+    if sustained_gemm_s > 0:
+        rates["gemm_flop_per_s_sustained"] = sustained_gemm_rate(a, b, sustained_gemm_s)
+    return rates
+
+
+def sustained_gemm_rate(a: torch.Tensor, b: torch.Tensor, seconds: float, per_batch: int = 20) -> float:
+    """FLOP/s of ``a @ b`` over the second half of ``seconds`` of back-to-back products (batches of ``per_batch``,
+    each timed by device events; the first half lets the clock settle)."""
+    batches: list[tuple[float, torch.cuda.Event, torch.cuda.Event]] = []
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(per_batch):
+            a @ b
+        end.record()
+        end.synchronize()  # keeps the host's clock in step with the device's
+        batches.append((time.perf_counter() - began, start, end))
+    late = [(s, e) for t, s, e in batches if t >= seconds / 2] or [(s, e) for _, s, e in batches[-1:]]
+    device_ms = sum(s.elapsed_time(e) for s, e in late)
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1] * per_batch * len(late) / (device_ms / 1e3)
 
 
 def bound_seconds(
@@ -331,7 +363,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     data_parallel = EngineConfig.load(args.config, cli_overrides=overrides).data_parallel_size
     # With data parallelism the engines run in replica processes, one GPU group each: this process measures no
     # device (that would hold memory on the first GPU, which replica 0 then lacks) and reports no bound.
-    rates = measure_device(device) if data_parallel == 1 else {}
+    rates = measure_device(device, args.sustained_gemm_s) if data_parallel == 1 else {}
     t0 = time.perf_counter()
     llm = LLM(config=args.config, cli_overrides=overrides)
     load_s = time.perf_counter() - t0
@@ -430,6 +462,12 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         result["percent_of_bound"] = 100 * bound["bound_s"] / elapsed
         result["per_step_bound_tok_per_s"] = produced / bound["per_step_bound_s"]
         result["percent_of_per_step_bound"] = 100 * bound["per_step_bound_s"] / elapsed
+        if "gemm_flop_per_s_sustained" in rates:
+            sustained = {**rates, "gemm_flop_per_s": rates["gemm_flop_per_s_sustained"]}
+            sustained_s = bound_seconds(llm.hf_config, prompts, max_tokens, sustained)["per_step_bound_s"]
+            result["per_step_bound_sustained_s"] = sustained_s
+            result["per_step_bound_sustained_tok_per_s"] = produced / sustained_s
+            result["percent_of_per_step_bound_sustained"] = 100 * sustained_s / elapsed
     print(
         f"attention={result['attention']} device={result['device']} blocks={result['num_kvcache_blocks']} "
         f"cuda_graphs={result['cuda_graphs']} async_scheduling={result['async_scheduling']} "
@@ -449,6 +487,13 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             f"achieved {result['percent_of_bound']:.1f}% of the bound; per-step bound (each decode step the longer "
             f"of its bytes and FLOPs) {result['per_step_bound_s']:.2f} s = {result['per_step_bound_tok_per_s']:,.0f} "
             f"tok/s, achieved {result['percent_of_per_step_bound']:.1f}%"
+        )
+    if "per_step_bound_sustained_s" in result:
+        print(
+            f"Sustained bf16 GEMM {rates['gemm_flop_per_s_sustained'] / 1e12:.0f} TFLOP/s "
+            f"({args.sustained_gemm_s:g} s back to back, second half); per-step bound at that rate "
+            f"{result['per_step_bound_sustained_s']:.2f} s = {result['per_step_bound_sustained_tok_per_s']:,.0f} "
+            f"tok/s, achieved {result['percent_of_per_step_bound_sustained']:.1f}%"
         )
     if "gpu_idle_s" in result:
         print(

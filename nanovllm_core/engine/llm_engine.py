@@ -37,6 +37,39 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "Prompt", "StepStats"]
 
 
+WARMUP_DECODE_PROMPT = 3  # tokens of each warm-up request that is there to decode
+WARMUP_MAX_TOKENS = 4
+
+
+def warmup_prompt_lengths(
+    budget: int, max_num_seqs: int, max_model_len: int, num_blocks: int, block_size: int
+) -> tuple[list[int], int]:
+    """The warm-up's prompts: (lengths of its prompt-sized requests, in the order they are added; how many 3-token
+    requests decode beside them).
+
+    First prompts of the longest size a step and the cache allow, and one remainder, that add up to ``budget``: a
+    first-come first-served policy admits them as the first step, the largest a step gets. Then one of each
+    smaller size (a third of the longest, 300, 33, 5 tokens), and 3-token requests up to ``max_num_seqs``. The
+    prompts filling the budget stop early where the cache would have less than a quarter of its blocks free."""
+
+    def blocks(n: int) -> int:
+        return -(-(n + WARMUP_MAX_TOKENS) // block_size)
+
+    longest = min(max_model_len - WARMUP_MAX_TOKENS, num_blocks * block_size // 4, budget)
+    smaller = sorted({max(1, min(n, longest)) for n in (longest // 3, 300, 33, 5)} - {longest}, reverse=True)
+    room = num_blocks - num_blocks // 4 - sum(blocks(n) for n in smaller) - blocks(longest)
+    lengths = [longest]
+    while sum(lengths) < budget and len(lengths) + len(smaller) < max_num_seqs:
+        n = min(longest, budget - sum(lengths))
+        if blocks(n) > room:
+            break
+        lengths.append(n)
+        room -= blocks(n)
+    lengths += smaller
+    num_decode = max(1, min(max_num_seqs - len(lengths), room // blocks(WARMUP_DECODE_PROMPT)))
+    return lengths, num_decode
+
+
 @dataclass
 class StepStats:
     """Token counts and time of the last step, for progress bars and benchmarks."""
@@ -257,20 +290,28 @@ class LLMEngine(EngineCore):
     def _warm_up(self) -> float:
         """Throw-away requests through every path a real step takes (prompt chunks of several sizes next to decode
         tokens, greedy and temperature sampling, async placeholders), so that Triton kernels and torch.compile
-        shapes are compiled before the first real request; the engine's counters are reset afterwards."""
+        shapes are compiled before the first real request; the engine's counters are reset afterwards.
+
+        The requests admitted first fill a whole step's token budget (``max_num_batched_tokens``), as the first
+        ``generate`` of a large batch does: the step's activations then reach their largest size here, and the
+        allocators' growth for them (device segments, pinned host blocks) is part of start-up, not of that
+        ``generate``."""
         mode = self.config.warmup
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return 0.0
         start = time.perf_counter()
-        cfg, bm = self.config, self.block_manager
-        budget = cfg.max_num_batched_tokens
-        longest = min(cfg.max_model_len - 4, bm.num_blocks * bm.block_size // 4, budget)
-        lengths = sorted({max(1, min(n, longest)) for n in (longest, longest // 3, 300, 33, 5)}, reverse=True)
-        num_decode = max(1, min(cfg.max_num_seqs, bm.num_blocks // 4) - len(lengths))
+        lengths, num_decode = warmup_prompt_lengths(
+            self.config.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            self.config.max_model_len,
+            self.block_manager.num_blocks,
+            self.block_manager.block_size,
+        )
         vocab = self.hf_config.vocab_size
         ids = []
-        for i, n in enumerate(lengths + [3] * num_decode):
-            params = SamplingParams(temperature=0.6 if i % 2 else 0.0, max_tokens=4, ignore_eos=True, seed=i)
+        for i, n in enumerate(lengths + [WARMUP_DECODE_PROMPT] * num_decode):
+            temperature = 0.6 if i % 2 else 0.0
+            params = SamplingParams(temperature=temperature, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True, seed=i)
             ids.append(self.add_request([(7 * i + j) % vocab for j in range(n)], params, request_id=f"warmup-{i}"))
         while self.has_unfinished_requests():
             self.step()

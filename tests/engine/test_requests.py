@@ -194,6 +194,28 @@ def test_startup_warmup_leaves_no_trace(qwen3_path, expected):
     assert [o.outputs[0].token_ids for o in warm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
 
+def test_warmup_first_step_fills_the_token_budget(qwen3_path, monkeypatch):
+    """The warm-up's first step holds max_num_batched_tokens prompt tokens, as a large batch's first generate
+    does: the activations' largest size is allocated at start-up, not in that generate (issue 14's cold first run).
+    Its steps then decode a full batch, and the warm-up leaves no trace."""
+    from nanovllm_core.engine.core import EngineCore
+
+    steps: list[tuple[int, int]] = []
+    check = EngineCore._check_step
+
+    def recorded(self, batch):
+        steps.append((len(batch), batch.total_new_tokens))
+        return check(self, batch)
+
+    monkeypatch.setattr(EngineCore, "_check_step", recorded)
+    warm = LLM(str(qwen3_path), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=80,
+               max_num_batched_tokens=200, max_num_seqs=24, warmup="on")  # fmt: skip
+    assert steps[0][1] == 200  # before, the prompts of the warm-up's first step added up to 193 tokens
+    assert max(n for n, _ in steps) == 24  # a step of max_num_seqs sequences
+    stats = warm.stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_prompt_tokens == 0
+
+
 def test_start_up_ends_with_a_full_garbage_collection(qwen3_path, caplog):
     """So that the first generate does not pay for the collection start-up made due (the log says how long)."""
     import gc

@@ -233,3 +233,24 @@ def test_steps_with_prompt_tokens_replay_graphs_like_eager(bf16_path, scheduler)
     assert all(g[:4] == w[:4] for g, w in zip(got, want)), (got, want)
     assert sum(agree) / len(agree) >= 0.9
     assert error < 1e-2
+
+
+def test_sustained_gemm_rate_is_measured_over_the_second_half():
+    """``nanovllm bench --sustained-gemm-s``: a positive rate, at most a little over the short burst's (the clock
+    can only fall once the power limit holds it), from products timed on the device."""
+    from nanovllm_core.benchmark import measure_device
+
+    rates = measure_device(torch.device("cuda"), sustained_gemm_s=1.0)
+    burst, sustained = rates["gemm_flop_per_s"], rates["gemm_flop_per_s_sustained"]
+    print(f"bf16 GEMM: burst {burst / 1e12:.0f} TFLOP/s, sustained (1 s) {sustained / 1e12:.0f} TFLOP/s")
+    assert 0.3 * burst < sustained < 1.1 * burst
+
+
+def test_warm_up_grows_the_allocator_to_a_full_step(bf16_path):
+    """After start-up, a generate whose first step fills max_num_batched_tokens creates no new device segment:
+    the warm-up's first step had that size already (issue 14's cold first run)."""
+    llm = LLM(str(bf16_path), max_model_len=1024, max_num_batched_tokens=4096, max_num_seqs=64, warmup="on")
+    before = torch.cuda.memory_stats()["segment.all.allocated"]
+    prompts = [[(7 * i + j) % 300 + 1 for j in range(500 + i)] for i in range(16)]  # 8,120 tokens: two full steps
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert torch.cuda.memory_stats()["segment.all.allocated"] == before
