@@ -146,6 +146,16 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r16-b)  # round 16, one H200 (about 3 minutes): the first run again in a fresh machine's first process (r16-a: 2.7%
+    # below run 2), now with the Triton kernels and torch.compile frames each run compiles and the SM clock sampled
+    # every 50 ms, then a second process
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,utilization.gpu --format=csv -lms 50 > "$OUT/clocks_first.csv" &
+    SMI=$!
+    TAIL=8 bench fp8_first --attention triton --kv-cache-dtype fp8 --runs 3 --warmup-prompts 1
+    kill $SMI
+    TAIL=8 bench fp8_second --attention triton --kv-cache-dtype fp8 --runs 3 --warmup-prompts 1
+    pack
+    ;;
   r16-a)  # round 16, one H200 (about 8 minutes): the warm-up whose first step fills max_num_batched_tokens. The 0.6B
     # on the FP8 cache, three runs, in the machine's first process (the first-run gap's worst case, 3.7-4.0% in
     # rounds 14-15), again in a second process, then on the bf16 cache; the new GPU tests while the 8B checkpoint is

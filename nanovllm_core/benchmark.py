@@ -330,6 +330,43 @@ def allocator_counts() -> dict[str, float]:
     }
 
 
+_triton_compiles = 0
+
+
+def count_triton_compiles() -> bool:
+    """Count, from now on in this process, every Triton kernel variant compiled or loaded from Triton's disk cache
+    (a miss of a ``@triton.jit`` kernel's in-memory cache: Triton's ``jit_cache_hook``). False where this Triton
+    has no such hook."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    if not hasattr(knobs.runtime, "jit_cache_hook"):
+        return False
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        global _triton_compiles
+        _triton_compiles += 1
+        return previous(*args, **kwargs) if previous is not None else None  # (a true return skips the compile)
+
+    knobs.runtime.jit_cache_hook = hook
+    return True
+
+
+def compile_counts() -> dict[str, float]:
+    """Running totals of kernel compilation: Triton kernel variants (after :func:`count_triton_compiles`) and the
+    frames ``torch.compile`` compiled. A run that compiles pays for it inside its steps."""
+    counts = {"triton_kernels": float(_triton_compiles)}
+    try:
+        from torch._dynamo.utils import counters
+
+        counts["compiled_frames"] = float(counters["frames"]["ok"])
+    except ImportError:
+        pass
+    return counts
+
+
 def format_run_timing(timing: dict[str, Any]) -> str:
     slowest = ", ".join(f"{s['ms']:.2f} ms ({s['seqs']} seqs)" for s in timing["slowest_decode_steps"])
     grown = timing.get("allocator_growth")
@@ -339,6 +376,11 @@ def format_run_timing(timing: dict[str, Any]) -> str:
         if grown
         else ""
     )
+    compiled = timing.get("compiles")
+    if compiled:
+        growth += f"; compiled {compiled['triton_kernels']:.0f} Triton kernels"
+        if "compiled_frames" in compiled:
+            growth += f" and {compiled['compiled_frames']:.0f} torch.compile frames"
     return (
         f"GPU busy {timing['gpu_busy_s']:.3f} s (prompt steps {timing['prompt_steps_s']:.3f}, decode steps "
         f"{timing['decode_steps_s']:.3f}), idle {timing['gpu_idle_s']:.3f} s, host input preparation "
@@ -364,6 +406,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     # With data parallelism the engines run in replica processes, one GPU group each: this process measures no
     # device (that would hold memory on the first GPU, which replica 0 then lacks) and reports no bound.
     rates = measure_device(device, args.sustained_gemm_s) if data_parallel == 1 else {}
+    count_triton_compiles()
     t0 = time.perf_counter()
     llm = LLM(config=args.config, cli_overrides=overrides)
     load_s = time.perf_counter() - t0
@@ -388,6 +431,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
                 torch.cuda.synchronize()
         # (not under data parallelism: this process holds no GPU, and querying the allocators would create a context)
         counts_before = allocator_counts() if data_parallel == 1 and device.type == "cuda" else None
+        compiles_before = compile_counts()
         with GCPauses() as pauses:  # this process's garbage collections during the run (a full one can take
             start = time.perf_counter()  # a noticeable part of a run: see nanovllm_core.gc_heap)
             outputs = llm.generate(run_prompts, params, use_tqdm=False)
@@ -400,6 +444,8 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             if counts_before is not None:
                 counts_after = allocator_counts()
                 run_timing[-1]["allocator_growth"] = {k: counts_after[k] - counts_before[k] for k in counts_after}
+            compiles_after = compile_counts()
+            run_timing[-1]["compiles"] = {k: compiles_after[k] - compiles_before.get(k, 0.0) for k in compiles_after}
         if args.runs > 1:
             print(f"run {run + 1}: {produced} tok in {elapsed:.2f} s = {produced / elapsed:,.0f} tok/s; "
                   f"garbage collection: {pauses.summary()}")  # fmt: skip

@@ -104,3 +104,22 @@ def test_run_step_timing_splits_prompt_and_decode_steps_and_names_the_slowest():
         "pinned_allocs": 3.0, "pinned_alloc_ms": 1.25, "device_segments": 2.0, "device_alloc_retries": 0.0,
     }
     assert "grew by 3 pinned blocks (1.2 ms), 2 device segments, 0 retries" in format_run_timing(timing)
+    timing["compiles"] = {"triton_kernels": 2.0, "compiled_frames": 0.0}
+    assert "; compiled 2 Triton kernels and 0 torch.compile frames" in format_run_timing(timing)
+
+
+def test_triton_compiles_are_counted_through_tritons_cache_hook(monkeypatch):
+    """``bench`` counts each Triton kernel variant a run compiles (or loads from disk) with Triton's
+    ``jit_cache_hook``, keeping a hook that was there before and its answer."""
+    knobs = pytest.importorskip("triton").knobs
+    if not hasattr(knobs.runtime, "jit_cache_hook"):
+        pytest.skip("this Triton has no jit_cache_hook")
+    from nanovllm_core import benchmark
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *a, **k: seen.append(k) or False)
+    before = benchmark.compile_counts()["triton_kernels"]
+    assert benchmark.count_triton_compiles()
+    assert knobs.runtime.jit_cache_hook(key="k", repr="kernel", fn=None) is False  # as Triton calls it on a miss
+    assert benchmark.compile_counts()["triton_kernels"] == before + 1 and seen == [{"key": "k", "repr": "kernel",
+                                                                                   "fn": None}]
