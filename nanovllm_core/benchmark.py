@@ -433,6 +433,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         counts_before = allocator_counts() if data_parallel == 1 and device.type == "cuda" else None
         compiles_before = compile_counts()
         with GCPauses() as pauses:  # this process's garbage collections during the run (a full one can take
+            started = time.time()  # (wall clock: to line up with samples of the GPU's clock)
             start = time.perf_counter()  # a noticeable part of a run: see nanovllm_core.gc_heap)
             outputs = llm.generate(run_prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
@@ -441,6 +442,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         run_tok_per_s.append(produced / elapsed)
         if data_parallel == 1 and device.type == "cuda":
             run_timing.append(run_step_timing(llm.runner.timing_summary(), llm.runner.step_records()))
+            run_timing[-1].update(started=started, seconds=elapsed)
             if counts_before is not None:
                 counts_after = allocator_counts()
                 run_timing[-1]["allocator_growth"] = {k: counts_after[k] - counts_before[k] for k in counts_after}
