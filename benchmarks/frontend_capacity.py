@@ -65,7 +65,7 @@ async def serve_and_measure(args: argparse.Namespace, model: str) -> dict[str, A
     client += ["-m", "nanovllm_core.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]
     client += ["--dataset", "nano", "--num-prompts", str(args.num_prompts), "--request-rate", "inf"]
     client += ["--max-input-len", str(args.max_len), "--max-output-len", str(args.max_len), "--warmup", "0"]
-    client += ["--result-file", str(result_file)]
+    client += ["--result-file", str(result_file), "--client-processes", str(args.client_processes)]
     freeze_startup_heap()  # as `nanovllm serve` does once it is up
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
     client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -100,6 +100,9 @@ async def serve_and_measure(args: argparse.Namespace, model: str) -> dict[str, A
         "median_ttft_ms": summary["median_ttft_ms"],
         "p99_ttft_ms": summary["p99_ttft_ms"],
         "p99_itl_ms": summary["p99_itl_ms"],
+        "client_processes": args.client_processes,
+        "mean_client_loop_lag_ms": summary.get("mean_client_loop_lag_ms", 0.0),
+        "p99_client_loop_lag_ms": summary.get("p99_client_loop_lag_ms", 0.0),
     }
 
 
@@ -120,6 +123,7 @@ def main() -> None:
     parser.add_argument("--reader-thread", action="store_true", help="read the engine's pipe in a thread (as before)")
     parser.add_argument("--profile", help="write a cProfile of the front-end here")
     parser.add_argument("--client-profile", help="write a cProfile of the client (nanovllm bench serve) here")
+    parser.add_argument("--client-processes", type=int, default=1, help="bench serve's --client-processes")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     args.uvicorn = {"http": args.http}  # the loop is this process's own (uvicorn serves inside it)
@@ -152,7 +156,9 @@ def main() -> None:
         f"server, engine alone {result['engine_alone_tok_per_s']:,.0f} tok/s over {result['steps']} steps "
         f"({100 * result['tok_per_s'] / max(result['engine_alone_tok_per_s'], 1):.0f}%); front-end CPU "
         f"{result['frontend_cpu_us_per_token']:.1f} us/token, client (bench serve) CPU "
-        f"{result['client_cpu_us_per_token']:.1f} us/token; engine handing outputs over "
+        f"{result['client_cpu_us_per_token']:.1f} us/token ({args.client_processes} process(es), event loop lag "
+        f"mean {result['mean_client_loop_lag_ms']:.2f} ms, p99 {result['p99_client_loop_lag_ms']:.2f} ms); "
+        f"engine handing outputs over "
         f"{result['emit_ms_per_step']:.2f} ms/step; TTFT p50 {result['median_ttft_ms']:.0f} ms, p99 "
         f"{result['p99_ttft_ms']:.0f} ms; TPOT p50 {result['median_tpot_ms']:.1f} ms, ITL p99 "
         f"{result['p99_itl_ms']:.1f} ms; front-end garbage collection: {result['frontend_gc']}"

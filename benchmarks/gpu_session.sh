@@ -146,6 +146,34 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r16-c)  # round 16, one H200 (about 7 minutes): is part of priority's class-0 tail at 70% load the load generator's?
+    # One `bench serve` process reads every stream (about 19,000 chunks/s at 70% load, 35-40 us of client CPU a
+    # token on the CPU box); the runs now report the client event loops' lag. r15-b's lane server (class 0 urgent,
+    # 1,024 lane tokens, 2,048-token steps) idle and twice at 70% from one client process, then from four; then the
+    # server without the lane from four
+    printf '[plugins]\nscheduler = "priority"\n[plugins.scheduler_options]\nurgent_priority = 0\n' > /tmp/lane.toml
+    nano70=(--dataset nano --num-prompts 512 --request-rate 33.6 --priorities 0,1 --warmup 0)
+    idle=(--dataset nano --num-prompts 24 --request-rate 2 --priorities 0,1)
+    for lane in 1024 0; do
+      serve_start "lane$lane" --config /tmp/lane.toml --max-num-batched-tokens 2048 --urgent-lane-tokens $lane
+      if [ "$lane" = 1024 ]; then
+        TAIL=4 serve_bench "lane${lane}_idle_c1" "${idle[@]}"
+        for run in a b; do TAIL=4 serve_bench "lane${lane}_70_c1$run" "${nano70[@]}"; done
+      fi
+      TAIL=4 serve_bench "lane${lane}_idle_c4" "${idle[@]}" --client-processes 4
+      for run in a b; do TAIL=4 serve_bench "lane${lane}_70_c4$run" "${nano70[@]}" --client-processes 4; done
+      serve_stop
+    done
+    summarize "$OUT"/serve_*.json
+    python - "$OUT"/serve_*.json <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    d = json.load(open(path))
+    print(f"{path.rsplit('/', 1)[-1]}: client loop lag mean {d.get('mean_client_loop_lag_ms', 0):.2f} p99 "
+          f"{d.get('p99_client_loop_lag_ms', 0):.2f} max {d.get('max_client_loop_lag_ms', 0):.2f} ms")
+PY
+    pack
+    ;;
   r16-b)  # round 16, one H200 (about 3 minutes): the first run again in a fresh machine's first process (r16-a: 2.7%
     # below run 2), now with the Triton kernels and torch.compile frames each run compiles and the SM clock sampled
     # every 50 ms, then a second process

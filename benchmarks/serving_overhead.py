@@ -32,7 +32,7 @@ import torch
 from nanovllm_core import LLM, SamplingParams
 from nanovllm_core.benchmark import random_checkpoint, workload
 from nanovllm_core.serving.async_llm import AsyncLLM
-from nanovllm_core.serving.bench import BenchRequest, run_once
+from nanovllm_core.serving.bench import BenchRequest, run_workload
 from nanovllm_core.serving.protocol import CompletionChoice, CompletionResponse
 
 TEMPERATURE = 0.6
@@ -108,9 +108,9 @@ def through_http(
         requests = [BenchRequest(p, m) for p, m in zip(prompts, max_tokens)]
         url = f"http://127.0.0.1:{port}"
         warm = [BenchRequest([(t + 1) % 10001 for t in r.prompt], 8) for r in requests[:16]]
-        asyncio.run(run_once(url, None, warm, float("inf"), None, 0, TEMPERATURE, None))
+        run_workload(url, None, warm, float("inf"), None, 0, TEMPERATURE, None)
         before = scrape(url)
-        summary = asyncio.run(run_once(url, None, requests, float("inf"), None, 0, TEMPERATURE, None))
+        summary = run_workload(url, None, requests, float("inf"), None, 0, TEMPERATURE, None)
         after = scrape(url)
     finally:
         server.terminate()

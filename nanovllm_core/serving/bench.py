@@ -25,10 +25,13 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import random
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,7 +262,137 @@ async def send(url: str, body: dict[str, Any], headers: dict[str, str]) -> Reque
     return result
 
 
-async def run_once(
+def request_body(req: BenchRequest, model: str | None, temperature: float) -> dict[str, Any]:
+    return {
+        **({"model": model} if model else {}),
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **({"priority": req.priority} if req.priority is not None else {}),
+    }
+
+
+async def warm_up(
+    url: str, headers: dict[str, str], requests: list[BenchRequest], count: int, model: str | None, temperature: float
+) -> None:
+    """The first ``count`` prompts with every token id shifted by one (no prefix-cache hit on the timed run; ids
+    stay below the workload's largest), 8 tokens each."""
+    bound = max(max(r.prompt) for r in requests) + 1
+    shifted = [BenchRequest([(t + 1) % bound for t in r.prompt], 8) for r in requests[:count]]
+    warm = await asyncio.gather(*(send(url, request_body(r, model, temperature), headers) for r in shifted))
+    if not all(r.ok for r in warm):
+        raise ConfigError(f"warm-up request failed: {next(r.error for r in warm if not r.ok)}")
+
+
+LAG_INTERVAL = 0.01  # seconds between the client's event-loop lag samples
+
+
+async def watch_loop_lag(samples: list[float], interval: float = LAG_INTERVAL) -> None:
+    """Until cancelled, how late this event loop runs a timer due every ``interval`` seconds (appended to
+    ``samples``). A busy client reads every stream late, and that lateness counts in the TTFT and ITL it
+    reports as if the server had taken it."""
+    while True:  # (time.monotonic, not loop.time: uvloop's clock counts whole milliseconds)
+        due = time.monotonic() + interval
+        await asyncio.sleep(interval)
+        samples.append(max(0.0, time.monotonic() - due))
+
+
+@dataclass
+class ClientShare:
+    """What one client process measured: its requests' results, its first arrival and last completion
+    (``time.monotonic()``, one clock for every process of the machine), and its event loop's lag samples."""
+
+    results: list[RequestResult]
+    start: float
+    end: float
+    loop_lags: list[float]
+
+
+async def send_share(
+    url: str,
+    headers: dict[str, str],
+    bodies: list[dict[str, Any]],
+    request_rate: float,
+    max_concurrency: int | None,
+    seed: int,
+    start_at: float | None = None,
+) -> ClientShare:
+    """Send ``bodies`` in order, Poisson arrivals at ``request_rate`` (the first at once, or at ``start_at``)."""
+    lags: list[float] = []
+    watcher = asyncio.ensure_future(watch_loop_lag(lags))
+    if start_at is not None:
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    rng = random.Random(seed)
+
+    async def one(body: dict[str, Any]) -> RequestResult:
+        if gate is None:
+            return await send(url, body, headers)
+        async with gate:
+            return await send(url, body, headers)
+
+    tasks = []
+    start = time.monotonic()
+    for i, body in enumerate(bodies):
+        if i and math.isfinite(request_rate):
+            await asyncio.sleep(rng.expovariate(request_rate))
+        tasks.append(asyncio.ensure_future(one(body)))
+    results = list(await asyncio.gather(*tasks))
+    end = time.monotonic()
+    watcher.cancel()
+    return ClientShare(results, start, end, lags)
+
+
+def combined_summary(shares: list[ClientShare], order: list[list[int]]) -> dict[str, Any]:
+    """vLLM's metrics over every share's results (request ``order[k][j]`` is share ``k``'s ``j``-th), and the
+    client event loops' lag: mean, p99 and largest, in ms."""
+    results: list[RequestResult | None] = [None] * sum(len(o) for o in order)
+    for share, indices in zip(shares, order):
+        for index, result in zip(indices, share.results):
+            results[index] = result
+    duration = max(s.end for s in shares) - min(s.start for s in shares)
+    summary = summarize([r for r in results if r is not None], duration)
+    lags = [1000 * lag for s in shares for lag in s.loop_lags]
+    summary["client_processes"] = len(shares)
+    summary["mean_client_loop_lag_ms"] = statistics.fmean(lags) if lags else 0.0
+    summary["p99_client_loop_lag_ms"] = percentile(lags, 99)
+    summary["max_client_loop_lag_ms"] = max(lags, default=0.0)
+    return summary
+
+
+def event_loop_runner() -> Callable[[Any], Any]:
+    """``uvloop.run`` where uvloop is installed (less client CPU per chunk, as the server), else ``asyncio.run``."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
+
+
+def _client_process(connection: Any, job: tuple) -> None:
+    """A client process: say it is ready, wait for the common start time, send its share, return what it
+    measured (or the exception that ended it)."""
+    try:
+        connection.send("ready")
+        start_at = connection.recv()
+        connection.send(event_loop_runner()(send_share(*job, start_at=start_at)))
+    except BaseException as exc:  # noqa: BLE001 - handed to the parent, which raises it
+        connection.send(exc)
+    finally:
+        connection.close()
+
+
+def _process_context() -> Any:
+    """fork where it is safe (Linux, a process with one thread: ``nanovllm bench serve``'s own), else spawn."""
+    if sys.platform.startswith("linux") and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
+def run_workload(
     base_url: str,
     model: str | None,
     requests: list[BenchRequest],
@@ -269,48 +402,68 @@ async def run_once(
     temperature: float,
     api_key: str | None,
     warmup: int = 0,
+    processes: int = 1,
 ) -> dict[str, Any]:
+    """The warm-up (``warmup`` requests), then the workload, and its summary.
+
+    With ``processes`` above 1, from that many client processes, each an event loop of its own: request ``i`` goes
+    to process ``i % processes``, whose arrivals are Poisson at ``request_rate / processes`` (together, Poisson at
+    ``request_rate``), and each process may have its share of ``max_concurrency`` in flight. All start at one
+    moment."""
+    if max_concurrency is not None and max_concurrency < processes:
+        raise ConfigError(
+            f"--max-concurrency {max_concurrency} with --client-processes {processes}: each process needs at "
+            "least one request in flight (use at most as many processes as --max-concurrency)"
+        )
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    def body(req: BenchRequest) -> dict[str, Any]:
-        return {
-            **({"model": model} if model else {}),
-            "prompt": req.prompt,
-            "max_tokens": req.max_tokens,
-            "temperature": temperature,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **({"priority": req.priority} if req.priority is not None else {}),
-        }
-
     if warmup:
-        # the first prompts with every token id shifted by one (no prefix-cache hit on the timed run; ids stay
-        # below the workload's largest), 8 tokens each
-        bound = max(max(r.prompt) for r in requests) + 1
-        shifted = [BenchRequest([(t + 1) % bound for t in r.prompt], 8) for r in requests[:warmup]]
-        warm = await asyncio.gather(*(send(url, body(r), headers) for r in shifted))
-        if not all(r.ok for r in warm):
-            raise ConfigError(f"warm-up request failed: {next(r.error for r in warm if not r.ok)}")
-    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    rng = random.Random(seed)
-
-    async def one(req: BenchRequest) -> RequestResult:
-        if gate is None:
-            return await send(url, body(req), headers)
-        async with gate:
-            return await send(url, body(req), headers)
-
-    tasks = []
-    start = time.perf_counter()
-    for i, req in enumerate(requests):
-        if i and math.isfinite(request_rate):
-            await asyncio.sleep(rng.expovariate(request_rate))
-        tasks.append(asyncio.ensure_future(one(req)))
-    results = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - start
-    summary = summarize(results, duration)
+        event_loop_runner()(warm_up(url, headers, requests, warmup, model, temperature))
+    if processes == 1:
+        bodies = [request_body(r, model, temperature) for r in requests]
+        share = event_loop_runner()(send_share(url, headers, bodies, request_rate, max_concurrency, seed))
+        summary = combined_summary([share], [list(range(len(requests)))])
+        summary.update(request_rate=request_rate, max_concurrency=max_concurrency, num_prompts=len(requests))
+        return summary
+    order = [list(range(k, len(requests), processes)) for k in range(processes)]
+    order = [indices for indices in order if indices]
+    jobs = []
+    for k, indices in enumerate(order):
+        limit = None
+        if max_concurrency is not None:
+            limit = max_concurrency // processes + (1 if k < max_concurrency % processes else 0)
+        bodies = [request_body(requests[i], model, temperature) for i in indices]
+        jobs.append((url, headers, bodies, request_rate / processes, limit, seed + k))
+    context = _process_context()
+    children = []
+    for job in jobs:
+        parent_end, child_end = context.Pipe()
+        child = context.Process(target=_client_process, args=(child_end, job), daemon=True)
+        child.start()
+        child_end.close()
+        children.append((child, parent_end))
+    try:
+        for child, connection in children:
+            if connection.recv() != "ready":
+                raise RuntimeError(f"client process {child.pid} did not start")
+        start_at = time.monotonic() + 0.05  # every process is ready: one start for all
+        for _, connection in children:
+            connection.send(start_at)
+        shares = []
+        for _, connection in children:
+            share = connection.recv()
+            if isinstance(share, BaseException):
+                raise share
+            shares.append(share)
+    except EOFError:
+        raise RuntimeError("a client process of bench serve ended without its results") from None
+    finally:
+        for child, connection in children:
+            connection.close()
+            child.join(timeout=5)
+            if child.is_alive():
+                child.kill()
+    summary = combined_summary(shares, order)
     summary.update(request_rate=request_rate, max_concurrency=max_concurrency, num_prompts=len(requests))
     return summary
 
@@ -338,6 +491,15 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic lengths and the arrivals")
     parser.add_argument("--warmup", type=int, default=32, help="warm-up requests before timing (0: none)")
     parser.add_argument("--result-file", help="write the results as JSON here")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="send the requests from this many processes, each an event loop of its own (request i from process "
+        "i mod N, arrivals still Poisson at the request rate in all): one Python client reading a few hundred "
+        "streams can be busy enough to add its own delay to the TTFT and ITL it reports (the summary gives its "
+        "event loops' lag)",
+    )
     parser.add_argument(
         "--priorities",
         help="comma-separated priority classes given to the requests in turn (e.g. 0,1: every other request is "
@@ -379,27 +541,21 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         for i, req in enumerate(requests):
             req.priority = classes[i % len(classes)]
     rates = parse_rates(args.rates) if args.rates else parse_rates(str(args.request_rate))
+    if args.client_processes < 1:
+        raise ConfigError(f"--client-processes {args.client_processes}: at least 1")
     runs = []
-    run = asyncio.run
-    try:  # as the server does: uvloop when installed (less client CPU per chunk)
-        import uvloop
-
-        run = uvloop.run
-    except ImportError:
-        pass
     for i, rate in enumerate(rates):
-        summary = run(
-            run_once(
-                args.base_url,
-                args.served_model,
-                requests,
-                rate,
-                args.max_concurrency,
-                args.seed,
-                args.temperature,
-                args.api_key,
-                warmup=min(args.warmup, len(requests)) if i == 0 else 0,
-            )
+        summary = run_workload(
+            args.base_url,
+            args.served_model,
+            requests,
+            rate,
+            args.max_concurrency,
+            args.seed,
+            args.temperature,
+            args.api_key,
+            warmup=min(args.warmup, len(requests)) if i == 0 else 0,
+            processes=args.client_processes,
         )
         summary["dataset"] = args.dataset
         runs.append(summary)
@@ -421,6 +577,12 @@ def print_summary(s: dict[str, Any]) -> None:
         lines.append(
             f"{name.upper():>5} ms: mean {s[f'mean_{name}_ms']:9.2f}  p50 {s[f'median_{name}_ms']:9.2f}  "
             f"p90 {s[f'p90_{name}_ms']:9.2f}  p99 {s[f'p99_{name}_ms']:9.2f}"
+        )
+    if "client_processes" in s:
+        lines.append(
+            f"client event loop lag ms ({s['client_processes']} process{'es' if s['client_processes'] > 1 else ''}): "
+            f"mean {s['mean_client_loop_lag_ms']:.2f}  p99 {s['p99_client_loop_lag_ms']:.2f}  "
+            f"max {s['max_client_loop_lag_ms']:.2f}"
         )
     for priority, c in s.get("by_priority", {}).items():
         lines.append(

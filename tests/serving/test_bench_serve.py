@@ -115,3 +115,64 @@ def test_percentile_and_bad_rates(capsys):
     assert main(["bench", "serve", "--rates", "2,fast"]) == 2
     assert "--rates" in capsys.readouterr().err
     assert main(["bench", "serve", "--num-prompts", "0"]) == 2
+
+
+def test_client_processes_share_the_workload_and_report_their_loop_lag(bench_server, tmp_path, capsys):
+    """--client-processes 2: request i from process i mod 2 (here the classes split that way too), every request
+    once, the results in the workload's order, and the client event loops' lag beside the metrics."""
+    result_file = tmp_path / "split.json"
+    argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset", "random", "--num-prompts", "7"]
+    argv += ["--random-input-len", "40", "--random-output-len", "5", "--warmup", "1", "--priorities", "0,1"]
+    argv += ["--request-rate", "40", "--client-processes", "2"]
+    assert main([*argv, "--result-file", str(result_file)]) == 0
+    result = json.loads(result_file.read_text())
+    assert result["completed"] == 7 and result["failed"] == 0 and result["client_processes"] == 2
+    assert [result["by_priority"][p]["completed"] for p in ("0", "1")] == [4, 3]
+    assert result["total_input_tokens"] == 7 * 40 and result["total_output_tokens"] == 7 * 5
+    assert 0 <= result["mean_client_loop_lag_ms"] <= result["max_client_loop_lag_ms"]
+    assert "client event loop lag ms (2 processes)" in capsys.readouterr().out
+    stats = bench_server.wait_idle()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_client_processes_bad_input(bench_server, capsys):
+    argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset", "sharegpt-synth", "--num-prompts", "2"]
+    assert main([*argv, "--client-processes", "0"]) == 2
+    assert "--client-processes 0: at least 1" in capsys.readouterr().err
+    assert main([*argv, "--warmup", "0", "--client-processes", "3", "--max-concurrency", "2"]) == 2
+    assert "each process needs at least one request in flight" in capsys.readouterr().err
+
+
+def test_combined_summary_puts_each_share_back_in_order():
+    from nanovllm_core.serving.bench import ClientShare, RequestResult, combined_summary
+
+    def result(priority: int, tokens: int) -> RequestResult:
+        return RequestResult(ok=True, prompt_tokens=1, output_tokens=tokens, ttft=0.01 * tokens, latency=1.0,
+                             priority=priority)  # fmt: skip
+
+    first = ClientShare([result(0, 1), result(0, 3)], start=10.0, end=12.0, loop_lags=[0.001, 0.003])
+    second = ClientShare([result(1, 2)], start=10.5, end=13.0, loop_lags=[0.002])
+    summary = combined_summary([first, second], [[0, 2], [1]])
+    assert summary["duration"] == pytest.approx(3.0) and summary["completed"] == 3
+    assert summary["by_priority"]["1"]["mean_ttft_ms"] == pytest.approx(20.0)
+    assert summary["mean_client_loop_lag_ms"] == pytest.approx(2.0)
+    assert summary["max_client_loop_lag_ms"] == pytest.approx(3.0)
+
+
+def test_loop_lag_watcher_sees_a_blocked_event_loop():
+    import asyncio
+    import time
+
+    from nanovllm_core.serving.bench import watch_loop_lag
+
+    async def block() -> list[float]:
+        samples: list[float] = []
+        watcher = asyncio.ensure_future(watch_loop_lag(samples, interval=0.005))
+        await asyncio.sleep(0.02)
+        time.sleep(0.08)  # a callback that holds the loop, as a busy client's reads do
+        await asyncio.sleep(0.02)
+        watcher.cancel()
+        return samples
+
+    samples = asyncio.run(block())
+    assert max(samples) >= 0.07 and min(samples) < 0.07
