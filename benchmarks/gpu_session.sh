@@ -146,6 +146,19 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r16-d)  # round 16, one H200 (about 4 minutes): r16-c's lane server again, its idle baseline from 120 requests
+    # at 2 req/s (60 of class 0: r16-c's 12 a run put p99 at the largest of a dozen), then a third 70% run from four
+    # client processes
+    printf '[plugins]\nscheduler = "priority"\n[plugins.scheduler_options]\nurgent_priority = 0\n' > /tmp/lane.toml
+    serve_start lane1024 --config /tmp/lane.toml --max-num-batched-tokens 2048 --urgent-lane-tokens 1024
+    TAIL=4 serve_bench lane1024_idle120_c4 --dataset nano --num-prompts 120 --request-rate 2 --priorities 0,1 \
+      --client-processes 4
+    TAIL=4 serve_bench lane1024_70_c4c --dataset nano --num-prompts 512 --request-rate 33.6 --priorities 0,1 \
+      --warmup 0 --client-processes 4
+    serve_stop
+    summarize "$OUT"/serve_*.json
+    pack
+    ;;
   r16-c)  # round 16, one H200 (about 7 minutes): is part of priority's class-0 tail at 70% load the load generator's?
     # One `bench serve` process reads every stream (about 19,000 chunks/s at 70% load, 35-40 us of client CPU a
     # token on the CPU box); the runs now report the client event loops' lag. r15-b's lane server (class 0 urgent,
