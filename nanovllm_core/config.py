@@ -121,8 +121,9 @@ class EngineConfig(BaseModel):
     )
     warmup: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Run a few throw-away requests at start-up (prompt chunks of several sizes, decode, greedy "
-        "and temperature sampling) so that every kernel compiles before the first real request. `auto`: on CUDA.",
+        description="Run a few throw-away requests at start-up (a first step of max_num_batched_tokens prompt tokens, "
+        "prompt chunks of several sizes, decode, greedy and temperature sampling) so that every kernel compiles and "
+        "the largest activations are allocated before the first real request. `auto`: on CUDA.",
     )
     tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs (or CPU processes) to shard the model over.")
     data_parallel_size: int = Field(
