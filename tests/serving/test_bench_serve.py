@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 
 import pytest
 from serving_helpers import start_server
@@ -131,8 +132,21 @@ def test_client_processes_share_the_workload_and_report_their_loop_lag(bench_ser
     assert result["total_input_tokens"] == 7 * 40 and result["total_output_tokens"] == 7 * 5
     assert 0 <= result["mean_client_loop_lag_ms"] <= result["max_client_loop_lag_ms"]
     assert "client event loop lag ms (2 processes)" in capsys.readouterr().out
+    assert not multiprocessing.active_children()  # every client process was joined
     stats = bench_server.wait_idle()
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_client_processes_against_no_server_fail_every_request_and_leave_no_process(capsys):
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--dataset", "random", "--num-prompts", "3"]
+    assert main([*argv, "--random-input-len", "8", "--warmup", "0", "--client-processes", "2"]) == 1
+    assert "ConnectionRefusedError" in capsys.readouterr().out
+    assert not multiprocessing.active_children()
 
 
 def test_client_processes_bad_input(bench_server, capsys):
