@@ -410,7 +410,7 @@ def run_workload(
     to process ``i % processes``, whose arrivals are Poisson at ``request_rate / processes`` (together, Poisson at
     ``request_rate``), and each process may have its share of ``max_concurrency`` in flight. All start at one
     moment."""
-    if max_concurrency is not None and max_concurrency < processes:
+    if max_concurrency and max_concurrency < processes:
         raise ConfigError(
             f"--max-concurrency {max_concurrency} with --client-processes {processes}: each process needs at "
             "least one request in flight (use at most as many processes as --max-concurrency)"
@@ -430,7 +430,7 @@ def run_workload(
     jobs = []
     for k, indices in enumerate(order):
         limit = None
-        if max_concurrency is not None:
+        if max_concurrency:  # (0 or None: no cap)
             limit = max_concurrency // processes + (1 if k < max_concurrency % processes else 0)
         bodies = [request_body(requests[i], model, temperature) for i in indices]
         jobs.append((url, headers, bodies, request_rate / processes, limit, seed + k))

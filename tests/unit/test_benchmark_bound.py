@@ -123,3 +123,6 @@ def test_triton_compiles_are_counted_through_tritons_cache_hook(monkeypatch):
     assert knobs.runtime.jit_cache_hook(key="k", repr="kernel", fn=None) is False  # as Triton calls it on a miss
     assert benchmark.compile_counts()["triton_kernels"] == before + 1 and seen == [{"key": "k", "repr": "kernel",
                                                                                    "fn": None}]
+    assert benchmark.count_triton_compiles()  # a second call counts nothing twice
+    knobs.runtime.jit_cache_hook(key="k2", repr="kernel", fn=None)
+    assert benchmark.compile_counts()["triton_kernels"] == before + 2 and len(seen) == 2
