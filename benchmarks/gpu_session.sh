@@ -146,6 +146,10 @@ rate_lanes() {  # rate_lanes RATES "NAME ARGS..."...: each server in turn, swept
 }
 join_lanes() { wait; cat "$OUT/lane0.txt" "$OUT/lane1.txt"; pack; }  # both lanes' logs, then everything packed
 case "${1:?phase}" in
+  r16-e)  # round 16, one H200 (about 2 minutes): a third fresh machine's first process, 0.6B on the FP8 cache
+    TAIL=8 bench fp8_first --attention triton --kv-cache-dtype fp8 --runs 3 --warmup-prompts 1
+    pack
+    ;;
   r16-d)  # round 16, one H200 (about 4 minutes): r16-c's lane server again, its idle baseline from 120 requests
     # at 2 req/s (60 of class 0: r16-c's 12 a run put p99 at the largest of a dozen), then a third 70% run from four
     # client processes
