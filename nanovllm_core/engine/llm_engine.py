@@ -278,12 +278,17 @@ class LLMEngine(EngineCore):
             if runner.lane_graphs is not None:
                 graphs += f" (and {len(runner.lane_graphs.sizes)} more for the urgent lane)"
             graphs += f" ({runner.graph_capture_s:.1f} s)"
+        warmup = (
+            f"a {warmup_s:.1f} s warm-up that compiled the kernels for prompt chunks, decode steps and sampling and "
+            "ran a step of max_num_batched_tokens (the first generate allocates no larger activations)"
+            if warmup_s
+            else f"no warm-up (warmup={self.config.warmup!r})"
+        )
         logger.info(
-            "start-up took %.1f s: weights, KV cache%s, a %.1f s warm-up that compiled the kernels for prompt "
-            "chunks, decode steps and sampling, and a %.2f s garbage collection",
+            "start-up took %.1f s: weights, KV cache%s, %s, and a %.2f s garbage collection",
             time.perf_counter() - started,
             graphs,
-            warmup_s,
+            warmup,
             collect_s,
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 
@@ -194,7 +195,7 @@ def test_startup_warmup_leaves_no_trace(qwen3_path, expected):
     assert [o.outputs[0].token_ids for o in warm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
 
 
-def test_warmup_first_step_fills_the_token_budget(qwen3_path, monkeypatch):
+def test_warmup_first_step_fills_the_token_budget(qwen3_path, monkeypatch, caplog):
     """The warm-up's first step holds max_num_batched_tokens prompt tokens, as a large batch's first generate
     does: the activations' largest size is allocated at start-up, not in that generate (issue 14's cold first run).
     Its steps then decode a full batch, and the warm-up leaves no trace."""
@@ -208,8 +209,10 @@ def test_warmup_first_step_fills_the_token_budget(qwen3_path, monkeypatch):
         return check(self, batch)
 
     monkeypatch.setattr(EngineCore, "_check_step", recorded)
-    warm = LLM(str(qwen3_path), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=80,
-               max_num_batched_tokens=200, max_num_seqs=24, warmup="on")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="nanovllm_core.engine.llm_engine"):
+        warm = LLM(str(qwen3_path), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=80,
+                   max_num_batched_tokens=200, max_num_seqs=24, warmup="on")  # fmt: skip
+    assert re.search(r"a [\d.]+ s warm-up .* ran a step of max_num_batched_tokens", caplog.text)
     assert steps[0][1] == 200  # before, the prompts of the warm-up's first step added up to 193 tokens
     assert max(n for n, _ in steps) == 24  # a step of max_num_seqs sequences
     stats = warm.stats()
@@ -228,6 +231,7 @@ def test_start_up_ends_with_a_full_garbage_collection(qwen3_path, caplog):
         engine = LLMEngine(str(qwen3_path), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=40)
     assert pauses.collections[2] >= 1
     assert re.search(r"start-up took [\d.]+ s: .* a [\d.]+ s garbage collection", caplog.text)
+    assert "no warm-up (warmup='auto')" in caplog.text  # auto: on CUDA only
     engine.shutdown()
     gc.collect()
 
