@@ -419,12 +419,6 @@ def run_workload(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if warmup:
         event_loop_runner()(warm_up(url, headers, requests, warmup, model, temperature))
-    if processes == 1:
-        bodies = [request_body(r, model, temperature) for r in requests]
-        share = event_loop_runner()(send_share(url, headers, bodies, request_rate, max_concurrency, seed))
-        summary = combined_summary([share], [list(range(len(requests)))])
-        summary.update(request_rate=request_rate, max_concurrency=max_concurrency, num_prompts=len(requests))
-        return summary
     order = [list(range(k, len(requests), processes)) for k in range(processes)]
     order = [indices for indices in order if indices]
     jobs = []
@@ -434,6 +428,15 @@ def run_workload(
             limit = max_concurrency // processes + (1 if k < max_concurrency % processes else 0)
         bodies = [request_body(requests[i], model, temperature) for i in indices]
         jobs.append((url, headers, bodies, request_rate / processes, limit, seed + k))
+    shares = [event_loop_runner()(send_share(*jobs[0]))] if len(jobs) == 1 else send_shares_in_processes(jobs)
+    summary = combined_summary(shares, order)
+    summary.update(request_rate=request_rate, max_concurrency=max_concurrency, num_prompts=len(requests))
+    return summary
+
+
+def send_shares_in_processes(jobs: list[tuple]) -> list[ClientShare]:
+    """Each job's :func:`send_share` in a client process of its own, all started at one moment once every process
+    is ready; their results in the jobs' order. No process outlives the call."""
     context = _process_context()
     children = []
     for job in jobs:
@@ -455,6 +458,7 @@ def run_workload(
             if isinstance(share, BaseException):
                 raise share
             shares.append(share)
+        return shares
     except EOFError:
         raise RuntimeError("a client process of bench serve ended without its results") from None
     finally:
@@ -463,9 +467,6 @@ def run_workload(
             child.join(timeout=5)
             if child.is_alive():
                 child.kill()
-    summary = combined_summary(shares, order)
-    summary.update(request_rate=request_rate, max_concurrency=max_concurrency, num_prompts=len(requests))
-    return summary
 
 
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
