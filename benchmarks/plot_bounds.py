@@ -5,7 +5,7 @@
 One bar per result. Its two bounds are drawn as ticks on the bar: the additive bound (memory + compute time)
 and the per-step one (each decode step the longer of its bytes and FLOPs). A result on an FP8 KV cache is
 drawn against the bf16 cache's bounds, which its JSON reports. A result of ``nanovllm bench --sustained-gemm-s``
-also gets the per-step bound at the GEMM rate the GPU sustained (a dotted tick). Needs matplotlib (not a
+also gets the per-step bound at the GEMM rate the GPU sustained (a dash-dotted tick). Needs matplotlib (not a
 dependency of any package).
 """
 
@@ -17,6 +17,7 @@ from plotting import labelled_results, plt, save
 def main(argv: list[str] | None = None) -> None:
     args, results = labelled_results(argv, "nano-vllm workload (256 seqs, 133,966 output tokens), one H200")
     fig, ax = plt.subplots(figsize=(10, 4.6))
+    sustained_labelled = False
     for x, (label, r) in enumerate(results):
         value, additive, per_step = r["output_tok_per_s"], r["bound_tok_per_s"], r["per_step_bound_tok_per_s"]
         ax.bar(x, value, 0.6, color="C1" if "fp8" in label.lower() else "C0")
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
         sustained = r.get("per_step_bound_sustained_tok_per_s")
         if sustained:
             ax.hlines(sustained, x - 0.35, x + 0.35, color="purple", linestyle="-.",
-                      label="per-step bound at the sustained GEMM rate")
+                      label=None if sustained_labelled else "per-step bound at the sustained GEMM rate")
+            sustained_labelled = True
             ax.text(x + 0.37, sustained, f"{100 * value / sustained:.0f}%", va="center", fontsize=7, color="purple")
     ax.set_xticks(range(len(results)), [label for label, _ in results], fontsize=8)
     ax.set_yscale("log")
