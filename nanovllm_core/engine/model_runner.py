@@ -439,6 +439,7 @@ class ModelRunner:
             self.lane_stream = torch.cuda.Stream(device, priority=-1)
             if self.mixed_graphs is not None and lane_tokens > 1:
                 self.lane_graphs = self._mixed_graphs(lane_tokens, pool=None)
+        self.num_lane_steps = 0
         self.graph_capture_s = time.perf_counter() - started
         if device.type == "cuda":
             with torch.inference_mode():
@@ -636,6 +637,7 @@ class ModelRunner:
         """Queue an urgent-lane step (whole prompts, no placeholder inputs) and return without waiting for it. On
         CUDA it runs on the lane's stream, beside the steps queued on the main stream, unless ``after_queued``
         (it reads or writes KV blocks that a queued step does) orders it after them; elsewhere it simply runs."""
+        self.num_lane_steps += 1
         if self.lane_stream is None:
             return self.launch(batch)
         if after_queued:
