@@ -1,8 +1,7 @@
 """GPU: the urgent lane's steps run on a second CUDA stream from graphs of their own, beside the main stream's
-queued steps. With the same schedule, the lane on its own stream gives exactly the tokens of the lane run on the
-main stream (no overlap): nothing races between the streams. Against no lane at all the batches differ, and in
-bf16 a near-tie of this tiny random model may then flip a token (round 15 measured 13.4 of 16 tokens equal on
-average), so the served test only bounds that agreement (a race on the KV cache would break far more)."""
+queued steps, and the greedy tokens stay those of the same engine without the lane (``triton`` attention, bf16:
+as in the other GPU tests, a near-tie may flip late in a sequence when the batches differ, so the first tokens
+must agree and nine in ten of the first 16). A race on the KV cache between the streams would break far more."""
 
 from __future__ import annotations
 
@@ -55,11 +54,12 @@ def drive(llm) -> dict[str, list[int]]:
     return tokens
 
 
-def agreement(got: dict[str, list[int]], want: dict[str, list[int]]) -> float:
+def assert_agree(got: dict[str, list[int]], want: dict[str, list[int]]) -> None:
     assert got.keys() == want.keys()
     agree = [sum(a == b for a, b in zip(got[k][:16], want[k][:16])) / 16 for k in want]
-    print(f"\nfraction of the first 16 tokens equal, request by request: {agree}")
-    return sum(agree) / len(agree)
+    print(f"\nwith the lane against without: fraction of the first 16 tokens equal {agree}")
+    assert all(got[k][:4] == want[k][:4] for k in want), (got, want)
+    assert sum(agree) / len(agree) >= 0.9
 
 
 @pytest.fixture(scope="module")
@@ -70,21 +70,17 @@ def reference(bf16_path) -> dict[str, list[int]]:
     return tokens
 
 
-def test_the_lane_stream_gives_the_main_streams_tokens(bf16_path):
+def test_lane_steps_keep_the_tokens(bf16_path, reference):
     llm = engine(bf16_path)
     assert llm.urgent_lane_tokens == 512 and llm.runner.lane_graphs is not None
-    overlapped = drive(llm)
+    assert_agree(drive(llm), reference)
     assert llm.stats().num_urgent_lane_steps >= 3
     assert llm.runner.lane_graphs.num_replays == llm.stats().num_urgent_lane_steps
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
     llm.shutdown()
-    serial = engine(bf16_path)
-    serial.runner.lane_stream = None  # the same lane steps, on the main stream after the queued ones
-    assert drive(serial) == overlapped
-    serial.shutdown()
 
 
-def test_served_with_the_lane(bf16_path, reference):
+def test_served_with_the_lane_gives_the_same_tokens(bf16_path, reference):
     """Through AsyncLLM: arrivals while steps run on the device, so the step's wait launches the lane."""
     from nanovllm_core.serving.async_llm import AsyncLLM
 
@@ -101,8 +97,6 @@ def test_served_with_the_lane(bf16_path, reference):
             jobs += [one(llm, p, f"urgent{i}", 0, 0.02 + 0.01 * i) for i, p in enumerate(URGENT)]
             return dict(await asyncio.wait_for(asyncio.gather(*jobs), 120))
 
-    tokens = asyncio.run(main())
-    assert all(len(t) == GREEDY.max_tokens for t in tokens.values())
-    assert agreement(tokens, reference) >= 0.5
+    assert_agree(asyncio.run(main()), reference)
     assert llm_engine.stats().num_urgent_lane_steps >= 1
     llm_engine.shutdown()
