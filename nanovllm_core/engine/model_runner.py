@@ -435,8 +435,7 @@ class ModelRunner:
         self.lane_graphs: CudaGraphMixed | None = None
         lane_tokens = config.urgent_lane_tokens
         if lane_tokens and device.type == "cuda":
-            # a high-priority stream: when both have work, the GPU schedules the lane's blocks first
-            self.lane_stream = torch.cuda.Stream(device, priority=-1)
+            self.lane_stream = torch.cuda.Stream(device)
             if self.mixed_graphs is not None and lane_tokens > 1:
                 self.lane_graphs = self._mixed_graphs(lane_tokens, pool=None)
         self.num_lane_steps = 0

@@ -177,9 +177,6 @@ class SchedulerConformance:
     starvation_bound_steps: ClassVar[int] = 200
     attention: ClassVar[str] = "torch"
     block_size: ClassVar[int] = 16
-    # a policy with ``schedule_urgent``: options under which it picks urgent requests (priority 0 or more urgent,
-    # say) for the urgent-lane check
-    urgent_lane_options: ClassVar[dict[str, Any]] = {}
 
     @pytest.fixture(params=[False, True], ids=["sync", "async"])
     def async_scheduling(self, request: pytest.FixtureRequest) -> bool:
@@ -283,32 +280,6 @@ class SchedulerConformance:
             f"while 20-token requests kept arriving: it is starved ({first!r})"
         )
         sim.run()
-        sim.assert_outputs_exact()
-        sim.assert_all_blocks_free()
-
-    def test_the_urgent_lane_keeps_its_rules(self) -> None:
-        """A policy with ``schedule_urgent``: requests of priorities -1 to 2 arrive while steps are in flight, the
-        lane is offered after each arrival. The engine checks every lane step (whole prompts, the lane's tokens,
-        seats); here no lane step preempts, every output is exact and every block comes back."""
-        if self.scheduler_cls.schedule_urgent is Scheduler.schedule_urgent:
-            pytest.skip(f"{self.scheduler_cls.__name__} has no schedule_urgent: the engine never offers it the lane")
-        options = {**self.scheduler_options, **self.urgent_lane_options}
-        sim = self.simulate(num_blocks=40, async_scheduling=True, max_num_seqs=6, max_num_batched_tokens=48,
-                            urgent_lane_tokens=32, scheduler_options=options)  # fmt: skip
-        rng = random.Random(5)
-        for i in range(40):
-            sim.add(random_tokens(rng.randint(3, 40), rng), rng.randint(1, 12), priority=rng.randint(-1, 2))
-            preemptions = sim.num_preemptions
-            sim.launch_urgent()
-            assert sim.num_preemptions == preemptions, "schedule_urgent preempted a request"
-            if i % 2:
-                sim.step()
-        sim.run()
-        assert sim.lane_steps, (
-            f"schedule_urgent admitted nothing in 40 offers: set urgent_lane_options to options under which "
-            f"{self.scheduler_cls.__name__} picks urgent requests"
-        )
-        assert all(sum(n for _, n in step) <= 32 for step in sim.lane_steps)
         sim.assert_outputs_exact()
         sim.assert_all_blocks_free()
 

@@ -48,13 +48,9 @@ class _FakeStep:
         self.batch = batch
         self.sampled = sampled
         self.token_of = {seq.seq_id: t for seq, t in zip(batch.seqs, sampled) if t is not None}
-        self.block_ids: list[int] = []  # the urgent lane's hazard check: nothing is left on a device here
 
     def tokens(self) -> list[int | None]:
         return list(self.sampled)
-
-    def done(self) -> bool:
-        return True
 
 
 class _FakeRunner:
@@ -125,11 +121,6 @@ class _FakeRunner:
             sampled.append(fake_next_token(tokens) if start + n == seq.num_tokens else None)
         return _FakeStep(batch, sampled)
 
-    def launch_urgent(self, batch: SchedulerOutput, after_queued: bool) -> _FakeStep:
-        """An urgent-lane step: whole prompts only, so nothing in it is a placeholder."""
-        self.sim.lane_steps.append([(seq.request_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)])
-        return self.launch(batch)
-
 
 class SimulatedEngine:
     """Drives a scheduler and a block manager through :class:`~nanovllm_core.engine.core.EngineCore`.
@@ -151,13 +142,11 @@ class SimulatedEngine:
         max_model_len: int = 1024,
         enable_prefix_caching: bool = True,
         async_scheduling: bool = False,
-        urgent_lane_tokens: int = 0,
         scheduler_options: dict[str, Any] | None = None,
         block_manager_options: dict[str, Any] | None = None,
     ) -> None:
         self.config = EngineConfig(
             model="(simulated)",
-            urgent_lane_tokens=urgent_lane_tokens,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
@@ -187,7 +176,6 @@ class SimulatedEngine:
         self.batch_sizes: list[tuple[int, int]] = []  # (sequences, new tokens) per step
         self.scheduled: list[list[tuple[str, int]]] = []  # (request id, new tokens) of each launched step
         self.preempted: list[list[str]] = []  # request ids each launched step preempted
-        self.lane_steps: list[list[tuple[str, int]]] = []  # (request id, new tokens) of each urgent-lane step
 
     @property
     def num_preemptions(self) -> int:
@@ -218,28 +206,19 @@ class SimulatedEngine:
 
     # --- stepping -------------------------------------------------------------------------------------
 
-    def launch_urgent(self) -> list[Sequence]:
-        """What the serving loop does when requests arrive while a step is on the device: launch the urgent lane
-        (``urgent_lane_tokens``; a no-op when it is off or nothing is in flight) and read its outputs."""
-        self.core._launch_urgent()
-        return self._collect(self.core._poll_urgent(), "the urgent lane's step")
-
     def step(self) -> list[Sequence]:
         self.steps += 1
-        return self._collect(self.core.step(), f"step {self.steps}")
-
-    def _collect(self, outputs: list[Any], when: str) -> list[Sequence]:
         done = []
-        for out in outputs:
+        for out in self.core.step():
             if out.finished:
                 seq = self.live.pop(out.request_id)
-                assert seq.is_finished and seq.finish_reason, f"{when}: {out.request_id!r} is {seq!r}"
+                assert seq.is_finished and seq.finish_reason, f"step {self.steps}: {out.request_id!r} is {seq!r}"
                 assert not seq.block_table, (
-                    f"{when}: finished request {out.request_id!r} still holds blocks {seq.block_table}"
+                    f"step {self.steps}: finished request {out.request_id!r} still holds blocks {seq.block_table}"
                 )
                 self.finished.append(seq)
                 done.append(seq)
-        self.check_block_accounting(f"after {when}")
+        self.check_block_accounting(f"after step {self.steps}")
         return done
 
     def run(self, max_steps: int = 10_000) -> None:

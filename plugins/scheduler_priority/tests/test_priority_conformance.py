@@ -1,5 +1,4 @@
-"""The core's scheduler conformance kit, run against ``priority`` (default options; fast aging with a chunk
-cap), the urgent lane under each."""
+"""The core's scheduler conformance kit, run against ``priority`` (default options; fast aging with a chunk cap)."""
 
 from nanovllm_scheduler_priority import PriorityScheduler
 
@@ -8,10 +7,8 @@ from nanovllm_core.testing.conformance import SchedulerConformance
 
 class TestPriorityScheduler(SchedulerConformance):
     scheduler_cls = PriorityScheduler
-    urgent_lane_options = {"urgent_priority": 0}
 
 
 class TestPrioritySchedulerFastAgingAndChunkCap(SchedulerConformance):
     scheduler_cls = PriorityScheduler
     scheduler_options = {"aging_steps": 2, "long_prefill_token_threshold": 8}
-    urgent_lane_options = {"urgent_priority": 1}
