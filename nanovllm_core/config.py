@@ -105,15 +105,6 @@ class EngineConfig(BaseModel):
         description="On CUDA, fuse the small ops: RMSNorm (with its residual add), SiLU-and-mul, q/k norm + rotary "
         "and temperature sampling with hand-written Triton kernels; the other norms and rotary with torch.compile.",
     )
-    urgent_lane_tokens: int = Field(
-        0,
-        ge=0,
-        description="Prompt tokens of the urgent lane: with a scheduler that picks urgent requests (`priority` with "
-        "its `urgent_priority` option), such a request that arrives while a step runs is prefilled at once on a "
-        "second CUDA stream, beside the steps already queued, instead of joining the step after next, and its first "
-        "token is handed over as soon as it is read. 0: no lane. tensor_parallel_size 1 only; on CPU the lane's "
-        "steps run in turn with the others (the same tokens). See docs/choosing-a-scheduler.md.",
-    )
     async_scheduling: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Schedule and prepare step N+1 while the device runs step N. `auto`: on for CUDA (any "
@@ -166,11 +157,6 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must not exceed max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}): every running sequence needs one token per decode step"
-            )
-        if self.urgent_lane_tokens and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"urgent_lane_tokens ({self.urgent_lane_tokens}) needs tensor_parallel_size 1 (the workers replay "
-                f"rank 0's steps one at a time), not {self.tensor_parallel_size}; set it to 0"
             )
         return self
 

@@ -172,17 +172,6 @@ class Scheduler(ABC):
     def schedule(self) -> SchedulerOutput:
         """Pick this step's sequences and their new-token counts, allocating their blocks."""
 
-    def schedule_urgent(self, max_tokens: int) -> SchedulerOutput:
-        """Optional: the urgent lane's step (the engine's ``urgent_lane_tokens`` > 0). The engine calls it when
-        requests arrive while a step runs; the sequences returned are prefilled at once, beside the steps
-        already queued (on CUDA, on a second stream), and decode with the others from then on.
-
-        Return waiting sequences to admit now, each with its whole uncomputed prompt (so that it samples its
-        first token) and blocks for it, at most ``max_tokens`` tokens in all, within ``max_num_seqs``; never
-        preempt here. The default admits nothing: the lane stays idle.
-        """
-        return SchedulerOutput()
-
     # --- queue hooks (override to keep ``waiting`` in another order) ----------------------------------
 
     def enqueue(self, seq: Sequence) -> None:

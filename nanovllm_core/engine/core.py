@@ -15,7 +15,6 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,9 +57,6 @@ class LaunchedStep(Protocol):
 class StepRunner(Protocol):
     def launch(self, batch: SchedulerOutput, in_flight: Any | None = None) -> LaunchedStep: ...
 
-    # optional, for the urgent lane (``urgent_lane_tokens``): ``launch_urgent(batch, after_queued) -> LaunchedStep``,
-    # and on launched steps ``done() -> bool`` and ``block_ids`` (the KV blocks they touch)
-
 
 @dataclass
 class EngineStats:
@@ -77,7 +73,6 @@ class EngineStats:
     num_generation_tokens: int
     num_finished_requests: int
     num_cuda_graph_steps: int = 0  # steps replayed from CUDA graphs (the rest ran eagerly)
-    num_urgent_lane_steps: int = 0  # steps of the urgent lane (``urgent_lane_tokens``)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -155,14 +150,6 @@ class EngineCore:
         self._in_flight: LaunchedStep | None = None
         self._num_sync_requests = 0  # live requests whose sampling needs every previous token on the host
         self._num_stopped_in_flight = 0  # sequences stopped by a token read after their next step was launched
-        # the urgent lane: on when configured, the scheduler picks urgent requests and the runner can launch them
-        picks_urgent = type(scheduler).schedule_urgent is not Scheduler.schedule_urgent
-        lane = config.urgent_lane_tokens if picks_urgent and hasattr(runner, "launch_urgent") else 0
-        self.urgent_lane_tokens: int = lane
-        self._urgent: LaunchedStep | None = None  # the lane's step, launched and not read yet
-        self._waiting_on: LaunchedStep | None = None  # the main step whose end ``step`` is waiting for
-        self._queued: list[LaunchedStep] = []  # main steps launched since the last one seen done (lane on)
-        self.num_urgent_steps = 0
         self._lock = threading.RLock()
         self._totals = dict.fromkeys(
             ("prefix_queries", "prefix_hits", "prompt_tokens", "generation_tokens", "finished"), 0
@@ -280,7 +267,7 @@ class EngineCore:
             return self._output(request, range(len(request.seqs)), final=True)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or self._in_flight is not None or self._urgent is not None
+        return bool(self._requests) or self._in_flight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -300,24 +287,15 @@ class EngineCore:
             num_prompt_tokens=t["prompt_tokens"],
             num_generation_tokens=t["generation_tokens"],
             num_finished_requests=t["finished"],
-            num_urgent_lane_steps=self.num_urgent_steps,
         )
 
     # --- one step -------------------------------------------------------------------------------------
 
-    def step(self, idle: Callable[[], None] | None = None) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         """Run one step. Returns the requests that finished in it and, for requests with
-        ``output_kind`` ``"delta"`` or ``"cumulative"``, every request that got new tokens.
-
-        With the urgent lane on, ``idle`` (the serving loop's) is called again and again while the step waits for
-        the device: it may add requests and call :meth:`_launch_urgent` and :meth:`_poll_urgent`, nothing else."""
+        ``output_kind`` ``"delta"`` or ``"cumulative"``, every request that got new tokens."""
         with self._lock:
             outputs: list[RequestOutput] = []
-            if self._urgent is not None:  # the lane's sequences decode from now on: their first token first
-                self._wait(self._urgent, idle)
-                if self._urgent is not None:  # (else ``idle`` read it)
-                    launched, self._urgent = self._urgent, None
-                    outputs += self._receive(launched)
             if self._in_flight is not None and self._num_sync_requests:
                 # penalties need the in-flight tokens on the host before the next step is scheduled
                 outputs += self._receive(self._in_flight)
@@ -334,75 +312,16 @@ class EngineCore:
                     )
                 return outputs
             launched = self.step_runner.launch(batch, self._in_flight) if batch.seqs else None
-            if launched is not None and self.urgent_lane_tokens:
-                self._queued.append(launched)
             if self._in_flight is not None:
-                self._wait(self._in_flight, idle)
                 outputs += self._receive(self._in_flight)
-                if self._in_flight in self._queued:  # it and every main step before it are done
-                    del self._queued[: self._queued.index(self._in_flight) + 1]
             self._in_flight = None
             if launched is not None:
                 self._advance(launched)
                 if self.async_scheduling:
                     self._in_flight = launched
                 else:
-                    self._wait(launched, idle)
                     outputs += self._receive(launched)
-                    self._queued.clear()
             return outputs
-
-    # --- the urgent lane ------------------------------------------------------------------------------
-
-    def _wait(self, launched: LaunchedStep, idle: Callable[[], None] | None) -> None:
-        """Until ``launched`` is done on the device, call ``idle`` (lane on and a caller that gave one)."""
-        if idle is None or not self.urgent_lane_tokens:
-            return
-        self._waiting_on = launched
-        try:
-            while not launched.done():
-                idle()
-        finally:
-            self._waiting_on = None
-
-    def _launch_urgent(self) -> None:
-        """Launch the lane's step if it is free, a main step is on the device (else the next step admits them as
-        soon) and the scheduler picks urgent waiting requests (``Scheduler.schedule_urgent``)."""
-        with self._lock:
-            if not self.urgent_lane_tokens or self._urgent is not None:
-                return
-            if self._in_flight is None and self._waiting_on is None:
-                return
-            batch = self.scheduler.schedule_urgent(self.urgent_lane_tokens)
-            if not batch.seqs:
-                return
-            self._check_step(batch)
-            if batch.total_new_tokens > self.urgent_lane_tokens or not all(map(batch.samples, range(len(batch)))):
-                raise SchedulerError(
-                    f"scheduler {self.scheduler_name!r} gave the urgent lane {batch.total_new_tokens} tokens "
-                    f"(allowed: whole prompts, at most urgent_lane_tokens={self.urgent_lane_tokens} in all)"
-                )
-            launched = self.step_runner.launch_urgent(batch, self._touches_queued_blocks(batch))
-            self.num_urgent_steps += 1
-            self._advance(launched)
-            self._urgent = launched
-
-    def _touches_queued_blocks(self, batch: SchedulerOutput) -> bool:
-        """Whether ``batch`` reads or writes a KV block that a main step still on the device does (a block freed
-        by a request that finished after its next step was launched, or a cached prefix that step is filling):
-        then the lane's step must wait for the queued ones."""
-        self._queued = [step for step in self._queued if not step.done()]
-        mine = {block for seq in batch.seqs for block in seq.block_table}
-        return any(block in mine for step in self._queued for block in step.block_ids)
-
-    def _poll_urgent(self) -> list[RequestOutput]:
-        """The lane step's outputs (its requests' first tokens) once it is done on the device; else nothing."""
-        with self._lock:
-            launched = self._urgent
-            if launched is None or not launched.done():
-                return []
-            self._urgent = None
-            return self._receive(launched)
 
     def _check_step(self, batch: SchedulerOutput) -> None:
         """The scheduler's output keeps the invariants the runner relies on (cheap: one pass)."""

@@ -255,13 +255,6 @@ class LLMEngine(EngineCore):
             vocab_size=self.hf_config.vocab_size,
             async_scheduling=self._use_async_scheduling(),
         )
-        if cfg.urgent_lane_tokens and not self.urgent_lane_tokens:
-            logger.warning(
-                "urgent_lane_tokens=%d is set, but scheduler %r picks no urgent requests (it does not implement "
-                "Scheduler.schedule_urgent): the lane stays off",
-                cfg.urgent_lane_tokens,
-                cfg.plugins.scheduler,
-            )
         warmup_s = self._warm_up()
         # Start-up leaves many objects that survived into the oldest generation without a full collection ever
         # running; the first one would then come due during the first generate (a pause that grows with the
@@ -275,8 +268,6 @@ class LLMEngine(EngineCore):
             graphs = f", {len(runner.graphs.sizes)} CUDA graphs of decode steps"
             if runner.mixed_graphs is not None:
                 graphs += f" and {len(runner.mixed_graphs.sizes)} of steps with prompt tokens"
-            if runner.lane_graphs is not None:
-                graphs += f" (and {len(runner.lane_graphs.sizes)} more for the urgent lane)"
             graphs += f" ({runner.graph_capture_s:.1f} s)"
         warmup = (
             f"a {warmup_s:.1f} s warm-up that compiled the kernels for prompt chunks, decode steps and sampling and "
@@ -356,9 +347,7 @@ class LLMEngine(EngineCore):
     def stats(self) -> EngineStats:
         stats = super().stats()
         runner = self.runner
-        stats.num_cuda_graph_steps = sum(
-            g.num_replays for g in (runner.graphs, runner.mixed_graphs, runner.lane_graphs) if g is not None
-        )
+        stats.num_cuda_graph_steps = sum(g.num_replays for g in (runner.graphs, runner.mixed_graphs) if g is not None)
         return stats
 
     def shutdown(self) -> None:
@@ -440,7 +429,3 @@ class _StepTimer:
         )
         self.stats.count(batch.total_new_tokens - num_decode, num_decode, elapsed)
         return launched
-
-    def launch_urgent(self, batch: SchedulerOutput, after_queued: bool) -> Any:
-        """An urgent-lane step; left out of the step counts (its time overlaps the main steps')."""
-        return self.runner.launch_urgent(batch, after_queued)

@@ -302,7 +302,6 @@ class PendingStep:
         self._host = token_tensor
         self._logprobs = (sample_logprobs, prompt_logprobs)
         self._copied: torch.cuda.Event | None = None
-        self.block_ids: list[int] = []  # the KV blocks the step reads or writes (flattened block tables, 0-padded)
         outputs = [lp.tensors.logprobs for lp in self._logprobs if lp is not None]
         if token_tensor is not None:
             outputs.append(token_tensor)
@@ -320,10 +319,6 @@ class PendingStep:
     def _wait(self) -> None:
         if self._copied is not None:
             self._copied.synchronize()
-
-    def done(self) -> bool:
-        """Whether the step's results are on the host (reading them will not wait for the device)."""
-        return self._copied is None or self._copied.query()
 
     def tokens(self) -> list[int | None]:
         """The sampled token of each row of the batch, ``None`` for rows that sample nothing (waits for the
@@ -428,17 +423,18 @@ class ModelRunner:
         self.mixed_graphs: CudaGraphMixed | None = None
         mixed_tokens = min(config.cuda_graph_max_mixed_tokens, config.max_num_batched_tokens)
         if self.graphs is not None and mixed_tokens > 1 and backend_cls.supports_cuda_graph_mixed:
-            self.mixed_graphs = self._mixed_graphs(mixed_tokens, pool=self.graphs.pool)
-        # the urgent lane: whole prompts prefilled on a stream of their own, beside the main stream's queued steps;
-        # its graphs get buffers and a memory pool of their own, since their replays overlap the main graphs'
-        self.lane_stream: torch.cuda.Stream | None = None
-        self.lane_graphs: CudaGraphMixed | None = None
-        lane_tokens = config.urgent_lane_tokens
-        if lane_tokens and device.type == "cuda":
-            self.lane_stream = torch.cuda.Stream(device)
-            if self.mixed_graphs is not None and lane_tokens > 1:
-                self.lane_graphs = self._mixed_graphs(lane_tokens, pool=None)
-        self.num_lane_steps = 0
+            self.mixed_graphs = CudaGraphMixed(
+                self.model,
+                self.backend,
+                max_seqs=self.graphs.max_batch,
+                max_tokens=mixed_tokens,
+                max_model_len=self.max_model_len,
+                block_size=self.block_size,
+                hidden_size=hf_config.hidden_size,
+                dtype=dtype,
+                device=device,
+                pool=self.graphs.pool,
+            )
         self.graph_capture_s = time.perf_counter() - started
         if device.type == "cuda":
             with torch.inference_mode():
@@ -450,22 +446,6 @@ class ModelRunner:
         self.track_gpu_time = False
         # with track_gpu_time, per step: its start and end events and (sequences, query tokens, KV tokens attended)
         self._step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, tuple[int, int, int]]] = []
-
-    def _mixed_graphs(self, max_tokens: int, pool: Any) -> CudaGraphMixed:
-        """Graphs of steps with prompt tokens, up to ``max_tokens``, in ``pool`` (None: a pool of their own)."""
-        assert self.graphs is not None
-        return CudaGraphMixed(
-            self.model,
-            self.backend,
-            max_seqs=self.graphs.max_batch,
-            max_tokens=max_tokens,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            hidden_size=self.hf_config.hidden_size,
-            dtype=self.dtype,
-            device=self.device,
-            pool=pool,
-        )
 
     # --- KV cache -------------------------------------------------------------------------------------
 
@@ -574,10 +554,9 @@ class ModelRunner:
     def prepare(self, batch: SchedulerOutput) -> ModelInputs:
         return prepare_inputs(batch, self.block_size, self.device)
 
-    def _forward(self, inputs: ModelInputs, lane: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model over the step's tokens: (logits of the tokens that sample, hidden states of every token);
-        ``lane``: an urgent-lane step, from the lane's own graphs."""
-        for graphs in (self.lane_graphs,) if lane else (self.graphs, self.mixed_graphs):
+    def _forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model over the step's tokens: (logits of the tokens that sample, hidden states of every token)."""
+        for graphs in (self.graphs, self.mixed_graphs):
             if graphs is not None and graphs.can_run(inputs.attention):
                 hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attention)
                 return self.model.compute_logits(hidden[inputs.logits_indices]), hidden
@@ -632,20 +611,7 @@ class ModelRunner:
         return RowsLogprobs(plan.rows, plan.counts, plan.num_top, LogprobsTensors.cat(parts))
 
     @torch.inference_mode()
-    def launch_urgent(self, batch: SchedulerOutput, after_queued: bool) -> PendingStep:
-        """Queue an urgent-lane step (whole prompts, no placeholder inputs) and return without waiting for it. On
-        CUDA it runs on the lane's stream, beside the steps queued on the main stream, unless ``after_queued``
-        (it reads or writes KV blocks that a queued step does) orders it after them; elsewhere it simply runs."""
-        self.num_lane_steps += 1
-        if self.lane_stream is None:
-            return self.launch(batch)
-        if after_queued:
-            self.lane_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.lane_stream):
-            return self.launch(batch, lane=True)
-
-    @torch.inference_mode()
-    def launch(self, batch: SchedulerOutput, in_flight: PendingStep | None = None, lane: bool = False) -> PendingStep:
+    def launch(self, batch: SchedulerOutput, in_flight: PendingStep | None = None) -> PendingStep:
         """Queue one step on the device and return without waiting for it.
 
         ``in_flight`` is the step launched before this one whose tokens the host has not read yet (async
@@ -661,11 +627,11 @@ class ModelRunner:
         self.host_prepare_s += time.perf_counter() - t0
         self.num_steps += 1
         events = None
-        if self.track_gpu_time and self.device.type == "cuda" and not lane:
+        if self.track_gpu_time and self.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
             self._step_events.append((*events, (len(host.seq_lens), len(host.input_ids), sum(host.seq_lens))))
-        logits, hidden = self._forward(inputs, lane)
+        logits, hidden = self._forward(inputs)
         token_tensor = sample_logprobs = prompt_logprobs = embeddings = None
         if inputs.sample_rows:
             seqs: list[Sequence] = [batch.seqs[r] for r in inputs.sample_rows]
@@ -683,11 +649,9 @@ class ModelRunner:
         if events is not None:
             events[1].record()
         positions = dict(zip(plan.rows, plan.first_positions)) if plan is not None else None
-        pending = PendingStep(
+        return PendingStep(
             batch, inputs.sample_rows, token_tensor, sample_logprobs, prompt_logprobs, positions, embeddings
         )
-        pending.block_ids = host.block_tables
-        return pending
 
     def execute(self, batch: SchedulerOutput) -> list[int | None]:
         """Run one step; returns the sampled token for each sequence of ``batch`` (``None`` mid-prompt)."""
@@ -702,7 +666,7 @@ class ModelRunner:
             return
         try:
             torch.cuda.synchronize(self.device)
-            self.graphs = self.mixed_graphs = self.lane_graphs = None
+            self.graphs = self.mixed_graphs = None
             gc.collect()  # a reference cycle may hold a graph: its executable goes with it
             torch.cuda.synchronize(self.device)
         except Exception:  # noqa: BLE001 - a failed device or worker: leaving the group goes on regardless

@@ -68,11 +68,6 @@ class EngineStatsCollector(Collector):
                 "cuda_graph_max_mixed_tokens); the other steps ran eagerly.",
                 s.num_cuda_graph_steps,
             ),
-            (
-                "urgent_lane_steps",
-                "Steps of the urgent lane (urgent_lane_tokens): urgent prompts prefilled beside the queued steps.",
-                s.num_urgent_lane_steps,
-            ),
         ]
         if self.loop is not None:
             counters += [

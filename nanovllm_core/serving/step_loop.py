@@ -19,7 +19,6 @@ import multiprocessing
 import operator
 import os
 import pickle
-import select
 import signal
 import struct
 import threading
@@ -124,16 +123,8 @@ def unpack_outputs(rows: list[list | tuple]) -> list[RequestOutput]:
     return outputs
 
 
-LANE_POLL_SECONDS = 1e-4  # with the urgent lane, how long a step's wait for the device blocks on commands at a time
-
-
-def run_step_loop(engine: LLMEngine, next_commands: Callable[..., list[Command]], emit: Emit) -> None:
-    """Run until a ``stop`` command; ``next_commands(block, timeout=0.0)`` waits for commands only when ``block``
-    (else up to ``timeout`` seconds).
-
-    With the engine's urgent lane on, the step's wait for the device takes ``add`` commands in as they come and
-    launches the lane for them (their first tokens are handed over as soon as they are read); any other command,
-    and everything after it, waits for the step's end, in order."""
+def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Command]], emit: Emit) -> None:
+    """Run until a ``stop`` command; ``next_commands(block)`` waits for commands only when ``block``."""
     account = LoopAccount()
 
     def hand_over(results: list[Result], outputs: list[RequestOutput]) -> None:
@@ -142,47 +133,8 @@ def run_step_loop(engine: LLMEngine, next_commands: Callable[..., list[Command]]
         account.emit_seconds += time.perf_counter() - start
 
     live: set[str] = set()  # requests in the engine, as this loop knows them
-
-    def run(call_id: int | None, kind: str, args: tuple, results: list[Result], outputs: list[RequestOutput]) -> None:
-        try:
-            result = None
-            if kind == "add":
-                engine.add_request(*args)
-                live.add(args[2])
-            elif kind == "abort":
-                out = engine.abort_request(*args)
-                if out is not None:
-                    live.discard(out.request_id)
-                    outputs.append(out)
-            elif kind == "stats":
-                result = engine.stats()
-            else:
-                raise ValueError(f"unknown step-loop command {kind!r}")
-        except Exception as exc:  # noqa: BLE001 - handed to the caller
-            results.append((call_id, None, exc))
-            return
-        results.append((call_id, result, None))
-
-    lane = bool(getattr(engine, "urgent_lane_tokens", 0))
-    deferred: list[Command] = []  # commands that came during a step's wait and wait for its end
-
-    def idle() -> None:
-        results: list[Result] = []
-        commands = next_commands(False, LANE_POLL_SECONDS)
-        for i, command in enumerate(commands):
-            if deferred or command[1] != "add":
-                deferred.extend(commands[i:])
-                break
-            run(*command, results, [])
-        if results:
-            engine._launch_urgent()
-        outputs = engine._poll_urgent()
-        if results or outputs:
-            hand_over(results, outputs)
-
     while True:
-        commands = deferred + next_commands(not deferred and not engine.has_unfinished_requests())
-        deferred.clear()
+        commands = next_commands(not engine.has_unfinished_requests())
         results: list[Result] = []
         outputs: list[RequestOutput] = []
         stopping = False
@@ -190,7 +142,24 @@ def run_step_loop(engine: LLMEngine, next_commands: Callable[..., list[Command]]
             if kind == "stop":
                 stopping = True
                 continue
-            run(call_id, kind, args, results, outputs)
+            try:
+                result = None
+                if kind == "add":
+                    engine.add_request(*args)
+                    live.add(args[2])
+                elif kind == "abort":
+                    out = engine.abort_request(*args)
+                    if out is not None:
+                        live.discard(out.request_id)
+                        outputs.append(out)
+                elif kind == "stats":
+                    result = engine.stats()
+                else:
+                    raise ValueError(f"unknown step-loop command {kind!r}")
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                results.append((call_id, None, exc))
+                continue
+            results.append((call_id, result, None))
         if stopping:
             for request_id in list(live):
                 out = engine.abort_request(request_id)
@@ -198,14 +167,11 @@ def run_step_loop(engine: LLMEngine, next_commands: Callable[..., list[Command]]
                     outputs.append(out)
             hand_over(results, outputs)
             return
-        if lane:
-            engine._launch_urgent()
-            outputs += engine._poll_urgent()
         if results or outputs:  # answer the callers now, not after the step
             hand_over(results, outputs)
         if engine.has_unfinished_requests():
             start = time.perf_counter()
-            outputs = engine.step(idle) if lane else engine.step()
+            outputs = engine.step()
             account.count_step(time.perf_counter() - start)
             account.cpu_seconds = time.thread_time()
             for out in outputs:
@@ -254,12 +220,10 @@ class EngineThread:
         self._thread = threading.Thread(target=run, name="nanovllm-step-loop", daemon=True)
         self._thread.start()
 
-    def _next_commands(self, block: bool, timeout: float = 0.0) -> list[Command]:
+    def _next_commands(self, block: bool) -> list[Command]:
         with self._cond:
             while block and not self._pending:
                 self._cond.wait()
-            if not self._pending and timeout > 0:
-                self._cond.wait(timeout)
             commands, self._pending = self._pending, []
         return commands
 
@@ -290,12 +254,9 @@ def engine_process_main(build: Callable[[], Any], commands: Any, outputs: Any) -
     freeze_startup_heap()  # this process is the engine's own: keep its start-up heap out of full collections
     outputs.send(("ready", engine.config))
 
-    def next_commands(block: bool, timeout: float = 0.0) -> list[Command]:
+    def next_commands(block: bool) -> list[Command]:
         batch: list[Command] = []
         try:
-            if not block and timeout > 0 and not commands.poll():
-                # select, not poll(timeout): Connection.poll rounds a timeout up to whole milliseconds
-                select.select([commands], [], [], timeout)
             if block or commands.poll():
                 batch.extend(commands.recv())
             while commands.poll():

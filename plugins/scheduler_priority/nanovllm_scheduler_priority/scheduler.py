@@ -48,11 +48,6 @@ class PriorityScheduler(Scheduler):
         long_prefill_token_threshold: int = Field(
             0, ge=0, description="Most tokens one prompt chunk may take in a step; 0 leaves only the step's budget."
         )
-        urgent_priority: int | None = Field(
-            None,
-            description="Requests of this priority or more urgent (a value at most this) take the engine's urgent "
-            "lane (`urgent_lane_tokens` > 0) when they head the queue and their prompt fits it; None: none do.",
-        )
 
     def __init__(
         self,
@@ -60,12 +55,10 @@ class PriorityScheduler(Scheduler):
         block_manager: BlockManager,
         aging_steps: int = 1000,
         long_prefill_token_threshold: int = 0,
-        urgent_priority: int | None = None,
     ) -> None:
         super().__init__(config, block_manager)
         self.aging_steps = aging_steps
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.urgent_priority = urgent_priority
         self.steps = 0
         self._arrivals = itertools.count()
         self.keys: dict[int, Key] = {}  # seq_id -> key, for every unfinished sequence
@@ -133,30 +126,6 @@ class PriorityScheduler(Scheduler):
             budget += self._unschedule(victim, out)
             self.preempt(victim)
             out.preempted.append(victim)
-        return out
-
-    def schedule_urgent(self, max_tokens: int) -> SchedulerOutput:
-        """The most urgent waiting requests, in key order, while each is of ``urgent_priority`` or more urgent and
-        its whole prompt fits the lane's tokens, a seat and free blocks (no preemption); the first that does not
-        stops the lane, so it never goes before a more urgent request."""
-        out = SchedulerOutput()
-        if self.urgent_priority is None:
-            return out
-        budget = max_tokens
-        while len(self.running) < self.max_num_seqs:
-            seq = self._peek()
-            if seq is None or seq.sampling_params.priority > self.urgent_priority:
-                break
-            if seq.block_table or self.block_manager.num_cached_tokens(seq) + budget < seq.num_tokens:
-                break  # a waiting request that holds blocks already, or a prompt over what is left of the lane
-            n = self.allocate_chunk(seq, budget)
-            if not n:
-                break
-            heapq.heappop(self._heap)
-            del self._waiting[seq.seq_id]
-            self.admit(seq)
-            out.add(seq, n)
-            budget -= n
         return out
 
     def _victim_for(self, seq: Sequence) -> Sequence | None:

@@ -188,7 +188,7 @@ def test_aborting_waiting_requests_keeps_the_heap_small_and_in_order():
 
 def test_options_are_validated_naming_the_accepted_ones():
     defaults = validate_options("scheduler", PriorityScheduler, {})
-    assert defaults == {"aging_steps": 1000, "long_prefill_token_threshold": 0, "urgent_priority": None}
+    assert defaults == {"aging_steps": 1000, "long_prefill_token_threshold": 0}
     with pytest.raises(ConfigError, match="aging_steps") as bad_name:
         simulate(scheduler_options={"aging": 10})
     assert "long_prefill_token_threshold" in str(bad_name.value)
@@ -196,62 +196,6 @@ def test_options_are_validated_naming_the_accepted_ones():
         simulate(scheduler_options={"aging_steps": -1})
     with pytest.raises(ConfigError, match="aging_steps"):
         simulate(scheduler_options={"aging_steps": "10"})
-    with pytest.raises(ConfigError, match="urgent_priority"):
-        simulate(scheduler_options={"urgent_priority": "high"})
-
-
-def urgent_lane(**options) -> tuple[SimulatedEngine, PriorityScheduler]:
-    sim = simulate(max_num_seqs=3, num_blocks=16, scheduler_options={"urgent_priority": 0, **options})
-    sim.add(tokens(10), 4, request_id="running", priority=1)
-    sim.step()
-    return sim, sim.scheduler
-
-
-def admitted(out) -> list[tuple[str, int]]:
-    return [(seq.request_id, n) for seq, n in zip(out.seqs, out.num_new_tokens)]
-
-
-def test_schedule_urgent_admits_whole_urgent_prompts_in_key_order():
-    sim, scheduler = urgent_lane()
-    sim.add(tokens(12, 100), 4, request_id="later", priority=0)
-    sim.add(tokens(6, 200), 4, request_id="most-urgent", priority=-1)
-    out = scheduler.schedule_urgent(32)
-    assert admitted(out) == [("most-urgent", 6), ("later", 12)] and not out.preempted
-    assert scheduler.num_waiting == 0 and scheduler.num_running == 3
-    sim.run()
-    sim.assert_outputs_exact()
-    sim.assert_all_blocks_free()
-
-
-@pytest.mark.parametrize(
-    "head, why",
-    [
-        ({"prompt": 12, "priority": 1}, "not urgent"),
-        ({"prompt": 33, "priority": 0}, "over the lane's 32 tokens"),
-    ],
-    ids=["not-urgent", "too-long"],
-)
-def test_schedule_urgent_stops_at_a_head_that_does_not_qualify(head, why):
-    sim, scheduler = urgent_lane(aging_steps=0)
-    sim.add(tokens(head["prompt"], 100), 4, request_id="head", priority=head["priority"])
-    sim.add(tokens(6, 200), 4, request_id="behind", priority=head["priority"])  # would fit, but is behind the head
-    assert admitted(scheduler.schedule_urgent(32)) == [], why
-    assert scheduler.num_waiting == 2
-
-
-def test_schedule_urgent_never_preempts_for_a_seat():
-    sim, scheduler = urgent_lane()
-    sim.add(tokens(10, 100), 4, request_id="second", priority=1)
-    sim.add(tokens(10, 200), 4, request_id="third", priority=1)
-    sim.step()  # every seat taken
-    sim.add(tokens(6, 300), 4, request_id="urgent", priority=0)
-    assert admitted(scheduler.schedule_urgent(32)) == [] and scheduler.num_preemptions == 0
-
-
-def test_schedule_urgent_admits_nothing_without_urgent_priority():
-    sim = simulate(max_num_seqs=3)
-    sim.add(tokens(6), 4, request_id="a", priority=-5)
-    assert admitted(sim.scheduler.schedule_urgent(32)) == []
 
 
 def test_long_prefill_token_threshold_caps_every_chunk():
