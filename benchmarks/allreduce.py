@@ -2,6 +2,7 @@
 
     python benchmarks/allreduce.py [--world-size 2] [--hidden 1024,4096,8192] [--batch 1,2,4,...,256]
                                    [--dtype bfloat16] [--iters 100] [--repeats 5] [--json PATH]
+                                   [--results-dir results]
 
 Spawns ``--world-size`` processes itself (no torchrun), one per GPU, in one NCCL group. For every message of
 ``batch x hidden`` elements (a decode step's activations: each row-parallel layer sums one over the ranks) it
@@ -18,7 +19,7 @@ holding ``--graph-ops`` calls (as in decode steps, which replay graphs). A time 
 ``--repeats`` runs of the mean per call, the slowest rank's. Each path's result is checked against the exact
 sum once per size. Prints a table, the environment-variable settings that the graph times support (the engine
 takes them from ``NANOVLLM_ALLREDUCE_ONE_SHOT_MAX_BYTES`` / ``NANOVLLM_ALLREDUCE_TWO_SHOT_MAX_BYTES``), and
-with ``--json PATH`` (``-`` for stdout) everything as JSON.
+writes everything as JSON to ``--json PATH`` (``-`` for stdout), by default RESULTS_DIR/allreduce.json.
 
 NVLink multicast stays off: ``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` are set when
 unset, and the script refuses to run with either set to another value; no multimem operation is called.
@@ -186,14 +187,14 @@ def suggest(rows: list[dict[str, Any]], mode: str = "graph") -> dict[str, int]:
                 entry = by_size.setdefault(row["bytes"], {})
                 entry[method] = max(entry.get(method, 0.0), t[mode])  # two shapes of one size: the slower
     limits = {"one_shot": 0, "two_shot": 0}
-    phase = "one_shot"
+    current = "one_shot"  # the range being extended: one-shot's first, then two-shot's
     for nbytes in sorted(by_size):
         times = by_size[nbytes]
         best = min(times, key=times.get)
-        if phase == "one_shot" and best == "one_shot":
+        if current == "one_shot" and best == "one_shot":
             limits["one_shot"] = nbytes
             continue
-        phase = "two_shot"
+        current = "two_shot"
         if best == "two_shot":
             limits["two_shot"] = nbytes
         elif best == "nccl":
@@ -244,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=100, help="calls per timed run")
     parser.add_argument("--graph-ops", type=int, default=10, help="calls captured in one CUDA graph")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per path (the median is kept)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-': stdout)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON here ('-': stdout; default: in "
+                        "--results-dir)")
+    parser.add_argument("--results-dir", default="results", help="without --json: RESULTS_DIR/ (default results)")
     args = parser.parse_args(argv)
     if args.world_size < 2:
         raise SystemExit(f"--world-size {args.world_size}: an all-reduce needs at least 2 GPUs")
@@ -297,10 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     print_table(result)
     if args.json == "-":
         print(json.dumps(result, indent=1))
-    elif args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        return 0
+    path = args.json or os.path.join(args.results_dir, "allreduce.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
     return 0
 
 

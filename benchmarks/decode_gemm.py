@@ -1,19 +1,20 @@
 """How fast the decode step's projections read their weights: each layer's GEMM at the batch sizes decode meets.
 
     python benchmarks/decode_gemm.py [--shape qwen3-0.6b] [--rows 1,16,64,128,256,512] [--blas default,cublaslt]
-                                     [--iters 50] [--json PATH]
+                                     [--iters 50] [--json PATH] [--results-dir results]
 
 A decode step multiplies ``rows`` activations (one per running sequence) by every weight matrix once: at small
 ``rows`` the step should stream the weights at the copy rate. For each projection of the shape (``qkv``, ``o``,
 ``gate_up``, ``down`` and ``lm_head``, as the engine's fused layers hold them, unsharded) and each row count this
 times ``F.linear`` in bf16 (``--iters`` calls captured in a CUDA graph, as the engine replays a decode step; CUDA
-events around 5 replays, the median per call; each call takes the next of enough copies of the matrix to outgrow
+events bracketing 5 replays, the median per call; each call takes the next of enough copies of the matrix to outgrow
 the L2 cache, as the layers of a step do)
 and reports microseconds, TFLOP/s and the weights' read rate in TB/s against the device's copy rate (the
 ``nanovllm bench`` bound's). ``--blas`` names PyTorch's BLAS back-ends to compare
-(``torch.backends.cuda.preferred_blas_library``). The one-GPU issue puts the 0.6B step's small-M GEMMs at about
-1.1 TB/s of weights: this measures it per layer. On a machine without CUDA it runs on the CPU with ``--rows``
-as given (a check of the script, not a measurement of interest).
+(``torch.backends.cuda.preferred_blas_library``). At a few rows a GEMM's fixed latency, not its bytes, can set
+its time: this says, layer by layer, how far each projection is from reading its weights at the copy rate. On a
+machine without CUDA it runs on the CPU with ``--rows`` as given (a check of the script, not a measurement of
+interest). Without ``--json`` the report goes to RESULTS_DIR/kernels/decode_gemm_SHAPE.json.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from nanovllm_core.benchmark import SHAPES, measure_device
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import copy_bytes_per_s, out_dir, write_json  # noqa: E402
+
+from nanovllm_core.bench.offline import SHAPES  # noqa: E402
 
 
 def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -90,7 +95,7 @@ COLD_BYTES = 256 << 20  # the copies of a weight matrix one timing cycles throug
 def measure(shape_name: str, rows: list[int], blas: list[str], iters: int) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    copy_rate = measure_device(device).get("copy_bytes_per_s") if device.type == "cuda" else None
+    copy_rate = copy_bytes_per_s() if device.type == "cuda" else None
     results = []
     for backend in blas if device.type == "cuda" else ["default"]:
         if device.type == "cuda" and backend != "default":
@@ -139,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,16,64,128,256,512", help="comma-separated batch sizes (rows)")
     parser.add_argument("--blas", default="default,cublaslt", help="comma-separated BLAS back-ends to compare")
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--json", help="write the report here ('-': stdout)")
+    parser.add_argument("--json", help="write the report here ('-': stdout; default: in --results-dir)")
+    parser.add_argument(
+        "--results-dir", default="results", help="without --json: RESULTS_DIR/kernels/ (default results)"
+    )
     args = parser.parse_args(argv)
     try:
         rows = [int(r) for r in args.rows.split(",") if r.strip()]
@@ -154,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    else:
+        write_json(out_dir(args.results_dir, "kernels") / f"decode_gemm_{args.shape}.json", report)
     return 0
 
 

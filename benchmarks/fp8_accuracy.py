@@ -1,7 +1,7 @@
 """Accuracy of the FP8 KV cache (``kv_cache_dtype = "fp8"``) beside the default (model-dtype, bf16) cache.
 
     python benchmarks/fp8_accuracy.py [--shape test-tiny|tiny|qwen3-0.6b|...] [--model PATH] [--device cuda|cpu]
-                                      [--attention triton|torch|...] [--num-tokens 64] [--json PATH]
+                                      [--attention triton|torch|...] [--num-tokens 256] [--json PATH]
 
 On a random-weight checkpoint (or ``--model``), with the same engine settings for both caches:
 
@@ -15,9 +15,10 @@ On a random-weight checkpoint (or ``--model``), with the same engine settings fo
    run's agreement is a pessimistic measure, the logit error the direct one.
 
 Shapes: ``test-tiny`` is the GPU tests' checkpoint (2 layers, hidden 256, Qwen3-0.6B's attention: 16 query and 8 KV
-heads of 128); the others are ``nanovllm_core.benchmark.SHAPES`` written by ``random_checkpoint`` (HF-like
-``init_std=0.02``; ``tiny`` has head_dim 32, which only the ``torch`` backend runs). Defaults: CUDA when available
-with the ``triton`` backend and bfloat16, else the CPU with the ``torch`` backend (bfloat16 too: ``--dtype``).
+heads of 128); the others are the random-weight shapes of ``nanovllm bench --shape`` (HF-like ``init_std=0.02``;
+``tiny`` has head_dim 32, which only the ``torch`` backend runs). Defaults: CUDA when available with the ``triton``
+backend and bfloat16, else the CPU with the ``torch`` backend (bfloat16 too: ``--dtype``). Without ``--json`` the
+results go to RESULTS_DIR/fp8_accuracy/SHAPE.json.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ from typing import Any
 import torch
 
 from nanovllm_core import LLM, SamplingParams, SchedulerOutput, Sequence
-from nanovllm_core.benchmark import SHAPES, random_checkpoint
 from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import out_dir, write_json  # noqa: E402
+
+from nanovllm_core.bench.offline import SHAPES, random_checkpoint  # noqa: E402
 
 PROMPTS = PARITY_PROMPTS  # the GPU parity tests' prompts (tests/gpu/test_gpu_engine.py, the FP8 engine test)
 LOGIT_PROMPTS = slice(1, 4)  # the prompts whose last-token logits the GPU tests compare
@@ -45,7 +50,7 @@ CACHES = ("auto", "fp8")
 def checkpoint(shape: str, dtype: torch.dtype) -> Path:
     """A random-weight checkpoint of ``shape`` in ``dtype``, written once under /tmp."""
     if shape != "test-tiny":
-        return random_checkpoint(shape, dtype)
+        return Path(random_checkpoint(shape, dtype))
     path = Path("/tmp") / f"nanovllm-fp8-accuracy-test-tiny-{str(dtype).split('.')[-1]}"
     if not (path / "config.json").is_file():
         write_tiny_checkpoint(path, "qwen3", dtype=dtype, **GPU_TEST_SHAPE)
@@ -198,9 +203,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the model's (and default cache's)")
     parser.add_argument("--attention", help="attention backend (default: triton on CUDA, torch on the CPU)")
     parser.add_argument("--block-size", type=int, default=256, help="kvcache_block_size")
-    parser.add_argument("--num-tokens", type=int, default=64, help="greedy tokens generated per prompt")
+    parser.add_argument("--num-tokens", type=int, default=256, help="greedy tokens generated per prompt (default 256)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--json", help="also write the results as JSON to this file")
+    parser.add_argument("--json", help="write the results as JSON to this file (default: in --results-dir)")
+    parser.add_argument(
+        "--results-dir", default="results", help="without --json: RESULTS_DIR/fp8_accuracy/ (default results)"
+    )
     args = parser.parse_args(argv)
     if args.num_tokens < 1:
         parser.error(f"--num-tokens must be at least 1, got {args.num_tokens}")
@@ -215,6 +223,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    else:
+        name = Path(args.model).name if args.model else args.shape
+        write_json(out_dir(args.results_dir, "fp8_accuracy") / f"{name}.json", result)
     return result
 
 

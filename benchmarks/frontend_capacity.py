@@ -8,9 +8,11 @@ front-end is the real one (AsyncLLM, the FastAPI app, uvicorn) in this process; 
 produce ``running requests / step time`` tokens per second; the result says how much of that reaches the
 client, with the front-end's CPU time per token and the time the step loop spent handing outputs over.
 
-    python benchmarks/frontend_capacity.py [--num-prompts 256] [--step-ms 5] [--shape tiny]
+    python benchmarks/frontend_capacity.py [--num-prompts 256] [--step-ms 5] [--shape tiny] [--json PATH]
 
-On an H200 the 0.6B model's decode step with 256 sequences takes about 10 ms (24,900 tok/s offline).
+Set ``--step-ms`` to the decode step time of the model and GPU you care about (``nanovllm bench`` reports its
+decode steps): the front-end keeps up when nearly all of the engine's rate reaches the client. Without ``--json``
+the result goes to RESULTS_DIR/frontend_capacity.json.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ async def serve_and_measure(args: argparse.Namespace, model: str) -> dict[str, A
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -120,12 +122,15 @@ def main() -> None:
         help="event loop of the front-end (auto: uvloop when installed, as uvicorn picks)",
     )
     parser.add_argument("--http", default="auto", help="uvicorn's --http (auto, h11, httptools)")
-    parser.add_argument("--reader-thread", action="store_true", help="read the engine's pipe in a thread (as before)")
+    parser.add_argument(
+        "--reader-thread", action="store_true", help="read the engine's pipe in a thread, not from the event loop"
+    )
     parser.add_argument("--profile", help="write a cProfile of the front-end here")
     parser.add_argument("--client-profile", help="write a cProfile of the client (nanovllm bench serve) here")
     parser.add_argument("--client-processes", type=int, default=1, help="bench serve's --client-processes")
-    parser.add_argument("--json", help="write the result here")
-    args = parser.parse_args()
+    parser.add_argument("--json", help="write the result here (default: in --results-dir)")
+    parser.add_argument("--results-dir", default="results", help="without --json: RESULTS_DIR/ (default results)")
+    args = parser.parse_args(argv)
     args.uvicorn = {"http": args.http}  # the loop is this process's own (uvicorn serves inside it)
     run = asyncio.run
     if args.loop != "asyncio":
@@ -138,7 +143,10 @@ def main() -> None:
                 raise SystemExit("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
     import torch
 
-    from nanovllm_core.benchmark import random_checkpoint
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import out_dir, write_json
+
+    from nanovllm_core.bench.offline import random_checkpoint
 
     model = str(random_checkpoint(args.shape, torch.float32))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -165,7 +173,10 @@ def main() -> None:
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    else:
+        write_json(out_dir(args.results_dir, "") / "frontend_capacity.json", result)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,22 +1,25 @@
 """Per-step host work for 256 running sequences in decode: schedule + postprocess + input preparation.
 
     python benchmarks/host_overhead.py [--num-seqs 256] [--steps 200] [--block-size 256]
-                                       [--scheduler fifo|mixed|priority] [--stream ids|text]
+                                       [--scheduler fifo|mixed|priority] [--stream ids|text] [--results-dir results]
 
 Runs the real engine core (step validation, postprocess, stop checks, outputs) with a scheduler policy (`fifo`;
 `mixed` and `priority` when their plugins are installed, with `--max-num-batched-tokens` steps), the
 `prefix_cache` block manager, the sampler's per-step parameter gathering and the model runner's input preparation
 (tensors on the CPU; on a GPU they would be copied from pinned memory without a sync). No model runs: this is
-the time the host adds per step.
+the time the host adds per step. CPU only. The medians go to RESULTS_DIR/host_overhead_SCHEDULER.json, beside
+the machine's speed at the time (shared machines change speed: compare runs taken back to back).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import random
 import statistics
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -58,8 +61,8 @@ class StubRunner:
         return SimpleNamespace(batch=batch, tokens=lambda: sampled)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Host work per decode step (CPU, no model).")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--block-size", type=int, default=256)
@@ -71,7 +74,8 @@ def main() -> None:
         help="every request streams (output_kind='delta'): token ids only, as the server's engine sends them "
         "(the front-end decodes), or with the text decoded in the engine (the tiny test tokenizer)",
     )
-    args = parser.parse_args()
+    parser.add_argument("--results-dir", default="results", help="where the JSON goes (default results)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     config = EngineConfig(
         model="unused",
@@ -128,10 +132,19 @@ def main() -> None:
         f"{args.block_size}, "
         f"median of {args.steps} steps (ms):"
     )
-    print(f"  (machine speed now: a fixed pure-Python reference loop takes {reference_ms():.1f} ms)")
+    reference = reference_ms()
+    print(f"  (machine speed now: a fixed pure-Python reference loop takes {reference:.1f} ms)")
+    result = {"args": vars(args), "reference_loop_ms": reference, "ms_per_step": {}}
     for key, values in timings.items():
-        print(f"  {key:20s} {statistics.median(values):.3f}  (p90 {sorted(values)[int(0.9 * len(values))]:.3f})")
+        median, p90 = statistics.median(values), sorted(values)[int(0.9 * len(values))]
+        result["ms_per_step"][key] = {"median": median, "p90": p90}
+        print(f"  {key:20s} {median:.3f}  (p90 {p90:.3f})")
+    out = Path(args.results_dir) / f"host_overhead_{args.scheduler}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -30,7 +30,7 @@ def ensure_demo_checkpoint() -> Path:
     """The embedded demo: a tiny random-weight Qwen3 written on first use (no download is possible)."""
     path = demo_checkpoint_dir()
     if not (path / "config.json").is_file():
-        from nanovllm_core.testing import write_tiny_checkpoint
+        from nanovllm_core.demo import write_tiny_checkpoint
 
         print(f"writing the demo checkpoint (tiny random-weight Qwen3) to {path}", file=sys.stderr)
         write_tiny_checkpoint(path, "qwen3", hidden_size=128, intermediate_size=256, num_layers=4)
@@ -136,9 +136,10 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    """The installed plugins, what each registers, the config's selection (``*``) and the broken ones."""
+    """The installed plugins, what each registers, the config's selection (``*``), the broken ones, and each role
+    (scheduler, block manager, attention backend, model) that no installed plugin fills, with what to install."""
     from nanovllm_core.config import read_config_file
-    from nanovllm_core.plugins import conflict_message, get_registry
+    from nanovllm_core.plugins import conflict_message, get_registry, missing_hint, none_installed_hint
 
     registry = get_registry()
     table = read_config_file(args.config).get("plugins", {}) if args.config else {}
@@ -174,10 +175,18 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         if name in registry.conflicts[kind]:
             print(f"error: the selected {kind} {name!r} is registered by more than one plugin (see above)")
             status = 1
-        elif name not in registry.registrations[kind] and not (kind == "attention" and name == "auto"):
+        elif kind == "attention" and name == "auto":
+            if not registry.registrations[kind]:
+                print(f"error: no attention backend is installed; {none_installed_hint(kind)}")
+                status = 1
+        elif name not in registry.registrations[kind]:
             installed = ", ".join(registry.names(kind)) or "none"
-            print(f"error: {kind} {name!r} is not installed (installed: {installed})")
+            print(f"error: {kind} {name!r} is not installed (installed: {installed}). {missing_hint(kind, name)}")
             status = 1
+    # the model is picked from the checkpoint's architecture, so no name is selected: at least one must exist
+    if not registry.registrations["model"] and not registry.conflicts["model"]:
+        print(f"error: no model is installed; {none_installed_hint('model')}")
+        status = 1
     if registry.broken:
         print("\nbroken plugins (not loaded):")
         for broken in registry.broken:
@@ -421,13 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
-    from nanovllm_core.benchmark import add_bench_arguments
+    from nanovllm_core.bench.offline import add_bench_arguments
 
     add_bench_arguments(parser)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from nanovllm_core.benchmark import run_bench
+    from nanovllm_core.bench.offline import run_bench
 
     return run_bench(args, _cli_overrides(args))
 

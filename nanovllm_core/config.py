@@ -81,9 +81,9 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
         "auto",
         description="KV-cache element type. `auto`: the model's dtype; `fp8` (or vLLM's `fp8_e4m3`, read as `fp8`): "
-        "float8 e4m3 with a scale per token and KV head (about half the bytes, so twice the tokens; on an H200 "
-        "with `triton` 1.17x the bf16 cache's offline throughput at Qwen3-0.6B's shape and 1.06x at 8B's; logits "
-        "about 4x further from float32 than the bf16 cache's; attention backends `triton` and `torch`).",
+        "float8 e4m3 with a float32 scale per token and KV head: about half the bytes, so twice the tokens in the "
+        "same memory and half the KV for decode attention to read, for logits further from float32 than the bf16 "
+        "cache's (docs/performance.md measures both); attention backends `triton` and `torch`.",
     )
     num_kvcache_blocks: int | None = Field(
         None, ge=1, description="Number of KV-cache blocks; when unset it is sized from free memory."
@@ -217,6 +217,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "TOML files are UTF-8: save it as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
 
 
 def describe_error(err: ErrorDetails) -> str:

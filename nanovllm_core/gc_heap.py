@@ -1,14 +1,13 @@
 """The start-up heap out of the garbage collector's way, and the collector's pauses counted.
 
 A process that has imported torch, transformers and the server stack tracks a few hundred thousand container
-objects. Python's full (oldest-generation) collection walks all of them: about 100 ms on a 2-core CPU box, each
-time enough long-lived objects have piled up. While serving, every such pause stalls every stream at once.
+objects. Python's full (oldest-generation) collection walks all of them, each time enough long-lived objects have
+piled up, and while serving every such pause stalls every stream at once.
 :func:`freeze_startup_heap`, once start-up is over, moves everything alive then into the permanent generation
 that collections skip (``gc.freeze``, as vLLM does in its API server and engine core); later objects are
 collected as usual, but less often: the youngest generation is collected after ``YOUNG_THRESHOLD`` net
-allocations instead of Python's 700 (a streaming front-end allocates a few objects per token: with 700 it ran
-about 550 collections in a 5.5 s run of ``benchmarks/frontend_capacity.py``, 133 ms in all, four of them full
-ones of up to 10-19 ms that stall every stream; with 10,000, 6 collections and 13 ms). Only for processes
+allocations instead of Python's 700, since a streaming front-end allocates a few objects per token and would
+otherwise run many collections a second, some of them full ones that stall every stream. Only for processes
 nanovllm owns (the server, its engine process, tensor-parallel workers): in a caller's own process a frozen
 object that later becomes cyclic garbage would never be freed, and the collector's settings are the caller's.
 """

@@ -8,16 +8,16 @@ not used)::
     [project.entry-points.nanovllm]
     my_plugin = "my_package.plugin"
 
-The module also declares which plugin API versions it supports (see ``nanovllm_core.PLUGIN_API_VERSION``, now
-2; a plugin that declares nothing is read as API 1 and refused)::
+The module may declare which plugin API versions it supports (see ``nanovllm_core.PLUGIN_API_VERSION``); a
+plugin that declares nothing is taken to support the core's current API, and one whose declaration excludes it
+is reported as broken, naming both, while the other plugins still load::
 
     NANOVLLM_PLUGIN_API = ">=2,<3"
 
 Every hook is called once per process, when the registry is first built (the engine builds it; so do
 ``nanovllm plugins`` and :func:`nanovllm_core.get_registry`). A hook implementation takes exactly one argument,
 named ``register``; pluggy passes it by name. The registered object must be a class satisfying the interface of
-its kind, otherwise the plugin is reported as broken. The authoring guide is ``docs/plugins.md``; what changed
-from API 1 is in ``docs/migrating-to-plugin-api-2.md``.
+its kind, otherwise the plugin is reported as broken. The authoring guide is ``docs/plugins.md``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 import pluggy
 
 PROJECT_NAME = "nanovllm"
-PLUGIN_API_VERSION = 2  # bumped when a hook or an interface changes incompatibly (2: the engine owns requests)
+PLUGIN_API_VERSION = 2  # bumped when a hook or an interface changes incompatibly
 CORE_VERSION = "0.1.0"
 ENTRY_POINT_GROUP = "nanovllm"
 

@@ -47,9 +47,25 @@ KINDS: dict[str, str] = {
 }
 HOOK_NAMES = frozenset(KINDS.values())
 API_ATTRIBUTE = "NANOVLLM_PLUGIN_API"
-"""The module attribute in which a plugin declares the plugin API versions it supports, e.g. ``">=1,<2"``."""
-DEFAULT_PLUGIN_API = "==1"
-"""What a plugin that declares nothing is taken to support: API 1, the API before versions were declared."""
+"""The module attribute in which a plugin declares the plugin API versions it supports, e.g. ``">=2,<3"``;
+a plugin that declares nothing is taken to support the core's current API."""
+
+PROVIDERS: dict[str, dict[str, str]] = {
+    "scheduler": {
+        "fifo": "nanovllm-scheduler-fifo",
+        "mixed": "nanovllm-scheduler-mixed",
+        "priority": "nanovllm-scheduler-priority",
+    },
+    "block_manager": {"prefix_cache": "nanovllm-scheduler-fifo"},
+    "attention": {"torch": "nanovllm-attention-flash", "triton": "nanovllm-attention-flash",
+                  "flash_attn": "nanovllm-attention-flash"},
+    "model": {
+        "Qwen3ForCausalLM": "nanovllm-models-qwen3",
+        "Qwen2ForCausalLM": "nanovllm-models-qwen3",
+        "Qwen3MoeForCausalLM": "nanovllm-models-qwen3",
+    },
+}
+"""The nanovllm distribution that registers each of the project's own names, kind by kind (for error messages)."""
 
 _BASES: dict[str, type] = {
     "scheduler": Scheduler,
@@ -108,8 +124,8 @@ class PluginRegistry:
             raise PluginConflictError(conflict_message(self.conflicts[kind][name]))
         if name not in entries:
             installed = ", ".join(sorted(entries)) or "none"
-            hint = _kind_hint(kind)
-            msg = f"no {kind.replace('_', ' ')} named {name!r} is installed; installed: {installed}. {hint}"
+            label = kind.replace("_", " ")
+            msg = f"no {label} named {name!r} is installed; installed: {installed}. {missing_hint(kind, name)}"
             if self.broken:
                 msg += " Plugins that failed to load: " + "; ".join(
                     f"{b.plugin} ({b.distribution}): {b.error}" for b in self.broken
@@ -142,16 +158,28 @@ def conflict_message(clashing: list[Registration]) -> str:
     )
 
 
-def _kind_hint(kind: str) -> str:
+def missing_hint(kind: str, name: str) -> str:
+    """How to get the ``kind`` named ``name``: the distribution that ships it when it is one of the project's."""
+    dist = PROVIDERS.get(kind, {}).get(name)
+    if dist is not None:
+        return f"It ships in {dist}: pip install {dist}"
     return {
-        "scheduler": "Install a scheduler plugin (e.g. nanovllm-scheduler-fifo) or fix [plugins] scheduler.",
-        "block_manager": "Install a block manager plugin (e.g. nanovllm-scheduler-fifo) or fix "
-        "[plugins] block_manager.",
-        "attention": "Install an attention plugin (e.g. nanovllm-attention-flash) or fix [plugins] attention.",
-        "model": "Install a model plugin that supports this architecture (e.g. nanovllm-models-qwen3).",
+        "scheduler": "Install the plugin that registers it, or fix [plugins] scheduler.",
+        "block_manager": "Install the plugin that registers it, or fix [plugins] block_manager.",
+        "attention": "Install the plugin that registers it, or fix [plugins] attention.",
+        "model": "Install a model plugin that registers this architecture.",
         "tool_parser": "Install a plugin that registers it, or fix --tool-call-parser.",
         "reasoning_parser": "Install a plugin that registers it, or fix --reasoning-parser.",
     }[kind]
+
+
+def none_installed_hint(kind: str) -> str:
+    """What to install when no plugin registers any ``kind`` at all: the project's distributions of that kind."""
+    names = PROVIDERS.get(kind, {})
+    dists = sorted(set(names.values()))
+    if not dists:
+        return f"install a plugin that registers a {kind.replace('_', ' ')}"
+    return f"{', '.join(names)} ship in {' and '.join(dists)}: pip install {' '.join(dists)}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -184,33 +212,23 @@ def api_supported(spec: object, version: int) -> bool:
 
 
 def _api_problem(plugin: Any) -> str | None:
-    spec = getattr(plugin, API_ATTRIBUTE, DEFAULT_PLUGIN_API)
+    if not hasattr(plugin, API_ATTRIBUTE):
+        return None
+    spec = getattr(plugin, API_ATTRIBUTE)
     core = f"nanovllm-core {hookspecs.CORE_VERSION} provides plugin API {hookspecs.PLUGIN_API_VERSION}"
     try:
         supported = api_supported(spec, hookspecs.PLUGIN_API_VERSION)
     except ValueError:
         return (
             f"{API_ATTRIBUTE} = {spec!r} is not a version specifier; write an integer or clauses such as "
-            f"'>=1,<2' ({core})"
+            f"'>={hookspecs.PLUGIN_API_VERSION},<{hookspecs.PLUGIN_API_VERSION + 1}' ({core})"
         )
     if supported:
         return None
-    if hasattr(plugin, API_ATTRIBUTE):
-        declared = f"{API_ATTRIBUTE} = {spec!r}"
-    else:
-        declared = f"no {API_ATTRIBUTE}, read as {spec!r}"
-    problem = (
-        f"incompatible plugin API: the plugin supports {spec} ({declared}) but {core}. Install a release of "
-        "the plugin that supports this API, or a nanovllm-core that provides the API the plugin supports"
+    return (
+        f"incompatible plugin API: the plugin declares {API_ATTRIBUTE} = {spec!r} but {core}; install a release "
+        "of the plugin that supports this API, or a nanovllm-core that provides an API the plugin supports"
     )
-    if hookspecs.PLUGIN_API_VERSION == 2 and api_supported(spec, 1):
-        problem += (
-            ". What changed in API 2: the engine owns requests (ids, fit checks, stops, finish reasons, aborts) and "
-            "a scheduler is a policy: it subclasses Scheduler, takes (config, block_manager, **options) and writes "
-            "schedule() only; postprocess, finish and preempt live in the base class. Migration guide: "
-            "docs/migrating-to-plugin-api-2.md"
-        )
-    return problem
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Steps replayed from CUDA graphs: decode steps per batch-size bucket, steps with prompt tokens per token bucket.
 
 A step launches hundreds of small kernels; capturing them once per bucket and replaying removes the launch
-cost (on an H200 an eager step of the 0.6B model costs tens of milliseconds of launches, a replay a few).
+cost, which is most of an eager decode step of a small model.
 ``CudaGraphDecoder`` replays pure-decode steps (one new token per sequence), one graph per batch size.
 ``CudaGraphMixed`` replays steps that carry prompt tokens (prefill chunks, alone or beside decode tokens: what
 a mixed-batch scheduler runs in most steps under load) of up to ``max_tokens`` tokens, one graph per token-count

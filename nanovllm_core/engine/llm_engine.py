@@ -29,7 +29,7 @@ from nanovllm_core.errors import ConfigError, ModelLoadError
 from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler, SchedulerOutput
 from nanovllm_core.loader import load_hf_config
-from nanovllm_core.plugins import PluginRegistry, get_registry
+from nanovllm_core.plugins import PluginRegistry, get_registry, missing_hint, none_installed_hint
 from nanovllm_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -150,10 +150,10 @@ def select_attention_backend(
         if reason is None:
             return reg.obj
         reasons.append(f"{reg.name}: {reason}")
-    installed = ", ".join(r.name for r in candidates) or "none"
-    raise ConfigError(
-        f"no attention backend runs on {device} / {dtype} (installed: {installed}); " + "; ".join(reasons)
-    )
+    if not candidates:
+        raise ConfigError(f"no attention backend is installed; {none_installed_hint('attention')}")
+    installed = ", ".join(r.name for r in candidates)
+    raise ConfigError(f"no attention backend runs on {device} / {dtype} (installed: {installed}): {'; '.join(reasons)}")
 
 
 class LLMEngine(EngineCore):
@@ -193,7 +193,8 @@ class LLMEngine(EngineCore):
         if arch not in registry.registrations["model"] and arch not in registry.conflicts["model"]:
             installed = ", ".join(registry.names("model")) or "none"
             raise ModelLoadError(
-                f"architecture {arch!r} is not provided by any installed model plugin; installed: {installed}"
+                f"architecture {arch!r} is not provided by any installed model plugin; installed: {installed}. "
+                + missing_hint("model", arch)
             )
         model_cls = registry.get("model", arch).obj
         max_positions = getattr(self.hf_config, "max_position_embeddings", None)
@@ -258,7 +259,7 @@ class LLMEngine(EngineCore):
         warmup_s = self._warm_up()
         # Start-up leaves many objects that survived into the oldest generation without a full collection ever
         # running; the first one would then come due during the first generate (a pause that grows with the
-        # heap: about 0.1 s on a CPU box). Run it now, as part of start-up.
+        # heap). Run it now, as part of start-up.
         collect_start = time.perf_counter()
         gc.collect()
         collect_s = time.perf_counter() - collect_start

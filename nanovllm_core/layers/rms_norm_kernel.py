@@ -1,10 +1,10 @@
 """RMSNorm, with or without the residual add before it, in one Triton kernel (imports ``triton``: import it
 lazily).
 
-``torch.compile`` fuses :func:`~nanovllm_core.layers.fused.add_rms_norm` too, but for Qwen3-8B's 4,096-wide
-rows it emits a looped reduction that reads each row twice, at 3.6 us a call for 256 decode rows (72 calls a
-step) and 120 us for a 14,000-token prompt step (round 13's profiles). Here a program holds one whole row in
-registers: one read of ``x`` (and the residual), one write of the output (and the new residual).
+``torch.compile`` fuses :func:`~nanovllm_core.layers.fused.add_rms_norm` too, but for wide rows (Qwen3-8B's
+4,096) it emits a looped reduction that reads each row twice, and a decode step runs two of these a layer. Here
+a program holds one whole row in registers: one read of ``x`` (and the residual), one write of the output (and
+the new residual).
 
 The arithmetic is eager PyTorch's (:func:`~nanovllm_core.layers.fused.add_rms_norm`): the add rounded to the
 input dtype, the mean of squares and ``rsqrt`` in float32, the normalised row rounded to the dtype, then the

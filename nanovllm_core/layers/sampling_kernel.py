@@ -240,9 +240,9 @@ def sample_temperature(
 def warmup(logits: torch.Tensor, *, block: int = 4096) -> int:
     """Compile every variant ``sample_temperature`` can launch on logits like ``logits`` (``[rows, vocab]``, the
     model's: dtype and vocabulary matter): one split and each power-of-two bucket of split counts the merge kernel
-    is specialised on (``SPLITS_P2``), which the default split count reaches as a batch's row count changes. On an
-    H200 (0.6B model) four such compilations landed in the first ``generate`` (0.2 s, and slower steps) when only
-    the start-up's row counts had run. Returns how many variants it launched."""
+    is specialised on (``SPLITS_P2``), which the default split count reaches as a batch's row count changes. A
+    variant first met inside ``generate`` compiles there, in the middle of a step, when only the start-up's row
+    counts had run. Returns how many variants it launched."""
     num_tiles = triton.cdiv(logits.size(-1), block)
     by_bucket: dict[int, int] = {}
     for requested in range(1, num_tiles + 1):

@@ -16,7 +16,7 @@ Workloads (token-id prompts, ``ignore_eos`` so every request produces exactly it
   lengths), token ids uniform in ``[0, --vocab-size)``. Long prompts are where prefill scheduling shows.
 
 Arrivals are a Poisson process at ``--request-rate`` requests/s (``inf``: all at once); ``--rates 1,2,inf``
-runs the workload once per rate for a latency-vs-rate curve (``benchmarks/plot_serving.py`` draws it).
+runs the workload once per rate for a latency-vs-rate curve (``benchmarks/plot.py`` draws it).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class RequestResult:
 
 
 def nano_workload(num_prompts: int, max_input_len: int, max_output_len: int) -> list[BenchRequest]:
-    from nanovllm_core.benchmark import workload
+    from nanovllm_core.bench.offline import workload
 
     prompts, max_tokens = workload(num_prompts, max_input_len, max_output_len)
     return [BenchRequest(p, m) for p, m in zip(prompts, max_tokens)]

@@ -29,12 +29,11 @@ import json
 import random
 import shutil
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import pytest
 import torch
 
 from nanovllm_core.engine.cuda_graph import MixedStepBuffers
@@ -50,6 +49,9 @@ from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.sequence import Sequence
 from nanovllm_core.testing.checkpoints import hf_greedy, write_tiny_checkpoint
 from nanovllm_core.testing.simulated import SimulatedEngine, random_tokens
+
+if TYPE_CHECKING:
+    import pytest
 
 __all__ = [
     "AttentionBackendConformance",
@@ -69,12 +71,34 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+# pytest is imported where it is used, so that the kits import where pytest is not installed (their checks run
+# under pytest only); the class-level decorators below are pytest's own when it is installed.
+def _fixture(**kwargs: Any) -> Callable[[_F], _F]:
+    try:
+        import pytest
+    except ModuleNotFoundError:
+        return lambda function: function
+    return pytest.fixture(**kwargs)
+
+
+def _parametrize(names: str, values: list[Any], ids: list[str]) -> Callable[[_F], _F]:
+    try:
+        import pytest
+    except ModuleNotFoundError:
+        return lambda function: function
+    return pytest.mark.parametrize(names, values, ids=ids)
+
+
 @contextmanager
 def registered_for_test(kind: str, cls: type, name: str | None = None) -> Iterator[str]:
     """Yield the name under which the engine finds ``cls``, registering it in-process if it is not installed.
 
     For ``kind="model"`` pass the architecture as ``name``: that is the name the engine looks up.
     """
+    import pytest
     registry = get_registry()
     if name is None:
         found = [r.name for r in registry.registrations[kind].values() if r.obj is cls]
@@ -111,6 +135,7 @@ def registered_for_test(kind: str, cls: type, name: str | None = None) -> Iterat
 
 def _installed(kind: str, name: str, setting: str) -> Any:
     """The installed registration of ``name``; skips the check (saying how to run it) when it is not installed."""
+    import pytest
     registry = get_registry()
     if name not in registry.registrations[kind]:
         pytest.skip(f"this check uses the {kind} {name!r}, which is not installed: install it or set `{setting}`")
@@ -132,6 +157,7 @@ def shared_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, arch: str =
 def _run_engine(
     engine: LLMEngine, prompts: list[list[int]], max_tokens: int, max_steps: int = 10_000
 ) -> list[list[int]]:
+    import pytest
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params, request_id=f"conformance-{i}") for i, p in enumerate(prompts)]
     outputs = {}
@@ -178,7 +204,7 @@ class SchedulerConformance:
     attention: ClassVar[str] = "torch"
     block_size: ClassVar[int] = 16
 
-    @pytest.fixture(params=[False, True], ids=["sync", "async"])
+    @_fixture(params=[False, True], ids=["sync", "async"])
     def async_scheduling(self, request: pytest.FixtureRequest) -> bool:
         return request.param
 
@@ -198,7 +224,7 @@ class SchedulerConformance:
             async_scheduling=async_scheduling, **kwargs,
         )
 
-    @pytest.fixture(scope="class")
+    @_fixture(scope="class")
     @classmethod
     def conformance_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
         return shared_tiny_checkpoint(tmp_path_factory)
@@ -253,6 +279,7 @@ class SchedulerConformance:
         sim.assert_all_blocks_free()
 
     def test_request_that_can_never_fit_is_rejected(self) -> None:
+        import pytest
         sim = self.simulate(num_blocks=4)
         rng = random.Random(1)
         with pytest.raises(InvalidRequestError):
@@ -361,6 +388,7 @@ class SchedulerConformance:
 
     def test_prefix_cache_hits_are_reported(self) -> None:
         """A prompt sharing full blocks with a finished one reports exactly those tokens as cached."""
+        import pytest
         if not self.expect_prefix_cache_hits:
             pytest.skip("expect_prefix_cache_hits = False")
         bs = self.block_size
@@ -388,6 +416,7 @@ class SchedulerConformance:
         self, conformance_checkpoint: Path, async_scheduling: bool
     ) -> None:
         """The real engine with preemption (6 blocks for 4 requests) gives ``transformers``' greedy output."""
+        import pytest
         registry = get_registry()
         missing = [] if "Qwen3ForCausalLM" in registry.registrations["model"] else ["model Qwen3ForCausalLM"]
         if self.attention not in registry.registrations["attention"]:
@@ -480,12 +509,12 @@ class SchedulerParity:
         """After every run: every block free (subclasses add the policy's own checks)."""
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "blocks left in use"
 
-    @pytest.fixture(scope="class")
+    @_fixture(scope="class")
     @classmethod
     def parity_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
         return shared_tiny_checkpoint(tmp_path_factory)
 
-    @pytest.fixture(scope="class")
+    @_fixture(scope="class")
     @classmethod
     def reference_tokens(cls, parity_checkpoint: Path) -> dict[str, list[list[int]]]:
         kit = cls()
@@ -618,6 +647,7 @@ class BlockManagerConformance:
         assert bm.num_free_blocks == 4, f"after free, {bm.num_free_blocks} of 4 blocks are free"
 
     def test_prefix_cache_hit_is_the_shared_full_block_prefix(self) -> None:
+        import pytest
         if not self.supports_prefix_caching:
             pytest.skip("supports_prefix_caching = False")
         bm, bs = self.make(16), self.block_size
@@ -715,6 +745,7 @@ class AttentionBackendConformance:
     rtol: ClassVar[float] = 1e-4
 
     def _setup(self) -> tuple[torch.device, int]:
+        import pytest
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             pytest.skip("no CUDA device")
         device = torch.device(self.device)
@@ -736,15 +767,16 @@ class AttentionBackendConformance:
                 f"supported_block_sizes() = {sizes}: the config allows powers of two from 16 to 256"
             )
 
-    @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+    @_parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
     def test_ragged_batches_match_dense_attention(self, num_heads: int, num_kv_heads: int) -> None:
         self._check_ragged_batches(num_heads, num_kv_heads, graph_buffers=False)
 
-    @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+    @_parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
     def test_graph_batches_match_dense_attention(self, num_heads: int, num_kv_heads: int) -> None:
         """Backends with ``supports_cuda_graph_mixed``: the steps with prompt tokens go through the static batch
         a captured graph replays (``MixedStepBuffers``: padding rows, tokens owned by no sequence holding NaN,
         metadata from ``build_graph_metadata``), as the model runner's graphs do."""
+        import pytest
         if not self.backend_cls.supports_cuda_graph_mixed:
             pytest.skip(f"{self.backend_cls.__name__} does not capture steps with prompt tokens")
         self._check_ragged_batches(num_heads, num_kv_heads, graph_buffers=True)
@@ -841,7 +873,7 @@ class ModelConformance:
         """Write a tiny checkpoint of this architecture (``config.json``, safetensors, tokenizer) into ``path``."""
         return write_tiny_checkpoint(path, self.checkpoint_arch, **self.checkpoint_options)
 
-    @pytest.fixture(scope="class")
+    @_fixture(scope="class")
     @classmethod
     def model_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
         if cls.write_checkpoint is ModelConformance.write_checkpoint:
@@ -863,6 +895,7 @@ class ModelConformance:
         )
 
     def test_load_weights_rejects_an_incomplete_checkpoint(self, model_checkpoint: Path) -> None:
+        import pytest
         hf_config = load_hf_config(model_checkpoint)
         weights = list(iter_safetensors(model_checkpoint))
         dropped = next((name for name, _ in weights if "layers." in name), weights[-1][0])

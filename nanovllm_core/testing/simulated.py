@@ -11,9 +11,7 @@ tables covering the new tokens), exactly as it does with a real model; async sch
 from __future__ import annotations
 
 import random
-from typing import Any
-
-import pytest
+from typing import Any, NoReturn
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import EngineCore
@@ -25,6 +23,15 @@ from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence
 __all__ = ["SIM_VOCAB", "SimulatedEngine", "fake_next_token", "random_tokens"]
 
 SIM_VOCAB = 997
+
+
+def _fail(message: str) -> NoReturn:
+    """Fail the running pytest check; a simulation driven without pytest installed raises AssertionError."""
+    try:
+        import pytest
+    except ModuleNotFoundError:
+        raise AssertionError(message) from None
+    pytest.fail(message)
 
 
 def random_tokens(n: int, rng: random.Random, vocab: int = SIM_VOCAB) -> list[int]:
@@ -98,7 +105,7 @@ class _FakeRunner:
                 slot = table[p // bs] * bs + p % bs
                 other = written.get(slot)
                 if other is not None and other[0] != fps[p]:
-                    pytest.fail(
+                    _fail(
                         f"step {step}: requests {other[1]!r} and {seq.request_id!r} write different keys/values "
                         f"into block {slot // bs} in the same step: a block is shared that must not be"
                     )
@@ -112,7 +119,7 @@ class _FakeRunner:
                 slot = seq.block_table[p // bs] * bs + p % bs
                 if self.kv.get(slot) != fps[p]:
                     state = "was never written" if slot not in self.kv else "holds another sequence's keys/values"
-                    pytest.fail(
+                    _fail(
                         f"step {step}: request {seq.request_id!r} computes tokens [{start}, {start + n}) but the "
                         f"cache slot of its token {p} (block {seq.block_table[p // bs]}) {state}. Its context is not "
                         "in the KV cache: a block was freed or reused while still needed, a prefix-cache hit handed "
@@ -228,7 +235,7 @@ class SimulatedEngine:
                 break
             self.step()
         else:
-            pytest.fail(
+            _fail(
                 f"{self.name}: {len(self.live)} requests still unfinished after {max_steps} steps "
                 f"(starvation or a livelock): {sorted(self.live.values(), key=lambda s: s.seq_id)[:5]}"
             )

@@ -164,7 +164,7 @@ def run_decode_sweep(args) -> list[Row]:
     rows: list[Row] = []
     decode_tiles = [(64, 4, 3), (64, 4, 5), (32, 4, 3), (32, 4, 5), (128, 4, 3), (128, 8, 3), (64, 8, 3), (128, 8, 5)]
     cases: list[tuple[int, int | tuple[int, int]]] = [(256, 1024), (32, 1024), (1, 4096)]
-    if args.kv_cache_dtype == "fp8":  # fewer warps a program: more programs an SM (rounds 10, 11), on ragged contexts
+    if args.kv_cache_dtype == "fp8":  # fewer warps a program: more programs an SM, on ragged contexts
         decode_tiles = [(32, 1, 3), (32, 1, 2), (32, 1, 4), (32, 2, 3), (64, 2, 2), (64, 4, 3)]
         cases = [(256, 1024), (256, (100, 1500)), (64, (100, 2000))]
     for batch, context in cases:

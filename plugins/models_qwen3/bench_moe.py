@@ -7,7 +7,7 @@ the plain PyTorch path, checks that fused and plain agree on the first layer (``
 max |plain|``; over the whole stack bf16 rounding can flip a near-tie in routing, so the stack's outputs
 are not compared), and prints a markdown table::
 
-    python plugins/models_qwen3/bench_moe.py --out $OUT/moe.md
+    python plugins/models_qwen3/bench_moe.py --out moe.md
 
 Needs CUDA and Triton; no network. ``weights GB/s`` counts the bytes of the experts that received tokens
 (each read once) over the time of the whole stack, router and routing included; ``TFLOP/s`` counts the

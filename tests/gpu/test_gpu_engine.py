@@ -238,7 +238,7 @@ def test_steps_with_prompt_tokens_replay_graphs_like_eager(bf16_path, scheduler)
 def test_sustained_gemm_rate_is_measured_over_the_second_half():
     """``nanovllm bench --sustained-gemm-s``: a positive rate, at most a little over the short burst's (the clock
     can only fall once the power limit holds it), from products timed on the device."""
-    from nanovllm_core.benchmark import measure_device
+    from nanovllm_core.bench.device import measure_device
 
     rates = measure_device(torch.device("cuda"), sustained_gemm_s=1.0)
     burst, sustained = rates["gemm_flop_per_s"], rates["gemm_flop_per_s_sustained"]

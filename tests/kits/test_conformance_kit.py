@@ -52,8 +52,8 @@ class NeverCachesBlocks(FifoScheduler):
 
 
 class MisreadsAllocate(Scheduler):
-    """Admits prompts in chunks, sizing each chunk before ``allocate`` claims the cached prefix (the misreading
-    of ``allocate`` that crashed ``nanovllm bench`` under API 1)."""
+    """Admits prompts in chunks, sizing each chunk before ``allocate`` claims the cached prefix (a misreading
+    of ``allocate`` that would crash ``nanovllm bench``)."""
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

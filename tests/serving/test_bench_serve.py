@@ -10,7 +10,7 @@ import multiprocessing
 import pytest
 from serving_helpers import start_server
 
-from nanovllm_core.benchmark import workload
+from nanovllm_core.bench.offline import workload
 from nanovllm_core.cli import main
 from nanovllm_core.serving.api_server import ServerSettings
 from nanovllm_core.serving.bench import SYNTH_RANGE, nano_workload, percentile, random_dataset, synthetic_sharegpt

@@ -154,26 +154,22 @@ def test_invalid_api_specifiers(spec: object) -> None:
         api_supported(spec, 1)
 
 
-def test_an_incompatible_plugin_is_broken_and_the_others_load(site: FakeSite) -> None:
-    source = VALID_SCHEDULER.format(name="future").replace('">=2,<3"', '">=3,<4"')
-    site.plugin("fake-future", source, version="5.0")
+@pytest.mark.parametrize("declared", [">=3,<4", "==1"], ids=["newer", "older"])
+def test_an_incompatible_plugin_is_broken_and_the_others_load(site: FakeSite, declared: str) -> None:
+    source = VALID_SCHEDULER.format(name="other-api").replace('">=2,<3"', repr(declared))
+    site.plugin("fake-other-api", source, version="5.0")
     registry = build_registry()
-    [broken] = broken_of(registry, "fake-future")
-    assert (broken.distribution, broken.version) == ("fake-future", "5.0")
-    assert ">=3,<4" in broken.error
-    assert f"provides plugin API {nanovllm_core.PLUGIN_API_VERSION}" in broken.error
-    assert f"nanovllm-core {nanovllm_core.__version__}" in broken.error
-    assert "future" not in registry.names("scheduler")
-    with pytest.raises(UnknownPluginError, match="fake-future"):
-        registry.get("scheduler", "future")
+    [broken] = broken_of(registry, "fake-other-api")
+    assert (broken.distribution, broken.version) == ("fake-other-api", "5.0")
+    assert broken.error == (
+        f"incompatible plugin API: the plugin declares NANOVLLM_PLUGIN_API = {declared!r} but nanovllm-core "
+        f"{nanovllm_core.__version__} provides plugin API {nanovllm_core.PLUGIN_API_VERSION}; install a release of "
+        "the plugin that supports this API, or a nanovllm-core that provides an API the plugin supports"
+    )
+    assert "other-api" not in registry.names("scheduler")
+    with pytest.raises(UnknownPluginError, match="fake-other-api"):
+        registry.get("scheduler", "other-api")
     assert_others_still_load(registry)
-
-
-def test_an_api_1_plugin_is_told_what_changed_and_where_to_read(site: FakeSite) -> None:
-    site.plugin("fake-old-api", VALID_SCHEDULER.format(name="old").replace('">=2,<3"', '">=1,<2"'))
-    [broken] = broken_of(build_registry(), "fake-old-api")
-    assert "What changed in API 2" in broken.error and "writes schedule() only" in broken.error
-    assert "docs/migrating-to-plugin-api-2.md" in broken.error
 
 
 def test_an_invalid_api_declaration_is_broken(site: FakeSite) -> None:
@@ -182,11 +178,12 @@ def test_an_invalid_api_declaration_is_broken(site: FakeSite) -> None:
     assert "NANOVLLM_PLUGIN_API = 'version one' is not a version specifier" in broken.error
 
 
-def test_an_undeclared_api_means_api_1(site: FakeSite) -> None:
-    source = VALID_SCHEDULER.format(name="old").replace('NANOVLLM_PLUGIN_API = ">=2,<3"', "")
-    site.plugin("fake-old", source, declare_api=False)
+def test_an_undeclared_api_means_the_current_api(site: FakeSite) -> None:
+    source = VALID_SCHEDULER.format(name="undeclared").replace('NANOVLLM_PLUGIN_API = ">=2,<3"', "")
+    site.plugin("fake-undeclared", source, declare_api=False)
     registry = build_registry()
-    assert ("old" in registry.names("scheduler")) is (nanovllm_core.PLUGIN_API_VERSION == 1)
+    assert registry.get("scheduler", "undeclared").distribution == "fake-undeclared"
+    assert not broken_of(registry, "fake-undeclared")
 
 
 @pytest.mark.parametrize(

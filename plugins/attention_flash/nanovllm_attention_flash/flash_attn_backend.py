@@ -52,7 +52,7 @@ class FlashAttnBackend(AttentionBackend):
     """
 
     name = "flash_attn"
-    priority = 20  # below triton, which ran the nano-vllm workload 12% faster on an H200 (docs/benchmarks.md)
+    priority = 20  # below triton, whose paged decode runs the nano-vllm workload faster end to end
     supports_cuda_graph = True
 
     @classmethod

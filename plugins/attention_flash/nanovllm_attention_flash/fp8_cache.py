@@ -100,9 +100,9 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float()
     amax = x.abs().amax(-1)
     # Divide by a tensor, not by the Python float: CUDA PyTorch turns `tensor / cpu_scalar` into a multiplication
-    # by the float32 reciprocal (1/448 is inexact), which rounds ~60% of scales one float32 ulp away from
+    # by the float32 reciprocal (1/448 is inexact), which rounds many scales one float32 ulp away from
     # amax / 448, and the values at exact e4m3 midpoints (frequent: bf16 inputs, scales that divide them
-    # exactly) then round the other way: ~0.1% of the bytes one e4m3 step off the Triton kernel's.
+    # exactly) then round the other way: bytes one e4m3 step off the Triton kernel's.
     scale = amax / torch.full_like(amax, FP8_MAX)
     divisor = torch.where(scale > 0, scale, 1.0)
     return (x / divisor.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale

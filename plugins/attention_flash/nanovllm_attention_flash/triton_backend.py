@@ -66,7 +66,7 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
     """
 
     name = "triton"
-    priority = 30  # the fastest end to end on an H200 (docs/benchmarks.md), so `auto` takes it first
+    priority = 30  # its paged decode is the fastest of the bundled backends end to end, so `auto` takes it first
     supports_cuda_graph = True
     supports_cuda_graph_mixed = True  # both kernels' grids follow from num_tokens and num_seqs alone
 
@@ -260,8 +260,9 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Keys, values and (for an FP8 cache) the ``key_scales``/``value_scales`` keyword arguments.
 
-        An FP8 cache's views are built once per layer cache (about 10 us of view ops, twice per layer and step
-        otherwise): keyed by address and shape, which no other tensor can share while the views keep it alive.
+        An FP8 cache's views are built once per layer cache (otherwise a handful of view ops, twice per layer and
+        step, on the host's critical path): keyed by address and shape, which no other tensor can share while the
+        views keep it alive.
         """
         if not is_fp8_cache(kv_cache):
             return kv_cache[0], kv_cache[1], {}

@@ -139,8 +139,8 @@ def _store_kv_fp8_kernel(
         inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
         step = (step_exp << 23).to(tl.float32, bitcast=True)
         magnitude = tl.abs(((y * inv_step + 12582912.0) - 12582912.0) * step)  # 1.5 * 2**23: ties to even
-        # The e4m3 byte is built from the rounded value's bits, not by a conversion: the H200's float-to-e4m3
-        # conversion writes a negative value rounded to zero as +0 (docs/benchmarks.md, rounds 4 and 5).
+        # The e4m3 byte is built from the rounded value's bits, not by a conversion: Hopper's float-to-e4m3
+        # conversion writes a negative value rounded to zero as +0, a byte the reference quantization does not.
         mag_bits = magnitude.to(tl.int32, bitcast=True)
         exponent = (mag_bits >> 23) - 120  # e4m3's biased exponent (bias 7 against float32's 127)
         code = tl.where(exponent > 0, (exponent << 3) | ((mag_bits >> 20) & 7), (magnitude * 512.0).to(tl.int32))
@@ -620,10 +620,10 @@ def default_decode_config(head_dim: int, block_size: int, fp8: bool = False, gro
     """64-key tiles (32 for head_dim 256), 4 warps, a 3-deep load pipeline (2 for head_dim 256).
 
     On an FP8 cache with head_dim <= 128 and up to 16 query heads a KV head (the query tile stays 16 rows):
-    32-key tiles, one warp a program. One-warp programs keep more loads in flight an SM (Nsight Compute: 3
-    four-warp programs an SM fit). On an H200 with the float16 dots (round 11, docs/benchmarks.md) the tile ran
-    165-178 against 242-250 us at 256 x 1,024 and 167 against 212-224 us on ragged contexts, for both two and
-    four query heads a KV head (the 0.6B's and the 8B's); more than four were not measured.
+    32-key tiles, one warp a program. One-warp programs keep more loads in flight an SM (only a few four-warp
+    programs fit one), so the FP8 cache's halved bytes turn into time saved; chosen by timing both on uniform and
+    ragged contexts with two and four query heads a KV head (the 0.6B's and the 8B's), which is all this default
+    has been checked on (``bench_kernels.py --sweep decode`` in this plugin repeats the comparison).
     """
     if fp8 and head_dim <= 128 and group <= 16:
         return DecodeConfig(block_n=min(32, block_size), num_warps=1, num_stages=3)
@@ -637,7 +637,7 @@ def default_prefill_config(
     """128 x 64 tiles with 8 warps for head_dim <= 128; 64 x 32 with 4 warps for head_dim 256.
 
     On Hopper-class GPUs (TMA) with 16-bit head_dim 128 caches: 64 x 64 tiles, 4 warps, 3 stages, K/V through
-    TMA, the fastest of the tile sweep on an H200 (docs/benchmarks/kernels.md; 1.15x the pointer default).
+    TMA, the fastest of a tile sweep (``bench_kernels.py --sweep prefill`` in this plugin) on Hopper.
     """
     tma_ok = device is not None and device.type == "cuda" and has_tma(device)
     if tma_ok and head_dim == 128 and dtype in (torch.float16, torch.bfloat16) and block_size >= 64:
@@ -658,7 +658,7 @@ def choose_num_splits(
     The smallest power of two (at most ``MAX_KV_SPLITS``) that gives ``num_seqs * num_kv_heads * splits``
     programs of ``num_warps`` warps at least 16 warps an SM (4 programs of 4 warps, 16 of one), without more
     splits than ``max_context`` has tiles. One-warp programs of a batch with ragged contexts need the splits:
-    without them the batch fits one wave and its longest sequence sets the time (round 10).
+    without them the batch fits one wave and its longest sequence sets the time.
     ``max_context`` is the block-table capacity (``block_tables.shape[1] * block_size``), not a per-step length.
     """
     max_tiles = max(1, max_context // block_n)
@@ -885,8 +885,8 @@ def decode_attention(
         *pl_strides,
         HEAD_DIM=head_dim,
         SPLITS_P2=triton.next_power_of_2(num_splits),
-        # one warp a (head, sequence): 2.7-2.9x faster than four for the 8B's 4 and 8 splits (round 13,
-        # benchmarks/small_kernels.py), and no slower anywhere measured
+        # one warp a (head, sequence): the merge reads only a few splits' partial rows, which four warps would
+        # mostly leave idle
         num_warps=1,
     )
 

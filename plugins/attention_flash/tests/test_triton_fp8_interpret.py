@@ -233,7 +233,7 @@ def test_warmup_launches_every_variant_a_step_meets(launches: set, fp8: bool, op
 
 
 def test_split_counts_fill_sixteen_warps_an_sm() -> None:
-    """Four-warp programs: 4 an SM, as before round 10; one-warp programs: 16 an SM, so that a batch of ragged
+    """Four-warp programs: 4 an SM; one-warp programs: 16 an SM, so that a batch of ragged
     contexts does not fit one wave (where its longest sequence sets the time)."""
     # 132 SMs, 8 KV heads, a 4,096-token block table
     assert tk.choose_num_splits(256, 8, 4096, 64, 132, num_warps=4) == 1  # 2,048 programs >= 528

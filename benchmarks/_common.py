@@ -1,0 +1,266 @@
+"""What the benchmark scripts share: the results folder, the engine's command line (parsed before it runs, shown as
+a user would type it), the machine a result came from, and a server started and stopped cleanly.
+
+Not a package: ``python benchmarks/NAME.py`` puts this folder on ``sys.path``, and each script adds it itself
+when it is imported from elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "nanovllm_core.cli"]  # the engine of the Python that runs the script
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, dry_run: bool = True) -> None:
+    parser.add_argument(
+        "--results-dir",
+        default="results",
+        help="folder for the JSON results and logs, made if missing (default: results, git-ignored at the "
+        "repository root)",
+    )
+    if dry_run:
+        parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+
+
+def out_dir(results_dir: str, name: str, make: bool = True) -> Path:
+    path = Path(results_dir) / name
+    if make:
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def nanovllm(*args: str) -> list[str]:
+    """A ``nanovllm`` command, run by this script's Python (so the engine is the one installed beside it)."""
+    return [*CLI, *args]
+
+
+def shown(cmd: list[str]) -> str:
+    """``cmd`` as a user would type it: ``nanovllm ...`` or ``python benchmarks/...``."""
+    if cmd[: len(CLI)] == CLI:
+        cmd = ["nanovllm", *cmd[len(CLI) :]]
+    elif cmd and cmd[0] == sys.executable:
+        cmd = ["python", *(_relative(c) for c in cmd[1:])]
+    return shlex.join(cmd)
+
+
+def _relative(arg: str) -> str:
+    path = Path(arg)
+    if path.is_absolute() and path.is_relative_to(ROOT):
+        return str(path.relative_to(ROOT))
+    return arg
+
+
+def check_cli(cmd: list[str]) -> None:
+    """Parse a ``nanovllm`` command with the engine's own parser, so that a flag this version of the CLI does not
+    have stops the script before anything runs (a typo or a renamed flag would otherwise surface minutes later)."""
+    from nanovllm_core.cli import build_parser
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            build_parser().parse_args(cmd[len(CLI) :])
+    except SystemExit:
+        reason = (stderr.getvalue().strip().splitlines() or ["?"])[-1]
+        raise SystemExit(f"error: `{shown(cmd)}` does not parse with the installed nanovllm: {reason}") from None
+
+
+def run(cmd: list[str], log: Path) -> int:
+    """Run ``cmd``, its output on the terminal and in ``log``; its exit status."""
+    print(f"$ {shown(cmd)}", flush=True)
+    with open(log, "w") as f:
+        f.write(f"$ {shown(cmd)}\n")
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                f.write(line)
+            return proc.wait()
+
+
+def machine() -> dict[str, str]:
+    """The GPU, the date (UTC) and the commit a result belongs with."""
+    return {
+        "gpu": gpu_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "commit": commit(),
+    }
+
+
+def gpu_name() -> str:
+    # nvidia-smi rather than torch: the scripts' own process stays off the GPU the engine measures
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    names = [line.strip() for line in out.splitlines() if line.strip()]
+    return names[0] if names else "unknown"
+
+
+def commit() -> str:
+    """The checkout's short commit, ``-dirty`` when tracked files differ from it; ``unknown`` outside git."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def random_checkpoint(shape: str) -> Path:
+    """The random-weight bf16 checkpoint of ``shape`` that ``nanovllm bench`` measures (written on first use)."""
+    import torch
+
+    from nanovllm_core.bench.offline import random_checkpoint as write_checkpoint
+
+    return Path(write_checkpoint(shape, torch.bfloat16))
+
+
+def copy_bytes_per_s() -> float:
+    """The CUDA device's copy rate, bytes read + written per second, as ``nanovllm bench`` counts it for its bound."""
+    import torch
+
+    from nanovllm_core.bench.device import measure_device
+
+    return measure_device(torch.device("cuda"))["copy_bytes_per_s"]
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+class Server:
+    """``nanovllm serve`` in the background, ready once ``/health`` answers; stopped with SIGTERM (the server's own
+    graceful stop) and killed only if it outlives ``stop_timeout`` seconds. Its output goes to ``log``."""
+
+    def __init__(self, cmd: list[str], log: Path, port: int, start_timeout: float = 900, stop_timeout: float = 60):
+        self.cmd, self.log, self.port = cmd, log, port
+        self.start_timeout, self.stop_timeout = start_timeout, stop_timeout
+        self.proc: subprocess.Popen | None = None
+        self.exit_code: int | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        print(f"$ {shown(self.cmd)} > {self.log}", flush=True)
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(
+                    f"error: the server exited with status {self.proc.returncode} before it was "
+                    f"ready; the end of {self.log}:\n{self.tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2):
+                    return self
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        self.stop()
+        raise SystemExit(
+            f"error: the server did not answer /health within {self.start_timeout:g} s; the end of "
+            f"{self.log}:\n{self.tail()}"
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def metrics(self) -> str:
+        """The server's Prometheus text (its own account of where the time went), or "" if it does not answer."""
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
+                return response.read().decode()
+        except (urllib.error.URLError, OSError):
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.exit_code is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.exit_code = self.proc.wait(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.exit_code = self.proc.wait()
+            print(f"the server did not stop within {self.stop_timeout:g} s of SIGTERM and was killed")
+        print(f"server stopped (exit status {self.exit_code})", flush=True)
+
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def user_command(script: str, argv: list[str]) -> str:
+    """A run as docs/performance.md quotes it: the script and the flags given, less the results folder."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--results-dir":
+            skip = True
+        elif not arg.startswith("--results-dir="):
+            kept.append(arg)
+    return shlex.join(["python", script, *kept])
+
+
+def markdown_row(cells: list[Any]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def split_list(text: str, allowed: list[str] | dict[str, Any], what: str) -> list[str]:
+    """A comma-separated selection from ``allowed``, in the given order; a clear error for a name not in it."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise SystemExit(f"error: {what} {text!r}: choose from {', '.join(allowed)} (comma-separated)")
+    return names
+
+
+def parse_numbers(text: str, what: str) -> list[float]:
+    """Comma-separated positive numbers (``inf`` allowed); a clear error otherwise."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not v > 0 for v in values):
+        raise SystemExit(f"error: {what} {text!r}: comma-separated numbers above 0 (or inf), e.g. 0.3,0.7,inf")
+    return values

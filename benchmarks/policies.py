@@ -1,0 +1,318 @@
+"""The scheduler policies served in turn, on the workloads where the choice matters, at a few loads.
+
+    python benchmarks/policies.py                                  # fifo, mixed, priority; every workload
+    python benchmarks/policies.py --workloads long-prompts --loads 0.7
+    python benchmarks/policies.py --dry-run                        # the commands, nothing run
+
+For each policy, one ``nanovllm serve`` on 127.0.0.1 (Qwen3-0.6B shape, random weights, ``triton``; ``mixed`` and
+``priority`` with ``--step-tokens`` tokens a step, so that every step with prompt tokens replays a CUDA graph), and
+against it, for each workload, ``nanovllm bench serve`` at each load. Every request carries one of two priority
+classes in turn (``--priorities 0,1``: class 0 is the urgent one); ``fifo`` and ``mixed`` ignore them, and the
+results report both classes for every policy.
+
+Workloads:
+
+- ``long-prompts``: vLLM's random dataset, prompts of 2,250-3,750 tokens, 192-320 output tokens. ``fifo`` runs
+  waiting prompts in prompt-only steps, so running requests wait for them; this is where ``mixed`` pays.
+- ``nano``: nano-vllm's benchmark (prompts and outputs of 100-1,024 tokens), 512 requests.
+- ``sharegpt-synth``: a ShareGPT-like length mix (short prompts and outputs with long tails), 1,000 requests.
+
+Loads are fractions of the workload's saturation rate: the request rate of the first policy's server with every
+request sent at once (``fifo``'s by default), so every policy sees the same arrival rates; ``inf`` sends every
+request at once. ``priority`` also gets an idle run (``--idle-prompts`` requests at 2 req/s), the baseline for its
+urgent class's time to first token.
+
+Results go to RESULTS_DIR/policies/: POLICY_WORKLOAD.json (``nanovllm bench serve``'s, one run per load),
+saturation_WORKLOAD.json, each server's log and /metrics, and summary.json with the GPU, date and commit; the
+script ends with table rows in docs/performance.md's format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    Server,
+    add_common_arguments,
+    check_cli,
+    machine,
+    markdown_row,
+    nanovllm,
+    out_dir,
+    parse_numbers,
+    random_checkpoint,
+    read_json,
+    run,
+    shown,
+    split_list,
+    user_command,
+    write_json,
+)
+
+POLICIES = ["fifo", "mixed", "priority"]
+WORKLOADS: dict[str, dict[str, Any]] = {  # bench serve flags, requests sent at once for saturation, requests a load
+    "long-prompts": {
+        "flags": [
+            "--dataset",
+            "random",
+            "--random-input-len",
+            "3000",
+            "--random-output-len",
+            "256",
+            "--random-range-ratio",
+            "0.25",
+        ],
+        "saturation_prompts": 400,
+        "prompts": 600,
+    },
+    "nano": {"flags": ["--dataset", "nano"], "saturation_prompts": 512, "prompts": 512},
+    "sharegpt-synth": {"flags": ["--dataset", "sharegpt-synth"], "saturation_prompts": 1000, "prompts": 1000},
+}
+IDLE_RATE = 2.0
+
+
+def server_command(policy: str, args: argparse.Namespace, checkpoint: str) -> list[str]:
+    flags = ["--attention", args.attention]
+    if policy != "fifo":
+        flags += ["--scheduler", policy, "--max-num-batched-tokens", str(args.step_tokens)]
+    return nanovllm(
+        "serve",
+        checkpoint,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+        "--max-model-len",
+        "8192",
+        *flags,
+        *shlex.split(args.engine_args),
+    )
+
+
+def client(args: argparse.Namespace, workload: str, result: Path, prompts: int, rates: str) -> list[str]:
+    return nanovllm(
+        "bench",
+        "serve",
+        "--base-url",
+        f"http://127.0.0.1:{args.port}",
+        *WORKLOADS[workload]["flags"],
+        "--num-prompts",
+        str(prompts),
+        "--rates",
+        rates,
+        "--priorities",
+        "0,1",
+        "--client-processes",
+        str(args.client_processes),
+        "--result-file",
+        str(result),
+    )
+
+
+def rates_text(loads: list[float], saturation: float | None) -> str:
+    """The loads as request rates (``inf`` stays), or a placeholder naming them when saturation is not known."""
+    if saturation is None:
+        return "RATES(" + ",".join(f"{x:g}" for x in loads) + ")"
+    return ",".join("inf" if x == float("inf") else f"{x * saturation:.1f}" for x in loads)
+
+
+def summarize(
+    args: argparse.Namespace,
+    folder: Path,
+    policies: list[str],
+    workloads: list[str],
+    saturation: dict[str, float],
+    cmd: str,
+) -> dict[str, Any]:
+    rows = []
+    keys = (
+        "request_rate",
+        "request_throughput",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_itl_ms",
+        "p99_itl_ms",
+        "median_tpot_ms",
+        "completed",
+        "failed",
+    )
+    for policy in policies:
+        for workload in workloads:
+            for kind in ("idle", "loads"):
+                path = folder / (f"{policy}_{workload}.json" if kind == "loads" else f"{policy}_{workload}_idle.json")
+                if not path.is_file():
+                    continue
+                data = read_json(path)
+                for r in data.get("runs", [data]):
+                    row = {"policy": policy, "workload": workload, "kind": kind, **{k: r.get(k) for k in keys}}
+                    rate = r.get("request_rate")
+                    if kind == "idle":
+                        row["load"] = "idle"
+                    elif rate is None or rate == float("inf"):
+                        row["load"] = "inf"
+                    else:
+                        row["load"] = f"{rate / saturation[workload]:.2f}" if workload in saturation else "?"
+                    row["p99_ttft_ms_by_class"] = {p: c["p99_ttft_ms"] for p, c in r.get("by_priority", {}).items()}
+                    rows.append(row)
+    return {
+        "command": cmd,
+        "shape": args.shape,
+        "step_tokens": args.step_tokens,
+        "saturation_req_per_s": saturation,
+        **machine(),
+        "rows": rows,
+    }
+
+
+def print_rows(summary: dict[str, Any]) -> None:
+    print(
+        "\nRows for docs/performance.md (workload, load | policy | TTFT p50 / p99 ms | ITL p99 ms | class 0 / 1 "
+        "TTFT p99 ms | command | GPU | date | commit):"
+    )
+    for r in summary["rows"]:
+        classes = r["p99_ttft_ms_by_class"]
+        by_class = " / ".join(f"{classes[p]:.1f}" for p in sorted(classes)) if classes else ""
+        load = r["load"] if r["load"] in ("idle", "inf", "?") else f"{100 * float(r['load']):.0f}%"
+        print(
+            markdown_row(
+                [
+                    f"{r['workload']}, {load} ({r['request_rate']:g} req/s)",
+                    f"`{r['policy']}`",
+                    f"{r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f}",
+                    f"{r['p99_itl_ms']:.1f}",
+                    by_class,
+                    f"`{summary['command']}`",
+                    summary["gpu"],
+                    summary["date"],
+                    summary["commit"],
+                ]
+            )
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="fifo, mixed and priority served in turn on the workloads where the choice matters, at a few "
+        "loads; results in RESULTS_DIR/policies/.",
+        epilog=f"policies: {', '.join(POLICIES)}; workloads: {', '.join(WORKLOADS)}",
+    )
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, served in this order")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset (default: all)")
+    parser.add_argument(
+        "--loads",
+        default="0.3,0.7,0.9",
+        help="fractions of the saturation rate, inf for all at once (default 0.3,0.7,0.9)",
+    )
+    parser.add_argument("--shape", default="qwen3-0.6b", help="random-weight model shape (default qwen3-0.6b)")
+    parser.add_argument("--attention", default="triton")
+    parser.add_argument(
+        "--step-tokens", type=int, default=2048, help="--max-num-batched-tokens of mixed and priority (default 2048)"
+    )
+    parser.add_argument("--engine-args", default="", metavar="FLAGS", help="more engine flags for every server")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=4,
+        help="processes sending the requests (default 4: one Python client reading hundreds of "
+        "streams adds its own delay to what it measures)",
+    )
+    parser.add_argument("--idle-prompts", type=int, default=60, help="priority's idle run (0: none; default 60)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--start-timeout", type=float, default=900, help="seconds for a server to come up")
+    add_common_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    policies = split_list(args.policies, POLICIES, "--policies")
+    workloads = split_list(args.workloads, WORKLOADS, "--workloads")
+    loads = parse_numbers(args.loads, "--loads")
+    for name in ("client_processes", "step_tokens"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    if args.idle_prompts < 0:
+        raise SystemExit(f"error: --idle-prompts {args.idle_prompts}: 0 or more")
+    folder = out_dir(args.results_dir, "policies", make=not args.dry_run)
+    checkpoint = f"/tmp/nanovllm-bench-{args.shape}-bfloat16" if args.dry_run else str(random_checkpoint(args.shape))
+    needs_saturation = any(x != float("inf") for x in loads)
+    saturation: dict[str, float] = {}
+    failed: list[str] = []
+    for i, policy in enumerate(policies):
+        server = server_command(policy, args, checkpoint)
+        steps: list[tuple[str, str, list[str]]] = []  # (what, workload, command)
+        for workload in workloads:
+            spec = WORKLOADS[workload]
+            if i == 0 and needs_saturation:
+                steps.append(
+                    (
+                        "saturation",
+                        workload,
+                        client(
+                            args, workload, folder / f"saturation_{workload}.json", spec["saturation_prompts"], "inf"
+                        ),
+                    )
+                )
+            if policy == "priority" and args.idle_prompts:
+                steps.append(
+                    (
+                        "idle",
+                        workload,
+                        client(
+                            args,
+                            workload,
+                            folder / f"{policy}_{workload}_idle.json",
+                            args.idle_prompts,
+                            f"{IDLE_RATE:g}",
+                        ),
+                    )
+                )
+            steps.append(
+                (
+                    "loads",
+                    workload,
+                    client(args, workload, folder / f"{policy}_{workload}.json", spec["prompts"], "LOADS"),
+                )
+            )
+        for cmd in (server, *(c for _, _, c in steps)):
+            check_cli(cmd)
+        if args.dry_run:
+            print(f"# {policy}\n{shown(server)} &")
+            for _what, workload, cmd in steps:
+                known = saturation.get(workload) if needs_saturation else 1.0
+                print(shown([rates_text(loads, known) if c == "LOADS" else c for c in cmd]))
+            print("(stop the server: SIGTERM)")
+            continue
+        with Server(server, folder / f"server_{policy}.log", args.port, args.start_timeout) as running:
+            for what, workload, cmd in steps:
+                if what == "loads":
+                    if needs_saturation and workload not in saturation:
+                        failed.append(f"{policy} {workload} (no saturation rate)")
+                        continue
+                    cmd = [rates_text(loads, saturation.get(workload, 1.0)) if c == "LOADS" else c for c in cmd]
+                name = f"{policy}_{workload}_{what}"
+                if run(cmd, folder / f"{name}.log") != 0:
+                    failed.append(name)
+                if what == "saturation" and (folder / f"saturation_{workload}.json").is_file():
+                    saturation[workload] = read_json(folder / f"saturation_{workload}.json")["request_throughput"]
+                (folder / f"metrics_{name}.txt").write_text(running.metrics())
+    if args.dry_run:
+        if needs_saturation:
+            print("(RATES(...): those fractions of each workload's saturation rate, measured with the first policy)")
+        return 0
+    summary = summarize(args, folder, policies, workloads, saturation, user_command("benchmarks/policies.py", argv))
+    write_json(folder / "summary.json", summary)
+    print_rows(summary)
+    if failed:
+        print(f"failed: {', '.join(failed)} (see the logs in {folder})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

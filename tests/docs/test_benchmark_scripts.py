@@ -1,0 +1,131 @@
+"""The benchmark scripts stay runnable, and so do the commands docs/performance.md quotes.
+
+Every script in benchmarks/ answers ``--help``; the ones that run the engine's CLI also do a ``--dry-run``, which
+parses every command they would run with the installed CLI's own parser. Every command in a table of
+docs/performance.md names a script or a ``nanovllm`` command that exists and accepts those arguments. CPU only:
+nothing here runs a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import re
+import shlex
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+DRY_RUN = {"offline.py", "serving.py", "policies.py", "kernels.py"}  # the ones that run the engine's CLI
+PERFORMANCE = ROOT / "docs" / "performance.md"
+
+
+def table_commands() -> list[str]:
+    """The commands in docs/performance.md's table rows (backticked, starting with `python benchmarks/` or
+    `nanovllm `)."""
+    commands = []
+    for line in PERFORMANCE.read_text().splitlines():
+        if line.startswith("|"):
+            commands += [c for c in re.findall(r"`([^`]+)`", line) if c.startswith(("python benchmarks/", "nanovllm "))]
+    return sorted(set(commands))
+
+
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def load(script: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(f"benchmark_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmarks_folder_has_its_scripts_and_readme() -> None:
+    names = {p.name for p in SCRIPTS}
+    assert {"offline.py", "serving.py", "policies.py", "kernels.py", "plot.py"} <= names, names
+    readme = (BENCHMARKS / "README.md").read_text()
+    missing = [name for name in names if f"`{name}`" not in readme]
+    assert not missing, f"benchmarks/README.md does not describe {missing}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
+def test_every_script_answers_help(script: Path) -> None:
+    proc = run_script(script, "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage:"), proc.stdout[:500]
+    if script.name in DRY_RUN:
+        assert "--dry-run" in proc.stdout and "--results-dir" in proc.stdout
+
+
+@pytest.mark.parametrize("name", sorted(DRY_RUN))
+def test_dry_run_prints_the_commands_and_writes_nothing(name: str, tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    proc = run_script(BENCHMARKS / name, "--dry-run", "--results-dir", str(results))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("nanovllm ", "python "))]
+    assert lines, proc.stdout
+    assert all(str(results) in line for line in lines if "--json" in line or "--result-file" in line)
+    assert not results.exists(), "a dry run made the results folder"
+
+
+def test_a_flag_the_cli_does_not_have_stops_the_script_before_anything_runs(tmp_path: Path) -> None:
+    proc = run_script(
+        BENCHMARKS / "offline.py",
+        "--dry-run",
+        "--workloads",
+        "0.6b-bf16",
+        "--bench-args",
+        "--no-such-flag 1",
+        "--results-dir",
+        str(tmp_path),
+    )
+    assert proc.returncode != 0
+    assert "does not parse with the installed nanovllm" in proc.stderr and "--no-such-flag" in proc.stderr
+
+
+def test_a_bad_selection_is_named_with_the_choices(tmp_path: Path) -> None:
+    proc = run_script(
+        BENCHMARKS / "policies.py", "--dry-run", "--policies", "fifo,lifo", "--results-dir", str(tmp_path)
+    )
+    assert proc.returncode != 0
+    assert "--policies 'fifo,lifo': choose from fifo, mixed, priority" in proc.stderr
+
+
+COMMANDS = table_commands()
+
+
+def test_the_performance_tables_quote_commands() -> None:
+    scripts = {shlex.split(c)[1] for c in COMMANDS if c.startswith("python ")}
+    assert {"benchmarks/offline.py", "benchmarks/serving.py", "benchmarks/policies.py"} <= scripts, scripts
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_quoted_command_exists_and_parses(command: str, tmp_path: Path) -> None:
+    argv = shlex.split(command)
+    if argv[0] == "nanovllm":
+        from nanovllm_core.cli import build_parser
+
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            try:
+                build_parser().parse_args(argv[1:])
+            except SystemExit:
+                pytest.fail(f"`{command}` does not parse: {stderr.getvalue().strip()}")
+        return
+    script = ROOT / argv[1]
+    assert script.is_file(), f"{argv[1]} does not exist"
+    module = load(script)
+    if script.name in DRY_RUN:  # parses the arguments and every engine command they lead to
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert module.main([*argv[2:], "--dry-run", "--results-dir", str(tmp_path / "results")]) == 0
+    else:  # a script that runs a model at once: its arguments parse
+        parse = getattr(module, "parse_args", None) or (lambda a: module.build_parser().parse_args(a))
+        parse(argv[2:])
