@@ -17,7 +17,13 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float, not a bool (an infinity would pass one-sided range checks such as ``>= 0``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        return False
 
 
 def with_priority(params: SamplingParams | None, priority: int | None) -> SamplingParams | None:
@@ -104,17 +110,17 @@ class SamplingParams:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"an integer from 1 to {MAX_N}")
         if not _is_number(self.temperature) or not self.temperature >= 0:
-            raise bad("temperature", "a number >= 0 (0 means greedy)")
+            raise bad("temperature", "a finite number >= 0 (0 means greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise bad("top_p", "a number in (0, 1]")
+            raise bad("top_p", "a finite number in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "an integer >= 1, or -1 / 0 to disable")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise bad("min_p", "a number in [0, 1]")
+            raise bad("min_p", "a finite number in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
-                raise bad(name, "a number in [-2, 2] (0 is off)")
-        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+                raise bad(name, "a finite number in [-2, 2] (0 is off)")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
             raise bad("repetition_penalty", "a finite number > 0 (1 is off)")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "an integer >= 1")
@@ -160,7 +166,7 @@ class SamplingParams:
             raise bad("min_tokens", f"an integer from 0 to max_tokens ({self.max_tokens})")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                _is_int(t) and t >= 0 and _is_number(b) and math.isfinite(b) for t, b in self.logit_bias.items()
+                _is_int(t) and t >= 0 and _is_number(b) for t, b in self.logit_bias.items()
             ):
                 raise bad("logit_bias", "None or a dict of non-negative token ids to finite numbers")
             self.logit_bias = {t: min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()} or None

@@ -25,6 +25,7 @@ from nanovllm_core.interfaces import Scheduler, SchedulerOutput
 from nanovllm_core.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, with_priority
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm_core.tokenization import encode_text
 
 Prompt = str | list[int] | dict[str, Any]
 """Text, token ids, or vLLM's prompt dicts: ``{"prompt": text}`` (TextPrompt), ``{"prompt_token_ids": ids}``
@@ -162,10 +163,7 @@ class EngineCore:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: give the prompt as a list of token ids")
-            try:
-                return prompt, self.tokenizer.encode(prompt)
-            except Exception as exc:  # noqa: BLE001 - tokenizers raise TypeError/ValueError on bad text
-                raise InvalidRequestError(f"the prompt cannot be tokenized ({type(exc).__name__}: {exc})") from None
+            return prompt, encode_text(self.tokenizer, prompt)
         if isinstance(prompt, (list, tuple)):
             bad = next((t for t in prompt if not _is_int(t)), None)
             if bad is None:

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes, API-key check, OpenAI-shaped errors, disconnects.
 
 ``build_app(engine, settings)`` returns the ASGI app; its lifespan starts the engine's step loop and, at
-shutdown, aborts what is still in flight and stops the loop. Routes: ``POST /v1/completions``,
+shutdown, aborts what is still in flight and stops the loop (``nanovllm serve`` drains first, on SIGTERM/SIGINT:
+:meth:`OpenAIServer.drain`). Before any route, :class:`AdmissionMiddleware` refuses a request body over
+``--max-request-body-bytes`` (413) and, while the server drains, every request (503). Routes: ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and
 vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET``/``POST /ping`` (``/health``'s answer).
 """
@@ -31,8 +33,13 @@ from nanovllm_core.errors import ConfigError, InvalidRequestError, NanoVLLMError
 from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.plugins import get_registry
 from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.serving.admission import (
+    check_max_request_body_bytes,
+    default_max_request_body_bytes,
+    max_prompt_chars,
+)
 from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from nanovllm_core.serving.chat import render_chat
+from nanovllm_core.serving.chat import conversation_chars, render_chat
 from nanovllm_core.serving.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.serving.openai_serving import Job, chat_events, chat_response, completion_events, completion_response
 from nanovllm_core.serving.protocol import (
@@ -62,6 +69,7 @@ ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -88,9 +96,11 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: chat replies' thinking as reasoning_content
+    max_request_body_bytes: int | None = None  # larger bodies get 413; None: sized from max_model_len
 
     def __post_init__(self) -> None:
         check_reply_parsers(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser)
+        check_max_request_body_bytes(self.max_request_body_bytes)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -168,7 +178,10 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+        error = str(first.get("ctx", {}).get("error", first["msg"]))
+        if "unicode code point" in error or "hex escape" in error:  # bad UTF-8, or a lone surrogate's \u escape
+            error += " (JSON text must be UTF-8, and a \\u escape of a surrogate must be one of a pair)"
+        return f"the request body is not valid JSON: {error}", None
     if not loc and first.get("type") in ("model_attributes_type", "model_type", "dict_type"):
         return "the request body must be a JSON object (sent with Content-Type: application/json)", None
     if not loc:  # a check across fields (model_validator)
@@ -199,6 +212,70 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestBodyTooLarge(Exception):
+    """Raised into the app from ``receive`` once a body without Content-Length has passed the limit."""
+
+
+class AdmissionMiddleware:
+    """Before any route (pure ASGI): while the server drains, 503 with Retry-After for every request but
+    ``/metrics``; a request body over the limit is a 413, from its Content-Length before any of it is read, or
+    (a chunked body) as soon as the bytes the app has read pass the limit."""
+
+    def __init__(self, app: Any, server: OpenAIServer, max_body_bytes: int) -> None:
+        self.app = app
+        self.server = server
+        self.max_body_bytes = max_body_bytes
+
+    def too_large(self, size: str) -> Response:
+        return error_response(
+            413,
+            f"the request body ({size}) is larger than this server takes (--max-request-body-bytes "
+            f"{self.max_body_bytes}): send a shorter prompt, or start the server with a larger limit",
+        )
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.server.draining and scope["path"] != "/metrics":
+            await error_response(
+                503, "the server is shutting down and takes no new requests", headers={"Retry-After": "1"}
+            )(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and b"transfer-encoding" not in headers:  # the HTTP parser holds the body to it
+            if length.isdigit() and int(length) > limit:
+                await self.too_large(f"Content-Length {int(length)} bytes")(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def counting_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise RequestBodyTooLarge
+            return message
+
+        async def watching_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, watching_send)
+        except RequestBodyTooLarge:
+            if started:
+                raise
+            await self.too_large(f"over {limit} bytes, chunked")(scope, receive, send)
 
 
 class EventStreamResponse(StreamingResponse):
@@ -243,6 +320,41 @@ class OpenAIServer:
         self.settings = settings
         self.metrics = metrics
         self.sampling_defaults = sampling_defaults(engine.config)  # for the fields a request leaves out
+        self.draining = False  # set by drain(): new requests get 503
+        self.max_prompt_chars = max_prompt_chars(engine.tokenizer, engine.max_model_len)
+
+    async def drain(self, timeout: float, now: asyncio.Event | None = None) -> None:
+        """Shut down gracefully: new requests get 503 (Retry-After) from here on; the requests in flight may
+        finish for ``timeout`` seconds (or until ``now`` is set); then the rest are aborted (a stream ends with a
+        last chunk of finish_reason "abort" and ``data: [DONE]``, a whole response is a 503 error) and the engine
+        stops."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self.engine.num_unfinished:
+            logger.info(
+                "shutting down: %d requests in flight may finish for %g s (--shutdown-timeout); new ones get 503",
+                self.engine.num_unfinished, timeout,
+            )  # fmt: skip
+        while self.engine.num_unfinished and (now is None or not now.is_set()):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            await asyncio.sleep(min(remaining, 0.02))
+        if self.engine.num_unfinished:
+            logger.warning("shutting down: aborting %d requests still in flight", self.engine.num_unfinished)
+        await self.engine.shutdown()
+
+    def aborted_by_shutdown(self, finish_reasons: list[str | None]) -> APIError | None:
+        """The error a whole (non-streaming) response gets when the shutdown aborted it, else None."""
+        if not (self.draining and "abort" in finish_reasons):
+            return None
+        return APIError(
+            503,
+            "the server shut down before this request finished (it was aborted at the end of --shutdown-timeout): "
+            "retry it",
+            headers={"Retry-After": "1"},
+        )
 
     def check_model(self, model: str | None) -> None:
         names = self.settings.model_names
@@ -251,6 +363,8 @@ class OpenAIServer:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", "model")
 
     def check_capacity(self, num_requests: int) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests", headers={"Retry-After": "1"})
         if not self.engine.is_running:
             raise APIError(503, "the server is shutting down or its engine has stopped")
         limit = self.settings.max_queued_requests
@@ -283,6 +397,26 @@ class OpenAIServer:
                 "max_tokens",
             )
         return requested
+
+    def check_prompt_chars(self, num_chars: int, truncate: int | None, param: str) -> None:
+        """A 400 for a text far longer than max_model_len tokens could hold, before any tokenization (not with
+        ``truncate_prompt_tokens``: then a text of any length is cut to its last tokens)."""
+        limit = self.max_prompt_chars
+        if limit is not None and truncate is None and num_chars > limit:
+            raise APIError(
+                400,
+                f"the {param} has {num_chars} characters, more than this model's maximum context length "
+                f"(max_model_len {self.engine.max_model_len} tokens) can hold with its tokenizer (at most {limit} "
+                "characters): shorten it",
+                param,
+            )
+
+    async def prompt_ids(self, prompt: str | list[int], truncate: int | None, param: str) -> list[int]:
+        """A prompt's token ids: a text checked for length, then tokenized (off the event loop when long)."""
+        if not isinstance(prompt, str):
+            return prompt
+        self.check_prompt_chars(len(prompt), truncate, param)
+        return await self.engine.encode(prompt)
 
     async def submit(
         self, body: SamplingRequest, prompts: list[list[int]], requested: int | None, prompt_param: str, prefix: str
@@ -340,12 +474,17 @@ class OpenAIServer:
                 400, "max_tokens: 0 needs echo=true (it returns the prompt alone, with logprobs if asked); else at "
                 "least 1", "max_tokens"
             )
-        prompts = [self.engine.tokenize(p) for p in body.prompts()]
+        prompts = [await self.prompt_ids(p, body.truncate_prompt_tokens, "prompt") for p in body.prompts()]
         job = await self.submit(body, prompts, body.max_tokens, "prompt", "cmpl")
         if body.stream:
             return EventStreamResponse(completion_events(job))
         result = await until_disconnected(request, completion_response(job))
-        return JSONResponse(result.model_dump()) if result is not None else Response(status_code=499)
+        if result is None:
+            return Response(status_code=499)
+        error = self.aborted_by_shutdown([c.finish_reason for c in result.choices])
+        if error is not None:
+            raise error
+        return JSONResponse(result.model_dump())
 
     async def embeddings(self, body: EmbeddingRequest) -> EmbeddingResponse:
         """OpenAI's ``/v1/embeddings``: one engine request a prompt, each the prompt's last-token embedding."""
@@ -354,7 +493,7 @@ class OpenAIServer:
             raise APIError(
                 400, "dimensions is not supported: embeddings have the model's hidden size (leave it out)", "dimensions"
             )
-        prompts = [self.engine.tokenize(p) for p in body.inputs()]
+        prompts = [await self.prompt_ids(p, body.truncate_prompt_tokens, "input") for p in body.inputs()]
         if body.truncate_prompt_tokens is not None:
             prompts = [ids[-body.truncate_prompt_tokens :] for ids in prompts]
         self.check_capacity(len(prompts))
@@ -375,6 +514,9 @@ class OpenAIServer:
                 if not stream.done:
                     self.engine.abort_nowait(stream.request_id)
             raise
+        error = self.aborted_by_shutdown([c.finish_reason for out in finals for c in out.outputs])
+        if error is not None:
+            raise error
         data = []
         for i, out in enumerate(finals):
             vector: list[float] | str = out.embedding or []
@@ -385,11 +527,20 @@ class OpenAIServer:
         return EmbeddingResponse(id=response_id, model=self.settings.served_model_name, data=data,
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))  # fmt: skip
 
-    def chat_prompt(self, body: ChatPrompt, add_special_tokens: bool = False) -> list[int]:
+    async def chat_prompt(
+        self, body: ChatPrompt, add_special_tokens: bool = False, truncate: int | None = None
+    ) -> list[int]:
+        """The prompt of a chat request: its messages checked for length, then rendered through the chat template
+        and tokenized (off the event loop when long)."""
+        conversation = body.conversation()
+        num_chars = conversation_chars(conversation)
+        self.check_prompt_chars(num_chars, truncate, "messages")
         try:
-            return render_chat(
+            return await self.engine.off_loop(
+                num_chars,
+                render_chat,
                 self.engine.tokenizer,
-                body.conversation(),
+                conversation,
                 body.add_generation_prompt,
                 self.settings.chat_template,
                 add_special_tokens=add_special_tokens,
@@ -400,18 +551,19 @@ class OpenAIServer:
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), "messages") from None
 
-    def tokenize(self, body: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
+    async def tokenize(self, body: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
         """vLLM's ``/tokenize``: the prompt's token ids as the completion or chat endpoint would send them."""
         self.check_model(body.model)
         tokenizer = self.engine.tokenizer
         if isinstance(body, TokenizeChatRequest):
-            ids = self.chat_prompt(body, body.add_special_tokens)
+            ids = await self.chat_prompt(body, body.add_special_tokens)
         else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            self.check_prompt_chars(len(body.prompt), None, "prompt")
+            ids = await self.engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
 
-    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         """vLLM's ``/detokenize``: the text of token ids (special tokens included); an id the tokenizer does not
         have is a 400 naming it."""
         self.check_model(body.model)
@@ -421,7 +573,9 @@ class OpenAIServer:
             if not 0 <= token < vocab:
                 message = f"tokens[{i}]: {token} is not a token id of this model's tokenizer (0 to {vocab - 1})"
                 raise APIError(400, message, "tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+        # a token's text is a few characters: as much work as tokenizing that many
+        text = await self.engine.off_loop(4 * len(body.tokens), tokenizer.decode, body.tokens)
+        return DetokenizeResponse(prompt=text)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         parser = None
@@ -434,7 +588,7 @@ class OpenAIServer:
                     "tool_choice",
                 )
             parser = reply_parser("tool_parser", self.settings.tool_call_parser)()  # type: ignore[arg-type]
-        ids = self.chat_prompt(body)
+        ids = await self.chat_prompt(body, truncate=body.truncate_prompt_tokens)
         job = await self.submit(body, [ids], body.requested_max_tokens, "messages", "chatcmpl")
         job.tool_parser = parser
         if self.settings.reasoning_parser is not None:
@@ -442,7 +596,12 @@ class OpenAIServer:
         if body.stream:
             return EventStreamResponse(chat_events(job))
         result = await until_disconnected(request, chat_response(job))
-        return JSONResponse(result.model_dump()) if result is not None else Response(status_code=499)
+        if result is None:
+            return Response(status_code=499)
+        error = self.aborted_by_shutdown([c.finish_reason for c in result.choices])
+        if error is not None:
+            raise error
+        return JSONResponse(result.model_dump())
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -462,6 +621,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
     app.state.server = server
+    max_body = settings.max_request_body_bytes or default_max_request_body_bytes(engine.max_model_len)
+    app.add_middleware(AdmissionMiddleware, server=server, max_body_bytes=max_body)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     if settings.allowed_origins:  # added last, so it runs first: preflight requests carry no API key
@@ -512,11 +673,11 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:
-        return server.tokenize(await read_body(request, tokenize_body_model(await request.body())))
+        return await server.tokenize(await read_body(request, tokenize_body_model(await request.body())))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> DetokenizeResponse:
-        return server.detokenize(await read_body(request, DetokenizeRequest))
+        return await server.detokenize(await read_body(request, DetokenizeRequest))
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -528,8 +689,13 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
             return error_response(503, "the engine is not running")
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:  # vLLM's, for SageMaker: what /health says
+    # vLLM's, for SageMaker: what /health says. Two routes, so that OpenAPI gives each method its own operation id.
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post() -> Response:
         return await health()
 
     @app.get("/metrics")

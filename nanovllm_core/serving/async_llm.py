@@ -4,20 +4,23 @@ The engine is not thread-safe, so one step loop owns it (:mod:`nanovllm_core.ser
 thread, or a process of its own). Callers talk to it through commands that the loop drains between steps; the
 loop hands its results and each step's outputs back to the event loop in one piece each (a thread through
 ``call_soon_threadsafe``; an engine process through its pipe, which the event loop reads itself), and sleeps
-while it has nothing to do. Prompts are tokenized on the caller's side with a tokenizer of its own
-(so the step loop does no tokenization and no two threads share one tokenizer object).
+while it has nothing to do. Prompts are tokenized on the caller's side with a tokenizer of its own (so the step
+loop does no tokenization); a long text is tokenized in a thread of its own (:meth:`AsyncLLM.off_loop`), so that
+the event loop keeps serving the other requests meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import Prompt, unwrap_prompt
@@ -28,8 +31,14 @@ from nanovllm_core.errors import InvalidRequestError, NanoVLLMError
 from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, with_priority
 from nanovllm_core.serving.step_loop import EngineProcess, EngineThread, LoopAccount
+from nanovllm_core.tokenization import encode_text
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Tokenizer work on at most this many characters runs on the event loop: it costs less than the hop to the
+# tokenizer's thread and back. Longer texts go to that thread (the Rust tokenizer releases the GIL while it works).
+INLINE_TOKENIZER_CHARS = 2048
 
 
 class EngineDeadError(NanoVLLMError):
@@ -188,6 +197,10 @@ class AsyncLLM:
         self.max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
         self.tokenizer = LLMEngine._load_tokenizer(self.config.tokenizer or self.config.model)
         self._decode = decoder_of(self.tokenizer)
+        # One thread, made on first use: long texts are tokenized one at a time, as in vLLM's front-end. Short ones
+        # are still tokenized on the event loop meanwhile: without truncation or padding (never set here) encoding
+        # only reads the tokenizer's state.
+        self._tokenizer_pool: ThreadPoolExecutor | None = None
         self._streams: dict[str, RequestStream] = {}
         self._num_queued = 0  # accepted requests without any output yet (waiting or in their first prefill)
         self._ids = itertools.count()
@@ -240,6 +253,8 @@ class AsyncLLM:
                 self.core.submit([(None, "stop", ())])
             await asyncio.to_thread(self.core.join)
             await asyncio.sleep(0)  # let the aborted requests' last outputs reach their streams
+        if self._tokenizer_pool is not None:  # work already handed to it finishes (its caller still waits)
+            self._tokenizer_pool.shutdown(wait=False)
 
     async def __aenter__(self) -> AsyncLLM:
         await self.start()
@@ -265,10 +280,26 @@ class AsyncLLM:
     # --- requests ---------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids, tokenized here (InvalidRequestError for text the tokenizer cannot take)."""
         prompt = unwrap_prompt(prompt)
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return encode_text(self.tokenizer, prompt)
         return list(prompt)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids; a long text is tokenized off the event loop (:meth:`off_loop`)."""
+        return await self.off_loop(len(text), encode_text, self.tokenizer, text, add_special_tokens)
+
+    async def off_loop(self, num_chars: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, tokenizer work on about ``num_chars`` characters: on the event loop when that
+        is short, else in the tokenizer's thread while the event loop serves on."""
+        if num_chars <= INLINE_TOKENIZER_CHARS:
+            return fn(*args, **kwargs)
+        self._check_alive()  # after shutdown the thread takes no more work
+        if self._tokenizer_pool is None:
+            self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenizer")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, functools.partial(fn, *args, **kwargs))
 
     async def add_request(
         self,
@@ -286,7 +317,7 @@ class AsyncLLM:
         await self.start()
         self._check_alive()
         prompt = unwrap_prompt(prompt)
-        token_ids = self.tokenize(prompt)
+        token_ids = await self.encode(prompt) if isinstance(prompt, str) else self.tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanovllm_core.errors import InvalidRequestError
+from nanovllm_core.tokenization import encode_text
 
 Conversation = list[dict[str, Any]]
 
@@ -21,8 +22,8 @@ def render_chat(
 
     The template's text is tokenized without adding special tokens again (the template writes its own), unless
     ``add_special_tokens``.
-    Raises InvalidRequestError when the tokenizer has no chat template (and none is given) or the template
-    rejects the messages.
+    Raises InvalidRequestError when the tokenizer has no chat template (and none is given), the template
+    rejects the messages, or their text is not valid Unicode.
     """
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         source = getattr(tokenizer, "name_or_path", "") or "this model"
@@ -33,6 +34,9 @@ def render_chat(
         )
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise InvalidRequestError('messages must be a list of {"role": ..., "content": ...} dicts')
+    for i, message in enumerate(messages):
+        if isinstance(message.get("content"), (bytes, bytearray)):  # a template would render it as "b'...'"
+            raise InvalidRequestError(f"messages[{i}]['content'] is bytes: decode it to str first")
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -43,4 +47,9 @@ def render_chat(
         )
     except Exception as exc:  # noqa: BLE001 - a template error (raise_exception, undefined key) is the caller's
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from None
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return encode_text(tokenizer, text, add_special_tokens, what="the chat messages")
+
+
+def conversation_chars(messages: Conversation) -> int:
+    """The characters of the messages' text contents (what a chat template puts into the prompt, at the least)."""
+    return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))

@@ -93,7 +93,7 @@ class Job:
     def chat_chunk(self, index: int, c: CompletionOutput) -> str:
         """The SSE event of a chat delta without logprobs (as ``ChatCompletionChunk.model_dump_json``, tested)."""
         return (
-            f'data: {self._chat_head}{index},"delta":{{"role":null,"content":{dumps(c.text)}}},"logprobs":null,'
+            f'data: {self._chat_head}{index},"delta":{{"content":{dumps(c.text)}}},"logprobs":null,'
             f'"finish_reason":{dumps(c.finish_reason)},"stop_reason":{dumps(c.stop_reason)}}}],"usage":'
             f"{self._usage_json(index)}}}\n\n"
         )

@@ -24,7 +24,8 @@ GUIDED_DECODING_FIELDS = frozenset(
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # JSON's Infinity and NaN (which Python's json module writes) are refused: no field takes them
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -415,7 +416,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: str | None = None
+    role: str | None = None  # the first chunk of a choice only; left out of the others, as OpenAI does
     content: str | None = None
     # both left out of the JSON when empty, as vLLM does
     reasoning_content: str | None = None
@@ -424,6 +425,8 @@ class DeltaMessage(BaseModel):
     @model_serializer(mode="wrap")
     def _without_empty_extras(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
+        if self.role is None:
+            data.pop("role", None)
         if not self.tool_calls:
             data.pop("tool_calls", None)
         if self.reasoning_content is None:

@@ -1,20 +1,26 @@
 """``nanovllm serve MODEL``: load the engine, then serve the OpenAI API with uvicorn until SIGTERM / SIGINT.
 
-On a signal the server stops accepting connections, lets in-flight requests finish for up to
-``--shutdown-timeout`` seconds, aborts the rest, stops the engine and exits 0.
+On SIGTERM or SIGINT the server drains: new requests get 503 (Retry-After), in-flight requests may finish for up
+to ``--shutdown-timeout`` seconds, then the rest are aborted (a stream ends with finish_reason "abort" and
+``data: [DONE]``, a whole response is a 503 error), the engine stops and the process exits 0. A second signal
+ends the wait at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
+from types import FrameType
 from typing import Any
 
 from nanovllm_core.errors import ConfigError
+from nanovllm_core.serving.admission import BODY_BYTES_PER_TOKEN, BODY_JSON_ROOM, check_max_request_body_bytes
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +48,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--shutdown-timeout",
         type=float,
         default=10.0,
-        help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are aborted",
+        help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are aborted (new "
+        "requests get 503 meanwhile; a second signal aborts at once)",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help=f"answer 413 to a request body larger than this, before reading it (default: {BODY_BYTES_PER_TOKEN} "
+        f"bytes per token of max_model_len plus {BODY_JSON_ROOM >> 20} MiB for the rest of the JSON; raise it to send "
+        "batches of long prompts)",
     )
     parser.add_argument(
         "--engine-process",
@@ -149,6 +164,40 @@ def front_end_stack() -> tuple[bool, str]:
     return not missing, line
 
 
+LAST_WRITES_TIMEOUT = 5.0  # seconds uvicorn gives the responses of a finished drain to write their last bytes
+
+
+def draining_server(config: Any, drain: Callable[[asyncio.Event], Awaitable[None]]) -> Any:
+    """A ``uvicorn.Server`` whose SIGTERM/SIGINT runs ``drain(now)`` on its event loop first and stops serving
+    when that returns; a second signal sets ``now`` (end the wait at once). uvicorn's own handling would close
+    the listening socket at once and cancel the requests still running at its deadline, streams cut off mid-way
+    with a traceback each."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def __init__(self) -> None:
+            super().__init__(config)
+            self.signals = 0  # counted by the signal handler, acted on by on_tick (on the event loop)
+            self.drain_task: asyncio.Future | None = None
+            self.now = asyncio.Event()
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            self.signals += 1
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.signals and self.drain_task is None:
+                self.drain_task = asyncio.ensure_future(drain(self.now))
+            if self.signals > 1:
+                self.now.set()
+            if self.drain_task is not None and self.drain_task.done():
+                if not self.drain_task.cancelled() and self.drain_task.exception() is not None:
+                    logging.getLogger(__name__).error("the drain failed", exc_info=self.drain_task.exception())
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    return DrainingServer()
+
+
 def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     require_serve_extra()
     import uvicorn
@@ -164,6 +213,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         raise ConfigError(f"--max-queued-requests {args.max_queued_requests}: at least 1 (leave it out for no limit)")
     if args.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout {args.shutdown_timeout}: 0 seconds or more")
+    check_max_request_body_bytes(args.max_request_body_bytes)
     chat_template = read_chat_template(args.chat_template)  # before the engine loads: a bad value costs nothing
     allowed_origins = read_allowed_origins(args.allowed_origins)
     check_reply_parsers(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
@@ -181,6 +231,8 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        max_request_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
     )
     app = build_app(engine, settings)
     freeze_startup_heap()  # this process is the server's own: see nanovllm_core.gc_heap
@@ -189,12 +241,12 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        # the drain has ended every request by the time uvicorn shuts down: this bounds the last writes only
+        timeout_graceful_shutdown=LAST_WRITES_TIMEOUT,
         timeout_keep_alive=5,
     )
-    server = uvicorn.Server(config)
-    # uvicorn re-raises the signal that stopped it once it has shut down; with the default handlers still in
-    # place that would kill the process (exit status -15) after a clean shutdown. Ours make it a no-op.
+    server = draining_server(config, lambda now: app.state.server.drain(args.shutdown_timeout, now))
+    # with the default handlers in place, a signal between the server's end and the process's would kill it
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()

@@ -15,12 +15,14 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import logging
 import multiprocessing
 import operator
 import os
 import pickle
 import signal
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -242,10 +244,31 @@ class EngineThread:
         return self._thread is not None and self._thread.is_alive()
 
 
-def engine_process_main(build: Callable[[], Any], commands: Any, outputs: Any) -> None:
-    """The engine process: build the engine (``build()``, an LLMEngine in a server), say ready (or why not), run
-    the loop until ``stop``."""
+LogSetup = tuple[int, str | None, str | None]  # level, format, date format
+
+
+def stderr_log_setup() -> LogSetup | None:
+    """How this process logs: its root logger's level and the format of its handler to stderr (``basicConfig``'s,
+    as ``nanovllm serve`` sets it up), for an engine process to log the same way to the same stderr; None when no
+    such handler is set up (a library caller's engine process then logs as Python does by default)."""
+    root = logging.getLogger()
+    for handler in root.handlers:
+        if type(handler) is logging.StreamHandler and handler.stream is sys.stderr:
+            formatter = handler.formatter
+            fmt = getattr(formatter, "_fmt", None)
+            return root.getEffectiveLevel(), fmt, getattr(formatter, "datefmt", None)
+    return None
+
+
+def engine_process_main(
+    build: Callable[[], Any], commands: Any, outputs: Any, log_setup: LogSetup | None = None
+) -> None:
+    """The engine process: log as the front-end does (``log_setup``), build the engine (``build()``, an LLMEngine
+    in a server), say ready (or why not), run the loop until ``stop``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front-end decides
+    if log_setup is not None:  # a spawned process starts without the parent's logging set-up
+        level, fmt, datefmt = log_setup
+        logging.basicConfig(level=level, format=fmt, datefmt=datefmt, stream=sys.stderr)
     try:
         engine = build()
     except BaseException as exc:  # noqa: BLE001 - reported to the front-end, which raises it
@@ -353,7 +376,7 @@ class EngineProcess:
         _widen_pipe(self._commands)  # a burst of requests (2 KB each with 600-token prompts) fits in one drain
         self.process = ctx.Process(
             target=engine_process_main,
-            args=(build, commands_out, outputs_in),
+            args=(build, commands_out, outputs_in, stderr_log_setup()),
             name="nanovllm-engine",
             daemon=False,  # a daemonic process may not start the tensor-parallel workers
         )
