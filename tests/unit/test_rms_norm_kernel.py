@@ -85,8 +85,8 @@ def test_cuda_matches_eager(rows, width):
     ref, ref_residual = eager_add_rms_norm.__wrapped__(x, residual, weight, EPS)
     assert torch.equal(new_residual, ref_residual)
     # rsqrt and the sum's order may move the normalised value by one float32 bit, rarely: one bf16 ulp of the
-    # normalised row when its rounding flips, two of the output after the weight's product is rounded too (r13-c:
-    # the 14,336-row case went past one ulp)
+    # normalised row when its rounding flips, two of the output after the weight's product is rounded too (a
+    # 14,336-row case can go past one ulp)
     assert _within_ulps(out, ref, 2)
     assert (out != ref).float().mean() < 1e-2
     assert _within_ulps(rms_norm(x, weight, EPS), eager_rms_norm.__wrapped__(x, weight, EPS), 2)
