@@ -29,13 +29,12 @@ from collections.abc import Callable
 from typing import Any
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.core import EngineStats, Prompt
+from nanovllm_core.engine.core import EngineStats
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.engine_client.base import Command, Emit, EngineClient, Fail, LoopAccount, NewRequest, Result
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.gc_heap import freeze_startup_heap
 from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nanovllm_core.sampling_params import SamplingParams
 
 _REQUEST_FIELDS = [f.name for f in dataclasses.fields(RequestOutput) if f.init]
 _OUTPUTS_AT, _METRICS_AT = _REQUEST_FIELDS.index("outputs"), _REQUEST_FIELDS.index("metrics")
@@ -176,12 +175,6 @@ class InProcessClient(EngineClient):
         return self.engine.eos_token_ids
 
     # --- pull: the engine itself -----------------------------------------------------------------------
-
-    def add_request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-        priority: int | None = None,
-    ) -> str:
-        return self.engine.add_request(prompt, sampling_params, request_id, priority)
 
     def add_requests(self, requests: list[NewRequest]) -> list[tuple[str, BaseException | None]]:
         answers: list[tuple[str, BaseException | None]] = []
