@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -25,6 +26,8 @@ from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.loader import load_hf_config
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, with_priority
+
+logger = logging.getLogger(__name__)
 
 Command = tuple[int | None, str, tuple]
 Result = tuple[int | None, Any, BaseException | None]
@@ -365,9 +368,13 @@ class _Puller:
                 if waiting and self.inbox.failure is None and not self.closed:
                     self.client.submit([(None, "abort", (r,)) for r in waiting])
                     deadline = time.monotonic() + ABORT_WAIT_S
-                    while waiting and time.monotonic() < deadline:
-                        self.pump(block=True, timeout=max(0.0, deadline - time.monotonic()))
+                    while True:
                         waiting -= {o.request_id for o in self.ready if o.finished}
+                        if not waiting or time.monotonic() >= deadline:
+                            break
+                        self.pump(block=True, timeout=max(0.0, deadline - time.monotonic()))
+                    if waiting:
+                        logger.warning("%d aborted requests were not confirmed in %.0f s", len(waiting), ABORT_WAIT_S)
             finally:
                 gone = set(request_ids)
                 self.ready = [o for o in self.ready if o.request_id not in gone]
