@@ -55,6 +55,13 @@ from _common import (  # noqa: E402
 )
 
 POLICIES = ["fifo", "mixed", "priority"]
+
+
+def installed_schedulers() -> list[str]:
+    """Every scheduler policy the installed plugins register: the shipped three and any third-party one."""
+    from nanovllm_core.plugins import get_registry
+
+    return get_registry().names("scheduler")
 WORKLOADS: dict[str, dict[str, Any]] = {  # bench serve flags, requests sent at once for saturation, requests a load
     "long-prompts": {
         "flags": [
@@ -201,7 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
         "loads; results in RESULTS_DIR/policies/.",
         epilog=f"policies: {', '.join(POLICIES)}; workloads: {', '.join(WORKLOADS)}",
     )
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, served in this order")
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated installed scheduler names (a third-party policy too), served in this order",
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset (default: all)")
     parser.add_argument(
         "--loads",
@@ -231,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    policies = split_list(args.policies, POLICIES, "--policies")
+    policies = split_list(args.policies, installed_schedulers(), "--policies")
     workloads = split_list(args.workloads, WORKLOADS, "--workloads")
     loads = parse_numbers(args.loads, "--loads")
     for name in ("client_processes", "step_tokens"):

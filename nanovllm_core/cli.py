@@ -4,66 +4,176 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
 import types
 import typing
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from nanovllm_core.config import EngineConfig, PluginsConfig
+from nanovllm_core.config import YAML_SUFFIXES, EngineConfig, PluginsConfig
+from nanovllm_core.demo import DEMO_MAX_MODEL_LEN, ensure_demo_checkpoint
 from nanovllm_core.errors import ConfigError, NanoVLLMError
 
 DEMO_PROMPTS = ["Hello world!", "The quick brown fox", "To be or not to be, that is the question."]
 
 
-def demo_checkpoint_dir() -> Path:
-    cache = Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm"))
-    return cache / "demo-qwen3-tiny"
+# --- engine flags, with vLLM's names beside ours ------------------------------------------------------
+
+VLLM_FLAG_ALIASES: dict[str, tuple[str, ...]] = {
+    "kvcache_block_size": ("--block-size",),
+    "num_kvcache_blocks": ("--num-gpu-blocks-override",),
+    "tensor_parallel_size": ("-tp",),
+    "data_parallel_size": ("-dp",),
+}
+"""More spellings of an EngineConfig field's flag: ``vllm serve``'s, where the meaning is the same."""
+
+VLLM_ATTENTION_BACKENDS = {"TRITON_ATTN": "triton", "FLASH_ATTN": "flash_attn", "TORCH_SDPA": "torch"}
+"""vLLM's ``--attention-backend`` values that have a backend here, and its name here."""
+
+VLLM_SCHEDULING_POLICIES = {"fcfs": "mixed", "priority": "priority"}
+"""vLLM's ``--scheduling-policy`` -> the scheduler here that behaves like it. vLLM's fcfs schedules the running
+requests' decode tokens first and fills the step with prompt chunks: that is ``mixed`` (``fifo`` runs prompts
+alone, in steps of their own)."""
+
+VLLM_DTYPES = {"half": "float16", "float": "float32"}
+"""vLLM's ``--dtype`` aliases."""
 
 
-def ensure_demo_checkpoint() -> Path:
-    """The embedded demo: a tiny random-weight Qwen3 written on first use (no download is possible)."""
-    path = demo_checkpoint_dir()
-    if not (path / "config.json").is_file():
-        from nanovllm_core.demo import write_tiny_checkpoint
+def attention_backend(value: str) -> str:
+    """``--attention`` / ``--attention-backend``: a backend registered here, or vLLM's name of one that maps."""
+    if value in VLLM_ATTENTION_BACKENDS:
+        return VLLM_ATTENTION_BACKENDS[value]
+    if re.fullmatch(r"[A-Z][A-Z0-9_]*", value):  # vLLM's spelling of a backend this engine does not have
+        known = ", ".join(f"{k} ({v})" for k, v in VLLM_ATTENTION_BACKENDS.items())
+        raise argparse.ArgumentTypeError(
+            f"vLLM's attention backend {value!r} has no counterpart here; vLLM's names that do: {known}, or give a "
+            "backend's name here (`nanovllm plugins` lists them; auto picks one)"
+        )
+    return value
 
-        print(f"writing the demo checkpoint (tiny random-weight Qwen3) to {path}", file=sys.stderr)
-        write_tiny_checkpoint(path, "qwen3", hidden_size=128, intermediate_size=256, num_layers=4)
-    return path
+
+def scheduling_policy(value: str) -> str:
+    """``--scheduling-policy``: vLLM's policy name -> the scheduler that behaves like it."""
+    if value not in VLLM_SCHEDULING_POLICIES:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a scheduling policy; allowed: fcfs (the mixed scheduler), priority "
+            "(--scheduler names any installed scheduler)"
+        )
+    return VLLM_SCHEDULING_POLICIES[value]
+
+
+def dtype_name(value: str) -> str:
+    """``--dtype``: our names, and vLLM's aliases ``half`` and ``float``."""
+    return VLLM_DTYPES.get(value, value)
+
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgG])")
+_HUMAN_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_readable_int(value: str) -> int:
+    """``--max-model-len``: an integer, or vLLM's short forms: ``32k`` is 32,000, ``32K`` 32,768 (k, m, g decimal;
+    K, M, G binary), ``25.6k`` 25,600."""
+    match = _HUMAN_INT.fullmatch(value.strip())
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not an integer; allowed: digits, or with k/m/g (x1000) or K/M/G (x1024), e.g. 32k"
+            ) from None
+    number, unit = match.groups()
+    result = Decimal(number) * _HUMAN_UNITS[unit]  # exact: 25.6k is 25,600, not a float a hair off it
+    if result != int(result):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of tokens")
+    return int(result)
+
+
+def engine_flag_names(name: str) -> list[str]:
+    """Every spelling of an EngineConfig field's flag, ours first."""
+    return ["--" + name.replace("_", "-"), *VLLM_FLAG_ALIASES.get(name, ())]
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per EngineConfig field (and ``--scheduler`` etc. for plugins); unset flags stay unset."""
-    parser.add_argument("--config", help="TOML config file (CLI flags override it)")
+    """One ``--flag`` per EngineConfig field (and ``--scheduler`` etc. for plugins), with vLLM's spellings beside
+    (:data:`VLLM_FLAG_ALIASES`); unset flags stay unset."""
+    parser.add_argument(
+        "--config", help="config file: TOML (nanovllm's keys), or YAML (vLLM's: keys are flag names); flags override it"
+    )
     for name, field in EngineConfig.model_fields.items():
         if name in ("plugins", "model"):
             continue
-        flag = "--" + name.replace("_", "-")
+        flags = engine_flag_names(name)
         annotation = field.annotation
         args = typing.get_args(annotation)
         base = next((a for a in args if a is not type(None)), annotation) if args else annotation
-        if base is bool:
+        if name == "async_scheduling":
+            # vLLM's bare --async-scheduling / --no-async-scheduling, beside our auto|on|off
             parser.add_argument(
-                flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=field.description
+                *flags, dest=name, default=None, nargs="?", const="on", choices=("auto", "on", "off"),
+                help=f"{field.description} A bare --async-scheduling is `on` (vLLM's flag).",
+            )  # fmt: skip
+            parser.add_argument(
+                "--no-async-scheduling", dest=name, action="store_const", const="off", help="async_scheduling `off`"
             )
-        elif typing.get_origin(base) is typing.Literal:
-            parser.add_argument(flag, dest=name, default=None, choices=typing.get_args(base), help=field.description)
+        elif base is bool:
+            parser.add_argument(
+                *flags, dest=name, default=None, action=argparse.BooleanOptionalAction, help=field.description
+            )
+        elif name == "max_model_len":
+            parser.add_argument(
+                *flags, dest=name, default=None, type=human_readable_int,
+                help=f"{field.description} As in vLLM, `32k` is 32,000 and `32K` 32,768.",
+            )  # fmt: skip
+        elif name == "dtype":
+            parser.add_argument(
+                *flags, dest=name, default=None, type=dtype_name,
+                help=f"{field.description} vLLM's `half` and `float` are `float16` and `float32`.",
+            )  # fmt: skip
         else:
             parser.add_argument(
-                flag, dest=name, default=None, type=base if base in (int, float) else str, help=field.description
+                *flags, dest=name, default=None, type=base if base in (int, float) else str, help=field.description
             )
-    for name in ("scheduler", "block_manager", "attention"):
-        parser.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=f"plugin_{name}",
-            default=None,
-            help=PluginsConfig.model_fields[name].description,
-        )
+    parser.add_argument(
+        "--scheduler", dest="plugin_scheduler", default=None, help=PluginsConfig.model_fields["scheduler"].description
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        dest="plugin_scheduler",
+        type=scheduling_policy,
+        metavar="{fcfs,priority}",
+        help="vLLM's flag: fcfs selects the mixed scheduler (decode tokens of running requests first, the rest of "
+        "the step filled with prompt chunks, as vLLM's fcfs), priority the priority scheduler",
+    )
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="most tokens one prompt chunk may take in a step (vLLM's flag): the scheduler option of mixed and "
+        "priority (--scheduling-policy fcfs or priority)",
+    )
+    parser.add_argument(
+        "--block-manager",
+        dest="plugin_block_manager",
+        default=None,
+        help=PluginsConfig.model_fields["block_manager"].description,
+    )
+    parser.add_argument(
+        "--attention",
+        "--attention-backend",
+        dest="plugin_attention",
+        type=attention_backend,
+        default=None,
+        help=PluginsConfig.model_fields["attention"].description
+        + " vLLM's names that map: "
+        + ", ".join(f"{k} ({v})" for k, v in VLLM_ATTENTION_BACKENDS.items())
+        + ".",
+    )
 
 
 def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,11 +182,14 @@ def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name, None)
         if value is not None and name not in ("plugins",):
             overrides[name] = value
-    plugins = {
+    plugins: dict[str, Any] = {
         n: getattr(args, f"plugin_{n}")
         for n in ("scheduler", "block_manager", "attention")
         if getattr(args, f"plugin_{n}", None) is not None
     }
+    threshold = getattr(args, "long_prefill_token_threshold", None)
+    if threshold is not None:
+        plugins["scheduler_options"] = {"long_prefill_token_threshold": threshold}
     if plugins:
         overrides["plugins"] = plugins
     return overrides
@@ -267,7 +380,7 @@ def _reference_table(model: type, prefix: str, flags: dict[str, str]) -> list[st
     for name, field in model.model_fields.items():
         if name == "plugins":
             continue
-        flag = f"`{flags[name]}`" if name in flags else ""
+        flag = flags.get(name, "")
         description = (field.description or "").replace("|", "\\|")
         rows.append(f"| `{prefix}{name}` | {_type_name(field)} | {_default(field)} | {flag} | {description} |")
     return rows
@@ -277,12 +390,20 @@ def config_reference() -> str:
     """``docs/config.md``: every engine setting, generated from the pydantic models ``EngineConfig`` and
     ``PluginsConfig`` (``nanovllm config --reference > docs/config.md``)."""
     engine_flags = {
-        n: ("--[no-]" if f.annotation is bool else "--") + n.replace("_", "-")
+        n: ", ".join(
+            f"`{flag.replace('--', '--[no-]', 1) if f.annotation is bool else flag}`" for flag in engine_flag_names(n)
+        )
         for n, f in EngineConfig.model_fields.items()
         if n != "plugins"
     }
-    engine_flags["model"] = "--model"
-    plugin_flags = {n: "--" + n.replace("_", "-") for n in ("scheduler", "block_manager", "attention")}
+    engine_flags["model"] = "`--model`"
+    engine_flags["async_scheduling"] = "`--async-scheduling [auto\\|on\\|off]`, `--no-async-scheduling`"
+    plugin_flags = {
+        "scheduler": "`--scheduler`",
+        "block_manager": "`--block-manager`",
+        "attention": "`--attention`, `--attention-backend`",
+        "scheduler_options": "`--long-prefill-token-threshold N` (mixed, priority)",
+    }
     example = {
         n: "/path/to/checkpoint" if n == "model" else EngineConfig.model_fields[n].get_default()
         for n in EngineConfig.model_fields
@@ -301,11 +422,17 @@ def config_reference() -> str:
         "four layers; a later layer overrides an earlier one key by key (the `[plugins]` table merges key by key):",
         "",
         "1. the defaults below;",
-        '2. a TOML file: `LLM(config="nanovllm.toml")`, `LLMEngine(config=...)`, `nanovllm ... --config FILE`;',
+        '2. a TOML file: `LLM(config="nanovllm.toml")`, `LLMEngine(config=...)`, `nanovllm ... --config FILE`',
+        "   (the command line's `--config` also reads vLLM's YAML config, whose keys are flag names:",
+        "   `max-model-len: 4096`; its values count as flags given before the others; PyYAML reads it);",
         '3. keyword arguments: `LLM(model, max_num_seqs=64, plugins={"scheduler": "fifo"})`;',
-        "4. command-line flags of `nanovllm generate`, `nanovllm bench` and `nanovllm config`.",
+        "4. command-line flags of `nanovllm generate`, `nanovllm serve`, `nanovllm bench` and `nanovllm config`;",
+        "   vLLM's spellings are accepted beside ours where the meaning is the same (the command-line column), and",
+        "   vLLM's `--scheduling-policy fcfs|priority` selects the scheduler `mixed` (which schedules as vLLM's fcfs:",
+        "   running requests' decode tokens first, the rest of the step filled with prompt chunks) or `priority`.",
         "",
-        "An invalid value fails before any weights load, naming the field and what is allowed.",
+        "An invalid value fails before any weights load, naming the field and what is allowed. Where the `plugins`",
+        "table merges, so do its `*_options` tables, option by option.",
         "",
         "Values are checked strictly: each must already have its field's type, so `max_num_seqs = \"64\"` or",
         "`enforce_eager = \"yes\"` (in a file or as a keyword argument) is an error, not converted. An integer is",
@@ -352,7 +479,10 @@ def cmd_config(args: argparse.Namespace) -> int:
     from nanovllm_core.config import read_config_file
 
     overrides = _cli_overrides(args)
-    if args.model:
+    if args.demo:
+        overrides["model"] = str(ensure_demo_checkpoint())
+        overrides.setdefault("max_model_len", DEMO_MAX_MODEL_LEN)
+    elif args.model:
         overrides["model"] = args.model
     if "model" not in overrides and not (args.config and "model" in read_config_file(args.config)):
         raise ConfigError(
@@ -360,8 +490,51 @@ def cmd_config(args: argparse.Namespace) -> int:
             "(`nanovllm config --reference` lists every field and its default)"
         )
     config = EngineConfig.load(args.config, cli_overrides=overrides)
+    check_before_loading(config)
     sys.stdout.write(render_config(config))
     return 0
+
+
+def check_before_loading(config: EngineConfig) -> None:
+    """What the engine checks before any weights load, beyond the config's own fields, in the engine's order and
+    with its errors: the selected scheduler and block manager are installed; when the model folder has a
+    config.json, its architecture has a model plugin and ``max_model_len`` fits it; a named attention backend is
+    installed; the plugins take the options given. Left to the engine, which knows its device: whether a named
+    attention backend runs there, and which backend ``auto`` picks (so the options of ``auto``'s pick)."""
+    from nanovllm_core.engine.options import validate_options
+    from nanovllm_core.errors import ModelLoadError
+    from nanovllm_core.plugins import get_registry, missing_hint
+
+    registry = get_registry()
+    plugins = config.plugins
+    scheduler = registry.get("scheduler", plugins.scheduler).obj
+    block_manager = registry.get("block_manager", plugins.block_manager).obj
+    hf_config_file = Path(config.model) / "config.json"
+    if hf_config_file.is_file():
+        try:
+            hf_config = json.loads(hf_config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{hf_config_file} cannot be read as JSON: {exc}") from None
+        architectures = hf_config.get("architectures") or []
+        if not architectures:
+            raise ModelLoadError(f"{config.model}/config.json names no architecture ('architectures' is empty)")
+        arch = architectures[0]
+        if arch not in registry.registrations["model"] and arch not in registry.conflicts["model"]:
+            installed = ", ".join(registry.names("model")) or "none"
+            raise ModelLoadError(
+                f"architecture {arch!r} is not provided by any installed model plugin; installed: {installed}. "
+                + missing_hint("model", arch)
+            )
+        max_positions = hf_config.get("max_position_embeddings")
+        if config.max_model_len is not None and max_positions and config.max_model_len > max_positions:
+            raise ConfigError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings ({max_positions})"
+            )
+    attention = registry.get("attention", plugins.attention).obj if plugins.attention != "auto" else None
+    validate_options("scheduler", scheduler, plugins.scheduler_options)
+    validate_options("block_manager", block_manager, plugins.block_manager_options)
+    if attention is not None:
+        validate_options("attention", attention, plugins.attention_options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -397,14 +570,29 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--config", help="TOML config file whose [plugins] selection is marked with *")
     plugins.set_defaults(func=cmd_plugins)
 
-    config = sub.add_parser("config", help="show the resolved config and where each value came from")
-    config.add_argument("--model", help="checkpoint folder (or set `model` in --config)")
+    config = sub.add_parser(
+        "config",
+        help="show the resolved config and where each value came from",
+        description="Print the resolved engine configuration and where each value came from, after the checks "
+        "`generate` and `serve` make before loading weights (plugins installed, their options, the model folder's "
+        "architecture and length when it exists). Exits 2 on an invalid configuration.",
+    )
+    config_which = config.add_mutually_exclusive_group()
+    config_which.add_argument("--model", help="checkpoint folder (or set `model` in --config)")
+    config_which.add_argument("--demo", action="store_true", help="the embedded tiny random-weight Qwen3 demo")
     config.add_argument("--reference", action="store_true", help="print the config reference (docs/config.md)")
     _add_engine_flags(config)
     config.set_defaults(func=cmd_config)
 
     bench = sub.add_parser("bench", help="throughput benchmark (nano-vllm's workload)")
-    bench.add_argument("--model", help="checkpoint folder; default: random weights of --shape")
+    bench_which = bench.add_mutually_exclusive_group()
+    bench_which.add_argument("--model", help="checkpoint folder; default: random weights of --shape")
+    bench_which.add_argument(
+        "--demo",
+        action="store_true",
+        help=f"the embedded tiny demo checkpoint (max_model_len {DEMO_MAX_MODEL_LEN} unless set; prompts and outputs "
+        "of up to 200 tokens unless --max-input-len / --max-output-len say otherwise)",
+    )
     _add_bench_flags(bench)
     _add_engine_flags(bench)
     bench.set_defaults(func=cmd_bench)
@@ -426,6 +614,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serving_flags(serve, bench=False)
     _add_engine_flags(serve)
     serve.set_defaults(func=cmd_serve)
+
+    simulate = sub.add_parser(
+        "simulate",
+        help="judge a scheduler policy on a workload without a GPU (simulated time, calibrated step costs)",
+        description="Replay a workload through the real engine core and the installed scheduler and block-manager "
+        "plugins, each step's duration from a GPU calibration; reports bench serve's metrics. --calibrate fits a "
+        "calibration from nanovllm bench --json results.",
+    )
+    _add_simulate_flags(simulate)
+    simulate.set_defaults(func=cmd_simulate)
     return parser
 
 
@@ -438,7 +636,19 @@ def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from nanovllm_core.bench.offline import run_bench
 
-    return run_bench(args, _cli_overrides(args))
+    overrides = _cli_overrides(args)
+    if args.demo:
+        args.model = str(ensure_demo_checkpoint())
+        overrides.setdefault("max_model_len", DEMO_MAX_MODEL_LEN)
+        # nano-vllm's lengths (up to 1,024 + 1,024) do not fit the demo's context
+        for flag in ("max_input_len", "max_output_len"):
+            if getattr(args, flag) == DEMO_BENCH_DEFAULTS[flag]:
+                setattr(args, flag, DEMO_BENCH_LEN)
+    return run_bench(args, overrides)
+
+
+DEMO_BENCH_DEFAULTS = {"max_input_len": 1024, "max_output_len": 1024}  # add_bench_arguments' defaults
+DEMO_BENCH_LEN = 200
 
 
 def _add_serving_flags(parser: argparse.ArgumentParser, bench: bool) -> None:
@@ -461,8 +671,111 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return run_bench_serve(args)
 
 
+def _add_simulate_flags(parser: argparse.ArgumentParser) -> None:
+    from nanovllm_core.simulate.run import add_simulate_arguments
+
+    add_simulate_arguments(parser)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from nanovllm_core.simulate.run import run_simulate
+
+    return run_simulate(args)
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(command)
+    return None
+
+
+def yaml_config_flags(path: str, parser: argparse.ArgumentParser, command: str) -> list[str]:
+    """vLLM's YAML config (``--config config.yaml``, keys are long flag names: ``max-model-len: 4096``) as the
+    flags of ``nanovllm COMMAND`` it stands for. ``model`` is ``--model``; ``true`` is the bare flag, ``false`` its
+    ``--no-`` form (or nothing, for a flag without one); a list gives several values; ``null`` is left out."""
+    try:
+        import yaml
+    except ImportError:
+        raise ConfigError(f"config file {path!r} is YAML, which needs PyYAML: pip install pyyaml") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            table = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path!r} is a directory; give the path of a YAML or TOML file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (offset {exc.start}): save it as UTF-8") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if table is None:
+        return []
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {path!r}: a YAML mapping of flag names to values, e.g. `max-model-len: 4096`")
+    options = parser._option_string_actions
+    flags: list[str] = []
+    for key, value in table.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag not in options or flag == "--config":
+            raise ConfigError(
+                f"config file {path!r}: {key!r} is not a flag of nanovllm {command} (keys are long flag names, "
+                f"as `nanovllm {command} --help` lists them)"
+            )
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            negative = "--no-" + flag[2:]
+            if value:
+                flags.append(flag)
+            elif negative in options:
+                flags.append(negative)
+            continue
+        values = value if isinstance(value, list) else [value]
+        flags.append(flag)
+        flags += [json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in values]
+    return flags
+
+
+def _yaml_config_in(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(path, argv without it)`` when ``argv`` gives ``--config FILE.yaml`` (or ``.yml``)."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg == "--config" and i + 1 < len(argv):
+            path, end = argv[i + 1], i + 2
+        elif arg.startswith("--config="):
+            path, end = arg.split("=", 1)[1], i + 1
+        else:
+            continue
+        return (path, argv[:i] + argv[end:]) if Path(path).suffix.lower() in YAML_SUFFIXES else None
+    return None
+
+
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed; a ``--config FILE.yaml`` (vLLM's) gives the flags it stands for, under those of the command
+    line: command line > config file > defaults, and a MODEL argument wins over the file's ``model``, as in vLLM."""
+    parser = build_parser()
+    command_parser = _subcommand_parser(parser, argv[0]) if argv else None
+    found = _yaml_config_in(argv) if argv and argv[0] in ("generate", "serve", "config", "bench") else None
+    if command_parser is None or found is None:
+        return parser.parse_args(argv)
+    path, rest = found
+    # the file's flags first, in a namespace of their own; parsing the command line into it then sets only what the
+    # command line gives (argparse fills in a default only where the namespace has no value)
+    args = command_parser.parse_args(yaml_config_flags(path, command_parser, argv[0]))
+    args = command_parser.parse_args(rest[1:], namespace=args)
+    args.command = argv[0]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse_command_line(argv)
+    except NanoVLLMError as exc:  # a YAML config that cannot be read
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except NanoVLLMError as exc:

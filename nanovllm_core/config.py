@@ -169,7 +169,8 @@ class EngineConfig(BaseModel):
     ) -> EngineConfig:
         """Merge defaults < ``config_file`` (TOML) < ``overrides`` (kwargs) < ``cli_overrides``.
 
-        ``plugins`` tables merge key by key, so ``plugins={"attention": "torch"}`` keeps the file's scheduler.
+        ``plugins`` tables merge key by key, so ``plugins={"attention": "torch"}`` keeps the file's scheduler, and
+        so do their ``*_options`` tables, option by option.
         The result remembers where each top-level value came from in :attr:`sources`.
         """
         layers: list[tuple[str, dict[str, Any]]] = []
@@ -185,10 +186,15 @@ class EngineConfig(BaseModel):
             for key, value in values.items():
                 if key == "plugins" and isinstance(value, dict):
                     plugins = dict(merged.get("plugins", {}))
-                    plugins.update(value)
-                    merged["plugins"] = plugins
-                    for sub in value:
+                    for sub, sub_value in value.items():
+                        # the options tables merge option by option too, so that one flag such as
+                        # --long-prefill-token-threshold keeps the file's other scheduler options
+                        if sub.endswith("_options") and isinstance(sub_value, dict):
+                            earlier = plugins.get(sub)
+                            sub_value = {**(earlier if isinstance(earlier, dict) else {}), **sub_value}
+                        plugins[sub] = sub_value
                         sources[f"plugins.{sub}"] = source
+                    merged["plugins"] = plugins
                 else:
                     merged[key] = value
                     sources[key] = source
@@ -204,12 +210,21 @@ class EngineConfig(BaseModel):
         return self._sources.get(key, "default")
 
 
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A TOML config file's table; a clear :class:`ConfigError` for a missing, unreadable or invalid file."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"config file {str(path)!r} is a directory; give the path of a TOML file")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    if path.suffix in YAML_SUFFIXES:
+        raise ConfigError(
+            f"config file {str(path)!r}: a YAML file (vLLM's config, keys are flag names) is read by the --config "
+            "of nanovllm generate, serve, bench and config only; elsewhere give a TOML file (or keyword arguments)"
+        )
     if path.suffix not in (".toml", ""):
         raise ConfigError(f"config file {str(path)!r}: only TOML files (.toml) are supported")
     try:

@@ -3,11 +3,22 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Literal, get_args
 
 from nanovllm_core.errors import InvalidRequestError
 
 OutputKind = Literal["final", "delta", "cumulative"]
+
+
+class RequestOutputKind(str, Enum):
+    """vLLM's names for ``output_kind``: ``SamplingParams(output_kind=RequestOutputKind.DELTA)`` is
+    ``output_kind="delta"``. ``SamplingParams`` stores the string; a member compares equal to it."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final"
+
 MAX_LOGPROBS = 20
 MAX_N = 128
 
@@ -60,7 +71,8 @@ class SamplingParams:
     sets it): the output's ``embedding`` is the last prompt token's final hidden state, L2-normalised
     (last-token pooling, as Qwen3-Embedding's), with ``n=1``.
     ``output_kind``: what ``LLMEngine.step`` returns for the request: only the final output, every step's new
-    tokens (``delta``) or everything so far (``cumulative``). ``detokenize=False``: outputs carry token ids only
+    tokens (``delta``) or everything so far (``cumulative``); vLLM's :class:`RequestOutputKind` members
+    (``FINAL_ONLY``, ``DELTA``, ``CUMULATIVE``) are accepted too. ``detokenize=False``: outputs carry token ids only
     (``text`` stays empty), for callers that decode the text themselves, as the server's front-end does.
     """
 
@@ -82,7 +94,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     priority: int = 0
-    output_kind: OutputKind = "final"
+    output_kind: OutputKind | RequestOutputKind = "final"
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     min_tokens: int = 0
@@ -136,8 +148,14 @@ class SamplingParams:
             not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1
         ):
             raise bad("truncate_prompt_tokens", "None or an integer >= 1 (the prompt's last tokens kept)")
-        if self.output_kind not in get_args(OutputKind):
-            raise bad("output_kind", " or ".join(repr(k) for k in get_args(OutputKind)))
+        if isinstance(self.output_kind, RequestOutputKind):
+            self.output_kind = self.output_kind.value  # one type downstream: comparisons and pickling see a str
+        if not isinstance(self.output_kind, str) or self.output_kind not in get_args(OutputKind):
+            raise bad(
+                "output_kind",
+                " or ".join(repr(k) for k in get_args(OutputKind))
+                + " (or RequestOutputKind.FINAL_ONLY, DELTA or CUMULATIVE)",
+            )
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad("include_stop_str_in_output", "True or False")
         if isinstance(self.stop, str) and self.stop:

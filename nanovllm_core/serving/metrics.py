@@ -1,4 +1,5 @@
-"""``GET /metrics``: the server's Prometheus metrics (text format, vLLM's names under ``nanovllm:``).
+"""``GET /metrics``: the server's Prometheus metrics (text format, vLLM's names under ``nanovllm:``, and the
+series vLLM has a counterpart of also under vLLM's own names, ``vllm:...``, so that a vLLM dashboard works unchanged).
 
 Engine state (running / waiting requests, KV-cache usage, prefix-cache hits, token and preemption counters)
 is read from ``LLMEngine.stats()`` at scrape time, with the step loop's own account (steps, time inside
@@ -31,6 +32,21 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
+# Series exposed a second time under vLLM's name (``vllm:`` + the name), with the same value and labels: those
+# whose meaning is vLLM's. vLLM's time_per_output_token_seconds is its older name of the inter-token latency.
+VLLM_GAUGES = frozenset({"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"})
+VLLM_COUNTERS = frozenset({"prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+                           "generation_tokens"})  # fmt: skip
+VLLM_HISTOGRAMS = {
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("request_queue_time_seconds",),
+    "request_prefill_time_seconds": ("request_prefill_time_seconds",),
+    "request_decode_time_seconds": ("request_decode_time_seconds",),
+}
+
+
 class EngineStatsCollector(Collector):
     """Yields the engine's gauges and counters from the last ``stats()`` snapshot."""
 
@@ -53,9 +69,10 @@ class EngineStatsCollector(Collector):
             ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.", s.prefix_cache_hit_rate),
         ]
         for name, doc, value in gauges:
-            metric = GaugeMetricFamily(f"nanovllm:{name}", doc, labels=["model_name"])
-            metric.add_metric(label, value)
-            yield metric
+            for prefix in ("nanovllm", "vllm") if name in VLLM_GAUGES else ("nanovllm",):
+                metric = GaugeMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
+                metric.add_metric(label, value)
+                yield metric
         counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
@@ -86,9 +103,10 @@ class EngineStatsCollector(Collector):
                 ),
             ]
         for name, doc, value in counters:
-            metric = CounterMetricFamily(f"nanovllm:{name}", doc, labels=["model_name"])
-            metric.add_metric(label, value)
-            yield metric
+            for prefix in ("nanovllm", "vllm") if name in VLLM_COUNTERS else ("nanovllm",):
+                metric = CounterMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
+                metric.add_metric(label, value)
+                yield metric
         if self.loop is not None:
             account = self.loop.account
             metric = CounterMetricFamily(
@@ -114,8 +132,9 @@ class LatencyHistogram:
     Exposed as the same ``_bucket``/``_count``/``_sum`` series by :class:`HistogramCollector`. Not thread-safe:
     observe from one thread (the event loop)."""
 
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], aliases: tuple[str, ...] = ()) -> None:
         self.name, self.doc = name, doc
+        self.aliases = aliases  # more names the same series is exposed under (vLLM's)
         self.bounds = sorted(buckets)
         self.counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound (+Inf)
         self.sum = 0.0
@@ -124,12 +143,13 @@ class LatencyHistogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le semantics: value <= bound
         self.sum += value
 
-    def family(self, model_name: str) -> HistogramMetricFamily:
+    def family(self, model_name: str, name: str | None = None) -> HistogramMetricFamily:
+        """The series under its name, or under ``name`` (one of its aliases)."""
         cumulative, total = [], 0
         for bound, count in zip([*self.bounds, float("inf")], self.counts):
             total += count
             cumulative.append((floatToGoString(bound), total))
-        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        family = HistogramMetricFamily(name or self.name, self.doc, labels=["model_name"])
         family.add_metric([model_name], cumulative, sum_value=self.sum)
         return family
 
@@ -141,6 +161,8 @@ class HistogramCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         for histogram in self.histograms:
             yield histogram.family(self.model_name)
+            for alias in histogram.aliases:
+                yield histogram.family(self.model_name, alias)
 
 
 class ServerMetrics:
@@ -154,7 +176,8 @@ class ServerMetrics:
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> LatencyHistogram:
-            return LatencyHistogram(f"nanovllm:{name}", doc, buckets)
+            aliases = tuple(f"vllm:{alias}" for alias in VLLM_HISTOGRAMS.get(name, ()))
+            return LatencyHistogram(f"nanovllm:{name}", doc, buckets, aliases)
 
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two outputs of a request.", ITL_BUCKETS)
@@ -197,11 +220,14 @@ class ServerMetrics:
                  self.delivery],
             )
         )
-        self.finished_requests = Counter(
-            "nanovllm:request_success",
-            "Finished requests by finish reason (stop, length, abort).",
-            [*labels, "finished_reason"],
-            registry=self.registry,
+        self.finished_requests, self.vllm_finished_requests = (
+            Counter(
+                f"{prefix}:request_success",
+                "Finished requests by finish reason (stop, length, abort).",
+                [*labels, "finished_reason"],
+                registry=self.registry,
+            )
+            for prefix in ("nanovllm", "vllm")
         )
         self.model_name = model_name
 
@@ -214,7 +240,9 @@ class ServerMetrics:
 
     def finished(self, seconds: float, finish_reason: str | None) -> None:
         self.e2e.observe(seconds)
-        self.finished_requests.labels(self.model_name, finish_reason or "unknown").inc()
+        reason = finish_reason or "unknown"
+        self.finished_requests.labels(self.model_name, reason).inc()
+        self.vllm_finished_requests.labels(self.model_name, reason).inc()
 
     def stages(self, frontend_arrival: float, metrics: RequestMetrics) -> None:
         self.intake.observe(max(0.0, metrics.arrival_time - frontend_arrival))

@@ -15,22 +15,34 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from types import FrameType
 from typing import Any
 
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.serving.admission import BODY_BYTES_PER_TOKEN, BODY_JSON_ROOM, check_max_request_body_bytes
 
+DEMO_SERVED_MODEL_NAME = "demo"
+
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_path", nargs="?", metavar="MODEL", help="checkpoint folder (or `model` in --config)")
+    parser.add_argument(
+        "--model", dest="model_flag", help="the checkpoint folder as a flag (vLLM's; the MODEL argument wins)"
+    )
+    parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="serve the embedded tiny random-weight Qwen3 demo (no GPU or download needed; written on first use), "
+        f"under the name {DEMO_SERVED_MODEL_NAME!r} unless --served-model-name says otherwise",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("NANOVLLM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOVLLM_API_KEY; unset: no key)",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $NANOVLLM_API_KEY, else vLLM's $VLLM_API_KEY; "
+        "neither set: no key)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -93,7 +105,43 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="return a reasoning model's thinking (<think>...</think>) as reasoning_content: qwen3, deepseek_r1, "
         "or one a plugin registers (vLLM's flag)",
     )
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--log-level",
+        "--uvicorn-log-level",
+        dest="log_level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="the server's and the engine's log level (--uvicorn-log-level: vLLM's name)",
+    )
+
+
+def resolve_api_key(flag: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The API key: ``--api-key``, else ``$NANOVLLM_API_KEY``, else vLLM's ``$VLLM_API_KEY`` (an empty value counts
+    as unset); None: no key."""
+    environ = os.environ if environ is None else environ
+    return flag or environ.get("NANOVLLM_API_KEY") or environ.get("VLLM_API_KEY") or None
+
+
+def resolve_model(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
+    """The checkpoint to serve, into ``overrides["model"]``: the MODEL argument, else ``--model``, else with ``--demo``
+    the demo checkpoint (and, unless set, a ``max_model_len`` that fits it and the demo's served name); and the
+    served names' default, the model as given."""
+    take_model_from_names(args)
+    model = args.model_path or args.model_flag
+    if args.demo:
+        if model:
+            raise ConfigError(f"--demo serves the demo checkpoint: leave out the model ({model!r}) or --demo")
+        from nanovllm_core.demo import DEMO_MAX_MODEL_LEN, ensure_demo_checkpoint
+
+        model = str(ensure_demo_checkpoint())
+        overrides.setdefault("max_model_len", DEMO_MAX_MODEL_LEN)
+        if not args.served_model_name:
+            args.served_model_name = [DEMO_SERVED_MODEL_NAME]
+    if model:
+        overrides["model"] = model
+        args.model_path = model
+        if not args.served_model_name:
+            args.served_model_name = [model]  # a model named only in a TOML --config: run_serve takes the engine's
 
 
 def take_model_from_names(args: argparse.Namespace) -> None:
@@ -206,9 +254,6 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from nanovllm_core.serving.api_server import ServerSettings, build_app, check_reply_parsers
     from nanovllm_core.serving.async_llm import AsyncLLM
 
-    take_model_from_names(args)
-    if args.model_path:
-        overrides["model"] = args.model_path
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ConfigError(f"--max-queued-requests {args.max_queued_requests}: at least 1 (leave it out for no limit)")
     if args.shutdown_timeout < 0:
@@ -217,6 +262,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     chat_template = read_chat_template(args.chat_template)  # before the engine loads: a bad value costs nothing
     allowed_origins = read_allowed_origins(args.allowed_origins)
     check_reply_parsers(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
+    resolve_model(args, overrides)  # after the checks above: with --demo it may write the demo checkpoint
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     fast, stack = front_end_stack()
     logging.getLogger(__name__).log(logging.INFO if fast else logging.WARNING, stack)
@@ -224,7 +270,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     settings = ServerSettings(
         served_model_name=(args.served_model_name or [args.model_path or engine.config.model])[0],
         other_model_names=tuple((args.served_model_name or [])[1:]),
-        api_key=args.api_key,
+        api_key=resolve_api_key(args.api_key),
         max_queued_requests=args.max_queued_requests,
         chat_template=chat_template,
         allowed_origins=allowed_origins,

@@ -1,0 +1,275 @@
+"""The step-time model: how long one engine step takes on a GPU, from the shape of the step alone.
+
+A step is described as the model runner records it (``ModelRunner.step_records``): its sequences ``S``, its query
+tokens ``Q`` and the KV tokens its attention reads ``K`` (each sequence's context, new tokens included). Prompt
+chunks add ``Q - S`` tokens over one a sequence. The model is linear::
+
+    ms = fixed + per_seq * S + per_kv_token * K + per_prompt_token * (Q - S) + per_prompt_pair * pairs
+
+``fixed`` (weights read, launches), ``per_seq`` (GEMM rows, sampling) and ``per_kv_token`` (decode attention's KV
+read) come from the decode steps; ``per_prompt_token`` from the steps with prompt tokens, by least squares over
+every record at once. ``pairs`` (query-key pairs of causal prompt attention, which grows with the square of a
+prompt) cannot be fitted from ``nanovllm bench`` records, whose prompt steps are a few steps of many short prompts;
+its cost is the attention's matmul FLOPs at the GEMM rate the same bench run measured, so long prompts are an
+extrapolation from the model's shape, not a fit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from nanovllm_core.errors import ConfigError
+
+FORMAT = "nanovllm-step-cost/1"
+FEATURES = ("fixed", "per_seq", "per_kv_token", "per_prompt_token")
+SHIPPED_DIR = "calibrations"
+
+
+@dataclass
+class Calibration:
+    """A fitted step-time model, its provenance and the engine facts the simulation needs (KV-cache blocks)."""
+
+    coefficients_ms: dict[str, float]  # FEATURES -> ms, plus per_prompt_pair
+    gpu: str = "unknown"
+    model: str = "unknown"
+    shape: dict[str, int] = field(default_factory=dict)
+    dtype: str = "unknown"
+    kv_cache_dtype: str = "auto"
+    attention: str = "unknown"
+    tensor_parallel_size: int = 1
+    num_kvcache_blocks: int = 4096
+    kvcache_block_size: int = 256
+    host_gap_ms: float = 0.0  # the GPU's idle time between two steps (host work not hidden by async scheduling)
+    frontend: dict[str, Any] = field(default_factory=lambda: {"intake_ms": 0.0, "delivery_ms": 0.0})
+    commit: str = "unknown"
+    date: str = "unknown"
+    sources: list[str] = field(default_factory=list)
+    fit: dict[str, Any] = field(default_factory=dict)
+    notes: str = ""
+    format: str = FORMAT
+
+    def step_ms(self, seqs: int, query_tokens: int, kv_tokens: int, prompt_pairs: float = 0.0) -> float:
+        c = self.coefficients_ms
+        return (
+            c["fixed"]
+            + c["per_seq"] * seqs
+            + c["per_kv_token"] * kv_tokens
+            + c["per_prompt_token"] * (query_tokens - seqs)
+            + c.get("per_prompt_pair", 0.0) * prompt_pairs
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> Calibration:
+        if data.get("format") != FORMAT:
+            raise ConfigError(
+                f"{where}: not a step-cost calibration (format {data.get('format')!r}, expected {FORMAT!r})"
+            )
+        missing = [f for f in FEATURES if f not in data.get("coefficients_ms", {})]
+        if missing:
+            raise ConfigError(f"{where}: coefficients_ms lacks {missing}")
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def shipped_calibrations() -> list[str]:
+    """Names of the calibrations that ship with the package (``h200-qwen3-0.6b-bf16``...)."""
+    folder = resources.files("nanovllm_core.simulate") / SHIPPED_DIR
+    return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_calibration(name_or_path: str) -> Calibration:
+    """A calibration by shipped name or from a JSON file; an unknown one raises ConfigError listing the shipped."""
+    path = Path(name_or_path)
+    if path.is_file():
+        text, where = path.read_text(), str(path)
+    else:
+        shipped = shipped_calibrations()
+        if name_or_path not in shipped:
+            raise ConfigError(
+                f"--calibration {name_or_path!r} is neither a file nor a shipped calibration; shipped: "
+                f"{', '.join(shipped)}"
+            )
+        text = (resources.files("nanovllm_core.simulate") / SHIPPED_DIR / f"{name_or_path}.json").read_text()
+        where = f"calibration {name_or_path}"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not JSON ({exc})") from None
+    return Calibration.from_dict(data, where)
+
+
+def fit_records(records: list[tuple[int, int, int, float]]) -> tuple[dict[str, float], dict[str, Any]]:
+    """Least squares of the linear step model's four fitted coefficients over ``(S, Q, K, ms)`` records; the
+    coefficients (ms) and the fit's quality: r2 over all records and over the decode steps alone."""
+    import torch
+
+    if len(records) < len(FEATURES) + 1:
+        raise ConfigError(f"{len(records)} step records: a fit needs at least {len(FEATURES) + 1}")
+    data = torch.tensor(records, dtype=torch.float64)
+    s, q, k, y = data[:, 0], data[:, 1], data[:, 2], data[:, 3]
+    prompt = q > s
+    if not bool(prompt.any()):
+        raise ConfigError("the step records hold no step with prompt tokens: the prompt cost cannot be fitted")
+    x = torch.stack([torch.ones_like(s), s, k, q - s], dim=1)
+    coef = torch.linalg.lstsq(x, y.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    predicted = x @ coef
+    decode = ~prompt
+
+    def r2(mask: torch.Tensor) -> float | None:
+        spread = float(((y[mask] - y[mask].mean()) ** 2).sum())
+        return 1 - float(((y[mask] - predicted[mask]) ** 2).sum()) / spread if spread else None
+
+    extra = (q - s)[prompt]
+    quality = {
+        "records": len(records),
+        "decode_steps": int(decode.sum()),
+        "prompt_steps": int(prompt.sum()),
+        "r2": r2(torch.ones_like(decode)),
+        "r2_decode_steps": r2(decode) if int(decode.sum()) > 1 else None,
+        "prompt_steps_mean_abs_error_pct": float(100 * ((predicted[prompt] - y[prompt]).abs() / y[prompt]).mean()),
+        "largest_decode_batch": int(s[decode].max()) if bool(decode.any()) else 0,
+        "largest_kv_tokens": int(k.max()),
+        "prompt_tokens_per_prompt_step": [int(extra.min()), int(extra.max())],
+    }
+    return dict(zip(FEATURES, (float(c) for c in coef))), quality
+
+
+def _shape_of(model: str) -> tuple[str, dict[str, int]]:
+    """The model shape of a ``nanovllm bench`` run: a ``--shape`` named in the checkpoint path, or its config.json."""
+    from nanovllm_core.bench.offline import SHAPES
+
+    for name in sorted(SHAPES, key=len, reverse=True):
+        if re.search(rf"(^|[-_/]){re.escape(name)}([-_/]|$)", model):
+            s = SHAPES[name]
+            return name, {k: s[k] for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")}
+    config = Path(model) / "config.json"
+    if config.is_file():
+        c = json.loads(config.read_text())
+        heads = c["num_attention_heads"]
+        return Path(model).name, {
+            "num_layers": c["num_hidden_layers"],
+            "num_heads": heads,
+            "num_kv_heads": c.get("num_key_value_heads") or heads,
+            "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
+            "hidden_size": c["hidden_size"],
+        }
+    raise ConfigError(
+        f"model {model!r}: its shape is unknown (neither a bench --shape name, {', '.join(SHAPES)}, in its path "
+        "nor a checkpoint folder with a config.json here)"
+    )
+
+
+FRONTEND_METRICS = {"intake_ms": "request_intake_time_seconds", "delivery_ms": "output_delivery_lag_seconds"}
+
+
+def _metric_totals(path: str) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"--frontend-metrics {path}: cannot read it ({exc})") from None
+    for line in lines:
+        match = re.match(r"^nanovllm:(\w+?)_(sum|count)(?:\{[^}]*\})? (\S+)$", line)
+        if match and match.group(1) in FRONTEND_METRICS.values():
+            totals[f"{match.group(1)}_{match.group(2)}"] = float(match.group(3))
+    return totals
+
+
+def frontend_from_metrics(paths: list[str]) -> dict[str, Any]:
+    """The front-end's mean time per request beside the engine's steps, from ``nanovllm serve``'s /metrics text:
+    ``request_intake_time`` (HTTP request to the engine) and ``output_delivery_lag`` (a step's output to its
+    stream). With two files, the second is the same server's earlier scrape, subtracted (one benchmark's share)."""
+    if len(paths) not in (1, 2):
+        raise ConfigError("--frontend-metrics takes one /metrics file, or two (after, then before) of one server")
+    after = _metric_totals(paths[0])
+    before = _metric_totals(paths[1]) if len(paths) == 2 else {}
+    frontend: dict[str, Any] = {}
+    for key, name in FRONTEND_METRICS.items():
+        if f"{name}_count" not in after:
+            raise ConfigError(
+                f"--frontend-metrics {paths[0]}: no nanovllm:{name} histogram (a nanovllm serve /metrics scrape)"
+            )
+        count = after[f"{name}_count"] - before.get(f"{name}_count", 0.0)
+        total = after[f"{name}_sum"] - before.get(f"{name}_sum", 0.0)
+        if count <= 0:
+            raise ConfigError(f"--frontend-metrics: no {name} observations between the two scrapes")
+        frontend[key] = 1e3 * total / count
+    frontend["source"] = " minus ".join(Path(p).name for p in paths)
+    return frontend
+
+
+def calibrate(
+    paths: list[str],
+    commit: str | None = None,
+    date: str | None = None,
+    frontend: dict[str, Any] | None = None,
+) -> Calibration:
+    """Fit a calibration from ``nanovllm bench --json`` results of one GPU, model shape and KV dtype.
+
+    ``commit`` and ``date`` (of the bench run) are taken from the results when they carry them, else from here;
+    ``frontend`` (:func:`frontend_from_metrics`): the serving front-end's time per request, else none."""
+    if not paths:
+        raise ConfigError("--calibrate needs at least one nanovllm bench --json result")
+    results = []
+    for p in paths:
+        try:
+            results.append(json.loads(Path(p).read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"--calibrate {p}: cannot read a bench JSON ({exc})") from None
+    records: list[tuple[int, int, int, float]] = []
+    for p, r in zip(paths, results):
+        if not r.get("step_records"):
+            raise ConfigError(
+                f"--calibrate {p}: no step_records (run nanovllm bench on a CUDA GPU with --json: it times each step)"
+            )
+        records += [tuple(rec) for rec in r["step_records"]]  # type: ignore[misc]
+    first = results[0]
+    for key in ("device", "model", "kv_cache_dtype", "dtype", "tensor_parallel_size"):
+        values = {str(r.get(key)) for r in results}
+        if len(values) > 1:
+            raise ConfigError(f"--calibrate: the bench results differ in {key} ({sorted(values)}): fit one at a time")
+    coef, quality = fit_records(records)
+    shape_name, shape = _shape_of(first["model"])
+    gemm = first.get("gemm_flop_per_s")
+    notes = (
+        f"Fitted from {quality['decode_steps']} decode steps (up to {quality['largest_decode_batch']} sequences, "
+        f"{quality['largest_kv_tokens']:,} KV tokens a step) and {quality['prompt_steps']} steps with prompt "
+        f"tokens ({quality['prompt_tokens_per_prompt_step'][0]:,}-{quality['prompt_tokens_per_prompt_step'][1]:,} "
+        "prompt tokens each). Smaller prompt steps are extrapolated along the fitted line; causal prompt attention "
+        "(per_prompt_pair) is the attention's FLOPs at the measured GEMM rate, not fitted."
+    )
+    if gemm:
+        flops_per_pair = 4 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"]  # QK^T and PV
+        coef["per_prompt_pair"] = 1e3 * flops_per_pair / (gemm * first.get("tensor_parallel_size", 1))
+    else:
+        coef["per_prompt_pair"] = 0.0
+        notes += " The bench result has no GEMM rate: prompt attention beyond the fitted line is not modeled."
+    steps = first.get("steps") or 0
+    host_gap = 1e3 * first["gpu_idle_s"] / steps if steps and first.get("gpu_idle_s") is not None else 0.0
+    dtype = str(first.get("dtype", "unknown")).replace("torch.", "")
+    return Calibration(
+        coefficients_ms=coef,
+        gpu=str(first.get("device", "unknown")),
+        model=shape_name,
+        shape=shape,
+        dtype=dtype,
+        kv_cache_dtype=str(first.get("kv_cache_dtype", "auto")),
+        attention=str(first.get("attention", "unknown")),
+        tensor_parallel_size=int(first.get("tensor_parallel_size", 1)),
+        num_kvcache_blocks=int(first.get("num_kvcache_blocks") or 4096),
+        host_gap_ms=host_gap,
+        frontend=frontend or {"intake_ms": 0.0, "delivery_ms": 0.0, "source": "none given"},
+        commit=str(first.get("commit") or commit or "unknown"),
+        date=str(first.get("date") or date or "unknown"),
+        sources=[Path(p).name for p in paths],
+        fit=quality,
+        notes=notes,
+    )

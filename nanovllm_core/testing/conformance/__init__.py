@@ -1,0 +1,49 @@
+"""Conformance kits: pytest base classes that check a plugin keeps the invariants of its interface.
+
+Subclass one in your plugin's tests, name the subclass ``Test...`` and set the class attribute that names your
+class; pytest collects every check::
+
+    from nanovllm_core.testing.conformance import SchedulerConformance
+    from my_package.scheduler import MyScheduler
+
+    class TestMyScheduler(SchedulerConformance):
+        scheduler_cls = MyScheduler
+
+- :class:`SchedulerConformance` and :class:`BlockManagerConformance` drive the plugin through a
+  :class:`SimulatedEngine` (a fake model and a simulated KV cache that knows which token every slot holds), so
+  they run in milliseconds, then run the real :class:`~nanovllm_core.LLMEngine` on a tiny checkpoint.
+- :class:`AttentionBackendConformance` compares the backend with dense float64 attention on ragged batches
+  (prompt chunks over cached context next to decode tokens, MHA and GQA).
+- :class:`ModelConformance` compares the engine's greedy output with ``transformers``.
+- :class:`ToolParserConformance` and :class:`ReasoningParserConformance` cut replies in every way a stream can
+  and compare with the whole reply's parse.
+
+The other roles come from the installed plugins, by name (``prefix_cache``, ``fifo``, ``torch``,
+``Qwen3ForCausalLM``); a class under test that is not installed is registered in-process for the run.
+
+Each kit has its own module (``scheduler``, ``scheduler_parity``, ``block_manager``, ``attention``, ``model``,
+``parsers``) and ``_shared`` holds what they share; import the kits from this package.
+"""
+
+from nanovllm_core.testing.conformance._shared import registered_for_test, shared_tiny_checkpoint
+from nanovllm_core.testing.conformance.attention import AttentionBackendConformance, dense_attention
+from nanovllm_core.testing.conformance.block_manager import BlockManagerConformance
+from nanovllm_core.testing.conformance.model import ModelConformance
+from nanovllm_core.testing.conformance.parsers import ReasoningParserConformance, ToolParserConformance
+from nanovllm_core.testing.conformance.scheduler import SchedulerConformance
+from nanovllm_core.testing.conformance.scheduler_parity import SchedulerParity
+from nanovllm_core.testing.simulated import SimulatedEngine
+
+__all__ = [
+    "AttentionBackendConformance",
+    "BlockManagerConformance",
+    "ModelConformance",
+    "ReasoningParserConformance",
+    "SchedulerConformance",
+    "SchedulerParity",
+    "SimulatedEngine",
+    "ToolParserConformance",
+    "dense_attention",
+    "registered_for_test",
+    "shared_tiny_checkpoint",
+]

@@ -1,0 +1,243 @@
+"""``nanovllm simulate``: deterministic, per-class metrics that show a starved class, a calibration that recovers
+the model it was fitted on, and the same scheduling decisions as the real engine (only time is simulated)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from nanovllm_scheduler_fifo.scheduler import FifoScheduler
+
+from nanovllm_core.cli import main as cli_main
+from nanovllm_core.errors import ConfigError
+from nanovllm_core.serving.bench import summarize
+from nanovllm_core.simulate import Calibration, SimulatedEngine, TraceRequest, load_calibration, shipped_calibrations
+from nanovllm_core.simulate.cost import FEATURES, fit_records
+from nanovllm_core.simulate.run import client_results, poisson_arrivals
+
+COEF = {"fixed": 1.5, "per_seq": 0.002, "per_kv_token": 3e-5, "per_prompt_token": 0.002, "per_prompt_pair": 0.0}
+
+
+def small_calibration(**kwargs) -> Calibration:
+    fields = dict(coefficients_ms=dict(COEF), num_kvcache_blocks=64, kvcache_block_size=16)
+    fields.update(kwargs)
+    return Calibration(**fields)
+
+
+def trace(n: int, seed: int, rate: float, priorities: tuple[int, ...] = ()) -> list[TraceRequest]:
+    rng = random.Random(seed)
+    arrivals = poisson_arrivals(n, rate, seed)
+    return [
+        TraceRequest(
+            t,
+            [rng.randrange(3, 300) for _ in range(rng.randint(5, 90))],
+            rng.randint(2, 40),
+            priorities[i % len(priorities)] if priorities else None,
+        )
+        for i, t in enumerate(arrivals)
+    ]
+
+
+def simulate(scheduler="fifo", requests=None, **kwargs):
+    engine = SimulatedEngine(
+        small_calibration(), scheduler=scheduler, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512,
+        **kwargs,
+    )
+    times = engine.run(requests if requests is not None else trace(60, 1, 200.0))
+    return engine, times
+
+
+def test_same_seed_same_run():
+    a, ta = simulate(requests=trace(60, 3, 150.0))
+    b, tb = simulate(requests=trace(60, 3, 150.0))
+    assert a.steps == b.steps and a.timeline == b.timeline
+    assert [t.token_times for t in ta] == [t.token_times for t in tb]
+    c, tc = simulate(requests=trace(60, 4, 150.0))
+    assert [t.token_times for t in tc] != [t.token_times for t in ta]
+
+
+def test_every_request_gets_its_tokens_after_it_arrives():
+    engine, times = simulate(requests=trace(40, 5, 100.0))
+    for t in times:
+        assert len(t.token_times) == t.request.max_tokens
+        assert t.token_times[0] > t.request.arrival
+        assert t.token_times == sorted(t.token_times)
+    assert engine.now >= max(t.token_times[-1] for t in times)
+
+
+def test_idle_time_jumps_to_the_next_arrival():
+    late = TraceRequest(100.0, [5] * 20, 3)
+    engine, times = simulate(requests=[TraceRequest(0.0, [4] * 20, 3), late])
+    assert times[1].token_times[0] > 100.0
+    assert engine.steps < 20  # no steps were spent waiting
+
+
+def test_async_scheduling_overlaps_the_host_with_the_gpu():
+    requests = trace(30, 6, 1000.0)
+    cal = small_calibration(host_gap_ms=1.0)
+    on = SimulatedEngine(cal, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512)
+    on.run([TraceRequest(r.arrival, r.prompt, r.max_tokens) for r in requests])
+    off = SimulatedEngine(cal, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, async_scheduling=False)
+    off.run([TraceRequest(r.arrival, r.prompt, r.max_tokens) for r in requests])
+    assert on.now < off.now
+
+
+class ClassZeroFirst(FifoScheduler):
+    """Starves class 1: a waiting class-0 sequence always goes ahead of every waiting class-1 one."""
+
+    def enqueue(self, seq) -> None:
+        if seq.sampling_params.priority == 0:
+            position = next((i for i, s in enumerate(self.waiting) if s.sampling_params.priority != 0), None)
+            if position is not None:
+                self.waiting.insert(position, seq)
+                return
+        self.waiting.append(seq)
+
+
+def test_a_policy_that_starves_a_class_shows_it_per_class():
+    requests = trace(120, 7, float("inf"), priorities=(0, 1))  # overload: everything at once
+    _, fair = simulate("fifo", [TraceRequest(r.arrival, r.prompt, r.max_tokens, r.priority) for r in requests])
+    _, starved = simulate(ClassZeroFirst, requests)
+    fair_summary = summarize(client_results(fair, 0.0), 1.0)["by_priority"]
+    summary = summarize(client_results(starved, 0.0), 1.0)["by_priority"]
+    assert summary["1"]["median_ttft_ms"] > 2 * summary["0"]["median_ttft_ms"]
+    assert summary["0"]["median_ttft_ms"] < fair_summary["0"]["median_ttft_ms"]
+    ratio = fair_summary["1"]["median_ttft_ms"] / fair_summary["0"]["median_ttft_ms"]
+    assert 0.5 < ratio < 2  # fifo treats both classes alike
+
+
+def test_fit_recovers_a_known_linear_model():
+    rng = random.Random(0)
+    records = []
+    for _ in range(300):
+        seqs = rng.randint(1, 256)
+        kv = seqs * rng.randint(100, 2000)
+        records.append((seqs, seqs, kv))  # decode
+    for _ in range(20):
+        seqs = rng.randint(1, 40)
+        query = seqs + rng.randint(500, 16000)
+        records.append((seqs, query, query + rng.randint(0, 50000)))
+    want = [COEF[f] for f in FEATURES]
+    rows = [(s, q, k, want[0] + want[1] * s + want[2] * k + want[3] * (q - s)) for s, q, k in records]
+    coef, quality = fit_records(rows)
+    for name in FEATURES:
+        assert coef[name] == pytest.approx(COEF[name], rel=1e-6, abs=1e-9)
+    assert quality["r2"] == pytest.approx(1.0)
+
+
+def test_calibrate_round_trip_through_the_cli(tmp_path, capsys):
+    rng = random.Random(1)
+    records = []
+    for _ in range(200):
+        seqs = rng.randint(1, 128)
+        records.append([seqs, seqs, seqs * rng.randint(50, 900)])
+    for _ in range(10):
+        records.append([30, 15000 + rng.randint(0, 1000), 16000 + rng.randint(0, 1000)])
+    for r in records:
+        s, q, k = r
+        r.append(COEF["fixed"] + COEF["per_seq"] * s + COEF["per_kv_token"] * k + COEF["per_prompt_token"] * (q - s))
+    bench = {
+        "model": "/tmp/nanovllm-bench-qwen3-0.6b-bfloat16",
+        "device": "NVIDIA H200",
+        "dtype": "torch.bfloat16",
+        "kv_cache_dtype": "auto",
+        "attention": "triton",
+        "tensor_parallel_size": 1,
+        "num_kvcache_blocks": 4000,
+        "steps": len(records),
+        "gpu_idle_s": 0.05,
+        "gemm_flop_per_s": 8e14,
+        "step_records": records,
+    }
+    path, out = tmp_path / "bench.json", tmp_path / "cal.json"
+    path.write_text(json.dumps(bench))
+    assert cli_main(["simulate", "--calibrate", str(path), "--out", str(out), "--commit", "abc1234"]) == 0
+    cal = load_calibration(str(out))
+    assert cal.gpu == "NVIDIA H200" and cal.model == "qwen3-0.6b" and cal.commit == "abc1234"
+    assert cal.num_kvcache_blocks == 4000 and cal.shape["num_layers"] == 28
+    assert cal.step_ms(64, 64, 20000) == pytest.approx(1.5 + 0.002 * 64 + 3e-5 * 20000, rel=1e-6)
+    assert cal.coefficients_ms["per_prompt_pair"] == pytest.approx(1e3 * 4 * 28 * 16 * 128 / 8e14)
+    assert cal.host_gap_ms == pytest.approx(1e3 * 0.05 / len(records))
+
+
+def test_shipped_calibrations_load_with_provenance():
+    names = shipped_calibrations()
+    assert {"h200-qwen3-0.6b-bf16", "h200-qwen3-0.6b-fp8", "h200-qwen3-8b-bf16", "h200-qwen3-8b-fp8"} <= set(names)
+    for name in names:
+        cal = load_calibration(name)
+        assert cal.gpu == "NVIDIA H200" and cal.commit != "unknown" and cal.date != "unknown"
+        assert cal.fit["r2"] > 0.9
+        assert cal.step_ms(1, 1, 100) > 0 and cal.step_ms(1, 4096, 4096, 4096 * 2048) > cal.step_ms(1, 1, 100)
+    with pytest.raises(ConfigError, match="shipped"):
+        load_calibration("no-such-calibration")
+
+
+def test_cli_runs_a_workload_and_writes_the_metrics(tmp_path, capsys):
+    result = tmp_path / "r.json"
+    code = cli_main(
+        [
+            "simulate", "--dataset", "sharegpt-synth", "--num-prompts", "40", "--request-rate", "20",
+            "--priorities", "0,1", "--scheduler", "priority", "--result-file", str(result),
+        ]
+    )
+    assert code == 0
+    data = json.loads(result.read_text())
+    assert data["completed"] == 40 and set(data["by_priority"]) == {"0", "1"}
+    assert data["simulated"]["timeline"] and data["simulated"]["simulated_s"] > 0
+    assert "simulated s per wall-clock s" in capsys.readouterr().out
+
+
+def test_trace_file_keeps_its_arrivals(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    lines = [
+        {"arrival": 0.0, "prompt_len": 30, "max_tokens": 4},
+        {"arrival": 2.5, "prompt": [1, 2, 3], "max_tokens": 2},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    result = tmp_path / "r.json"
+    assert cli_main(["simulate", "--dataset", str(path), "--result-file", str(result)]) == 0
+    data = json.loads(result.read_text())
+    assert data["completed"] == 2 and data["duration"] > 2.5
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dataset", "bogus"], "--dataset 'bogus'"),
+        (["--scheduler", "nope"], "no scheduler named 'nope'"),
+        (["--scheduler-options", "[1]"], "a JSON object"),
+        (["--request-rate", "0"], "must be > 0"),
+        (["--calibration", "nope"], "shipped:"),
+        (["--plot", "x.png"], "--sweep-rates"),
+    ],
+)
+def test_bad_input_is_one_clear_line(argv, message, capsys):
+    assert cli_main(["simulate", "--num-prompts", "5", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_bad_trace_line_names_the_line(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt_len": 3, "max_tokens": 2}\n{"prompt_len": 3}\n')
+    assert cli_main(["simulate", "--dataset", str(path)]) == 2
+    assert "line 2: 'max_tokens'" in capsys.readouterr().err
+
+
+def test_sweep_plot_needs_matplotlib_or_draws(tmp_path, capsys):
+    png = tmp_path / "sweep.png"
+    argv = ["simulate", "--num-prompts", "20", "--sweep-rates", "10,40", "--scheduler", "fifo", "--scheduler", "mixed"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert cli_main([*argv, "--plot", str(png)]) == 2
+        assert "--plot needs matplotlib" in capsys.readouterr().err
+        assert cli_main([*argv, "--result-file", str(tmp_path / "r.json")]) == 0
+        runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+        assert [(r["scheduler"], r["request_rate"]) for r in runs] == [
+            ("fifo", 10.0), ("fifo", 40.0), ("mixed", 10.0), ("mixed", 40.0)
+        ]
+    else:
+        assert cli_main([*argv, "--plot", str(png)]) == 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
