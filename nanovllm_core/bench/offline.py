@@ -254,7 +254,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     run_gc: list[GCPauses] = []
     run_timing: list[dict[str, Any]] = []
     for run in range(max(1, args.runs)):
-        run_prompts = prompts if run == 0 else [[(t + run) % vocab for t in p] for p in prompts]
+        run_prompts = [[(t + run) % vocab for t in p] for p in prompts]  # within the vocabulary, fresh each run
         before = llm.stats()
         if in_process:
             llm.step_stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
