@@ -106,7 +106,7 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else float("nan")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--oversized", type=int, default=10, help="oversized requests sent at once")
     parser.add_argument("--body-mb", type=float, default=50.0, help="size of each 413 request's body, MB")
@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=200, help="tokens per stream")
     parser.add_argument("--port", type=int, default=8000)
     add_common_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     folder = out_dir(args.results_dir, "admission", make=not args.dry_run)
     cmd = nanovllm("serve", "--demo", "--host", "127.0.0.1", "--port", str(args.port), "--device", "cpu")
     if args.dry_run:
