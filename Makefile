@@ -10,7 +10,7 @@ STAMP := $(VENV)/.install-stamp
 SOURCES := pyproject.toml plugins/scheduler_fifo/pyproject.toml plugins/scheduler_mixed/pyproject.toml \
 	plugins/scheduler_priority/pyproject.toml plugins/attention_flash/pyproject.toml plugins/models_qwen3/pyproject.toml
 
-.PHONY: install run test lint bench-host clean
+.PHONY: install run test lint bench-host soak clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ lint: install
 
 bench-host: install
 	$(BIN)/python benchmarks/host_overhead.py
+
+# not in CI: 20,000 requests against the CPU demo server (SOAK_ARGS="--num-requests 2000" for a shorter run)
+soak: install
+	$(BIN)/python benchmarks/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info plugins/*/*.egg-info

@@ -16,11 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
+from tqdm.auto import tqdm
 
 from nanovllm_core.bench.bound import ModelCost, bound_seconds, fit_decode_steps, model_cost
 from nanovllm_core.bench.device import measure_device
@@ -113,6 +116,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "run the prompts",
     )
     parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (they are shown on a terminal only: checkpoint writing, start-up, warm-up, each run)",
+    )
+    parser.add_argument(
         "--profile-seqs",
         default="",
         help="with --profile: comma-separated batch sizes to profile (the first N prompts each); default: all",
@@ -132,26 +140,88 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[li
     return prompts, max_tokens
 
 
-def random_checkpoint(shape: str, dtype: torch.dtype) -> Path:
-    """The random-weight checkpoint of ``shape`` in ``dtype``, written under /tmp on first use."""
+def random_checkpoint(shape: str, dtype: torch.dtype, progress: bool | None = False) -> Path:
+    """The random-weight checkpoint of ``shape`` in ``dtype``, written under /tmp on first use (``progress``: with a
+    progress bar as :class:`Phase` shows it)."""
     from nanovllm_core.demo import write_tiny_checkpoint
 
     path = Path("/tmp") / f"nanovllm-bench-{shape}-{str(dtype).split('.')[-1]}"
     if not (path / "config.json").is_file():
-        write_tiny_checkpoint(path, "qwen3", dtype=dtype, init_std=0.02, **SHAPES[shape])
+        with Phase(f"writing the random-weight {shape} checkpoint to {path}", enabled=progress):
+            write_tiny_checkpoint(path, "qwen3", dtype=dtype, init_std=0.02, **SHAPES[shape])
     return path
+
+
+class Phase:
+    """A progress bar for one long phase of the benchmark: its elapsed time and, given ``done`` (read from a thread
+    every ``interval`` seconds, so that the engine's steps do no work for it), how much of ``total`` is done.
+
+    ``enabled`` None: shown on a terminal only (a log would get one line per refresh); False: not shown."""
+
+    def __init__(
+        self,
+        desc: str,
+        total: int | None = None,
+        done: Callable[[], float] | None = None,
+        enabled: bool | None = None,
+        file: IO[str] | None = None,
+        interval: float = 0.5,
+        unit: str = "tok",
+    ) -> None:
+        self.total, self.done, self.interval = total, done, interval
+        counted = total is not None and done is not None
+        self.bar = tqdm(
+            total=total if counted else None,
+            desc=desc,
+            unit=unit,
+            file=file,
+            disable=None if enabled is None else not enabled,
+            dynamic_ncols=True,
+            bar_format=None if counted else "{desc}: {elapsed}",
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._refresh, name="bench-progress", daemon=True)
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self.done is not None and self.total is not None:
+                self.bar.n = min(self.total, int(self.done()))
+            self.bar.refresh()
+
+    def __enter__(self) -> Phase:
+        if not self.bar.disable:
+            self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if exc_type is None and self.total is not None and self.done is not None:
+            self.bar.n = self.total
+        self.bar.close()
+
+
+def _tokens_done(llm: Any) -> Callable[[], float] | None:
+    """The engine's prompt and output tokens so far (its step counters; None where the engines run elsewhere)."""
+    totals = getattr(getattr(llm, "step_stats", None), "totals", None)
+    if totals is None:
+        return None
+    start = totals["prefill_tokens"] + totals["decode_tokens"]
+    return lambda: totals["prefill_tokens"] + totals["decode_tokens"] - start
 
 
 def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from nanovllm_core import LLM, SamplingParams
 
     device = torch.device("cuda" if torch.cuda.is_available() and overrides.get("device") != "cpu" else "cpu")
+    progress = False if getattr(args, "no_progress", False) else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.model:
         overrides["model"] = args.model
     elif "model" not in overrides and not (args.config and "model" in read_config_file(args.config)):
         # a config file without a model (one that sets plugins or their options) gets the random weights too
-        overrides["model"] = str(random_checkpoint(args.shape, dtype))
+        overrides["model"] = str(random_checkpoint(args.shape, dtype, progress=progress))
     overrides.setdefault("max_model_len", 4096)
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     profile_seqs = profile_sizes(args.profile_seqs, len(prompts))  # before anything loads: bad input costs nothing
@@ -162,23 +232,30 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     # device (that would hold memory on the first GPU, which replica 0 then lacks) and reports no bound.
     in_process = data_parallel == 1
     on_gpu = in_process and device.type == "cuda"
-    rates = measure_device(device, args.sustained_gemm_s) if in_process else {}
+    rates = {}
+    if in_process:
+        with Phase(f"measuring the {device.type} device's copy and GEMM rates", enabled=progress):
+            rates = measure_device(device, args.sustained_gemm_s)
     count_triton_compiles()
     t0 = time.perf_counter()
-    llm = LLM(config=config)
+    with Phase("starting the engine (loading, KV cache, warm-up steps)", enabled=progress):
+        llm = LLM(config=config)
     load_s = time.perf_counter() - t0
     # warm-up: a full-size prefill and some decode steps, so compilation and autotuning stay out of the timing
     # (every token id shifted, so that no block of the timed prompts is in the prefix cache)
     vocab = llm.hf_config.vocab_size
     if args.warmup_prompts > 0:
         warm = [[(t + 1000) % vocab for t in p] for p in prompts[: args.warmup_prompts]]
-        llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        total = sum(len(p) + 8 for p in warm)
+        desc = f"warm-up: {len(warm)} prompt{'s' if len(warm) > 1 else ''}"
+        with Phase(desc, total, _tokens_done(llm), enabled=progress):
+            llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     run_tok_per_s: list[float] = []
     run_gc: list[GCPauses] = []
     run_timing: list[dict[str, Any]] = []
     for run in range(max(1, args.runs)):
-        run_prompts = prompts if run == 0 else [[(t + run) % vocab for t in p] for p in prompts]
+        run_prompts = [[(t + run) % vocab for t in p] for p in prompts]  # within the vocabulary, fresh each run
         before = llm.stats()
         if in_process:
             llm.step_stats.totals.update(prefill_tokens=0, decode_tokens=0, prefill_s=0.0, decode_s=0.0)
@@ -190,7 +267,9 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         counts_before = allocator_counts() if on_gpu else None
         compiles_before = compile_counts()
         # this process's garbage collections during the run: a full one can take a noticeable part of it
-        with GCPauses() as pauses:
+        run_total = sum(len(p) for p in prompts) + sum(max_tokens)
+        run_desc = f"run {run + 1} of {max(1, args.runs)}: {len(prompts)} sequences"
+        with Phase(run_desc, run_total, _tokens_done(llm), enabled=progress), GCPauses() as pauses:
             start = time.perf_counter()
             outputs = llm.generate(run_prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - start

@@ -17,6 +17,12 @@ Workloads (token-id prompts, ``ignore_eos`` so every request produces exactly it
 
 Arrivals are a Poisson process at ``--request-rate`` requests/s (``inf``: all at once); ``--rates 1,2,inf``
 runs the workload once per rate for a latency-vs-rate curve (``benchmarks/plot.py`` draws it).
+
+Before the run it reads the server's ``max_model_len`` (``/v1/models``) and checks that its model takes the
+workload's largest token id, so that the defaults fit a small model (the demo's 384 ids and 1,024 tokens): ids it does
+not take are wrapped into its vocabulary (not with an explicit ``--vocab-size``), and requests longer than
+``max_model_len`` are scaled down to fit, each with a one-line notice. The client is aiohttp's, as in ``vllm bench
+serve``, whose option names it accepts beside its own.
 """
 
 from __future__ import annotations
@@ -31,11 +37,10 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from nanovllm_core.errors import ConfigError
 
@@ -114,18 +119,22 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
-    """vLLM's metrics over ``results``; with several priority classes, each class's under ``by_priority``."""
-    summary = _summarize(results, duration)
+Percentiles = tuple[list[str], list[float]]  # metrics and percentiles that get ``p{Q}_{METRIC}_ms`` keys
+
+
+def summarize(results: list[RequestResult], duration: float, extra: Percentiles | None = None) -> dict[str, Any]:
+    """vLLM's metrics over ``results``; with several priority classes, each class's under ``by_priority``;
+    ``extra`` percentiles of some metrics beside the median, p90 and p99 every metric has."""
+    summary = _summarize(results, duration, extra)
     classes = sorted({r.priority for r in results if r.priority is not None})
     if len(classes) > 1:
         summary["by_priority"] = {
-            str(p): _summarize([r for r in results if r.priority == p], duration) for p in classes
+            str(p): _summarize([r for r in results if r.priority == p], duration, extra) for p in classes
         }
     return summary
 
 
-def _summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+def _summarize(results: list[RequestResult], duration: float, extra: Percentiles | None) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
     input_tokens = sum(r.prompt_tokens for r in done)
@@ -154,105 +163,96 @@ def _summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         summary[f"median_{name}_ms"] = percentile(ms, 50)
         summary[f"p90_{name}_ms"] = percentile(ms, 90)
         summary[f"p99_{name}_ms"] = percentile(ms, 99)
+        if extra and name in extra[0]:
+            for q in extra[1]:
+                summary.setdefault(percentile_key(q, name), percentile(ms, q))
     return summary
 
 
-class HTTPError(Exception):
-    """A response the streaming client cannot read (a broken status line, a bad chunk size)."""
+AIOHTTP_TIMEOUT_S = 6 * 60 * 60  # vLLM's: one request may stream for hours at a low rate
 
 
-async def stream_post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, Any]:
-    """POST ``body`` (JSON) over HTTP/1.1 on a connection of its own; ``(status, chunks)`` where ``chunks`` is an
-    async iterator of the body's bytes as they arrive (chunked transfer coding undone).
-
-    A few lines of asyncio streams instead of httpx: httpx's connection pool scans every connection each time a
-    response is read (O(connections) per streamed chunk), and at a few hundred concurrent streams the client
-    spent more CPU per token than the server, so the benchmark measured itself."""
-    parts = urlsplit(url)
-    secure = parts.scheme == "https"
-    port = parts.port or (443 if secure else 80)
-    reader, writer = await asyncio.open_connection(parts.hostname, port, ssl=secure or None, limit=1 << 20)
-    head = [
-        f"POST {parts.path or '/'} HTTP/1.1",
-        f"Host: {parts.netloc}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(body)}",
-        "Connection: close",
-        *(f"{k}: {v}" for k, v in headers.items()),
-    ]
-    writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
-    status_line = await reader.readline()
+def _aiohttp() -> Any:
     try:
-        status = int(status_line.split()[1])
-    except (IndexError, ValueError):
-        writer.close()
-        raise HTTPError(f"not an HTTP status line: {status_line[:80]!r}") from None
-    response_headers = {}
-    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-        name, _, value = line.decode("latin-1").partition(":")
-        response_headers[name.strip().lower()] = value.strip()
-    chunked = "chunked" in response_headers.get("transfer-encoding", "").lower()
-    length = response_headers.get("content-length")
-
-    async def chunks() -> Any:
-        try:
-            if chunked:
-                while True:
-                    size_line = await reader.readline()
-                    try:
-                        size = int(size_line.split(b";")[0], 16)
-                    except ValueError:
-                        raise HTTPError(f"bad chunk size line {size_line[:40]!r}") from None
-                    if size == 0:
-                        return
-                    yield (await reader.readexactly(size + 2))[:-2]
-            elif length is not None:
-                yield await reader.readexactly(int(length))
-            else:
-                while data := await reader.read(1 << 16):
-                    yield data
-        finally:
-            writer.close()
-
-    return status, chunks()
+        import aiohttp
+    except ImportError:
+        raise ConfigError(
+            "nanovllm bench serve needs aiohttp: pip install 'nanovllm-core[serve]' (or pip install aiohttp)"
+        ) from None
+    return aiohttp
 
 
-async def send(url: str, body: dict[str, Any], headers: dict[str, str]) -> RequestResult:
-    """One streamed completion; times each SSE chunk as it arrives."""
+KEEPALIVE_S = 4  # below the server's keep-alive (uvicorn's 5 s, ours and vLLM's): see client_session
+
+
+def client_session(limit: int = 0) -> Any:
+    """An aiohttp session for the load: ``limit`` connections at most (0: no cap, the caller's semaphore caps);
+    kept-alive connections are reused, but none idle for longer than ``KEEPALIVE_S``, so that a request is never
+    written to a connection the server is closing at that moment (a reset, counted as a failed request). No proxy
+    from the environment: the timings are the server's, not a proxy's."""
+    aiohttp = _aiohttp()
+    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=KEEPALIVE_S)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=AIOHTTP_TIMEOUT_S))
+
+
+class SSEDecoder:
+    """Server-sent events from a byte stream cut anywhere (inside a line, between ``\\r`` and ``\\n``): the data of
+    each event once its blank line has arrived. Comments and fields other than ``data`` are skipped."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+        self._data: list[bytes] = []
+
+    def feed(self, raw: bytes) -> list[bytes]:
+        buffer = self._rest + raw
+        held_cr = buffer.endswith(b"\r")  # maybe the first half of \r\n: decided by the next bytes
+        if held_cr:
+            buffer = buffer[:-1]
+        if b"\r" in buffer:
+            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        lines = buffer.split(b"\n")
+        self._rest = lines.pop() + (b"\r" if held_cr else b"")
+        events = []
+        for line in lines:
+            if not line:
+                if self._data:
+                    events.append(b"\n".join(self._data))
+                    self._data = []
+            elif line.startswith(b"data:"):
+                value = line[5:]
+                self._data.append(value[1:] if value.startswith(b" ") else value)
+        return events
+
+
+async def send(session: Any, url: str, body: dict[str, Any], headers: dict[str, str]) -> RequestResult:
+    """One streamed completion; times each read of the stream as it arrives (its events arrived together)."""
     result = RequestResult(prompt_tokens=len(body["prompt"]), priority=body.get("priority"))
+    decoder = SSEDecoder()
     start = last = time.perf_counter()
-    pending = b""
     try:
-        status, chunks = await stream_post(url, json.dumps(body).encode(), headers)
-        if status != 200:
-            text = b"".join([c async for c in chunks]).decode(errors="replace")
-            result.error = f"HTTP {status}: {text[:200]}"
-            return result
-        async for raw in chunks:
-            now = time.perf_counter()  # every event of one read arrived together
-            if b"\r" in raw:
-                raw = raw.replace(b"\r\n", b"\n")
-            events = (pending + raw).split(b"\n\n")
-            pending = events.pop()
-            for event in events:
-                if not event.startswith(b"data: "):
-                    continue  # a comment or another field
-                data = event[6:]
-                if data == b"[DONE]":
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
-                    return result
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk["choices"]:
-                    continue
-                if result.ttft == 0.0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
+        async with session.post(url, data=json.dumps(body), headers=headers) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                result.error = f"HTTP {response.status}: {text[:200]}"
+                return result
+            async for raw in response.content.iter_any():
+                now = time.perf_counter()
+                for data in decoder.feed(raw):
+                    if data == b"[DONE]":
+                        continue
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        result.error = chunk["error"]["message"]
+                        return result
+                    if chunk.get("usage"):
+                        result.output_tokens = chunk["usage"]["completion_tokens"]
+                    if not chunk["choices"]:
+                        continue
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
         result.latency = time.perf_counter() - start
         result.ok = result.output_tokens > 0
         if not result.ok:
@@ -260,6 +260,10 @@ async def send(url: str, body: dict[str, Any], headers: dict[str, str]) -> Reque
     except Exception as exc:  # noqa: BLE001 - reported per request
         result.error = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def request_headers(api_key: str | None) -> dict[str, str]:
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
 
 
 def request_body(req: BenchRequest, model: str | None, temperature: float) -> dict[str, Any]:
@@ -279,10 +283,12 @@ async def warm_up(
     url: str, headers: dict[str, str], requests: list[BenchRequest], count: int, model: str | None, temperature: float
 ) -> None:
     """The first ``count`` prompts with every token id shifted by one (no prefix-cache hit on the timed run; ids
-    stay below the workload's largest), 8 tokens each."""
+    stay below the workload's largest), up to 8 tokens each (no more than the request's own: it fits the model)."""
     bound = max(max(r.prompt) for r in requests) + 1
-    shifted = [BenchRequest([(t + 1) % bound for t in r.prompt], 8) for r in requests[:count]]
-    warm = await asyncio.gather(*(send(url, request_body(r, model, temperature), headers) for r in shifted))
+    shifted = [BenchRequest([(t + 1) % bound for t in r.prompt], min(8, r.max_tokens)) for r in requests[:count]]
+    async with client_session() as session:
+        bodies = [request_body(r, model, temperature) for r in shifted]
+        warm = await asyncio.gather(*(send(session, url, body, headers) for body in bodies))
     if not all(r.ok for r in warm):
         raise ConfigError(f"warm-up request failed: {next(r.error for r in warm if not r.ok)}")
 
@@ -327,26 +333,29 @@ async def send_share(
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     rng = random.Random(seed)
+    async with client_session() as session:
 
-    async def one(body: dict[str, Any]) -> RequestResult:
-        if gate is None:
-            return await send(url, body, headers)
-        async with gate:
-            return await send(url, body, headers)
+        async def one(body: dict[str, Any]) -> RequestResult:
+            if gate is None:
+                return await send(session, url, body, headers)
+            async with gate:
+                return await send(session, url, body, headers)
 
-    tasks = []
-    start = time.monotonic()
-    for i, body in enumerate(bodies):
-        if i and math.isfinite(request_rate):
-            await asyncio.sleep(rng.expovariate(request_rate))
-        tasks.append(asyncio.ensure_future(one(body)))
-    results = list(await asyncio.gather(*tasks))
-    end = time.monotonic()
+        tasks = []
+        start = time.monotonic()
+        for i, body in enumerate(bodies):
+            if i and math.isfinite(request_rate):
+                await asyncio.sleep(rng.expovariate(request_rate))
+            tasks.append(asyncio.ensure_future(one(body)))
+        results = list(await asyncio.gather(*tasks))
+        end = time.monotonic()
     watcher.cancel()
     return ClientShare(results, start, end, lags)
 
 
-def combined_summary(shares: list[ClientShare], order: list[list[int]]) -> dict[str, Any]:
+def combined_summary(
+    shares: list[ClientShare], order: list[list[int]], extra: Percentiles | None = None
+) -> dict[str, Any]:
     """vLLM's metrics over every share's results (request ``order[k][j]`` is share ``k``'s ``j``-th), and the
     client event loops' lag: mean, p99 and largest, in ms."""
     results: list[RequestResult | None] = [None] * sum(len(o) for o in order)
@@ -354,7 +363,7 @@ def combined_summary(shares: list[ClientShare], order: list[list[int]]) -> dict[
         for index, result in zip(indices, share.results):
             results[index] = result
     duration = max(s.end for s in shares) - min(s.start for s in shares)
-    summary = summarize([r for r in results if r is not None], duration)
+    summary = summarize([r for r in results if r is not None], duration, extra)
     lags = [1000 * lag for s in shares for lag in s.loop_lags]
     summary["client_processes"] = len(shares)
     summary["mean_client_loop_lag_ms"] = statistics.fmean(lags) if lags else 0.0
@@ -403,6 +412,8 @@ def run_workload(
     api_key: str | None,
     warmup: int = 0,
     processes: int = 1,
+    endpoint: str = "/v1/completions",
+    extra: Percentiles | None = None,
 ) -> dict[str, Any]:
     """The warm-up (``warmup`` requests), then the workload, and its summary.
 
@@ -415,8 +426,8 @@ def run_workload(
             f"--max-concurrency {max_concurrency} with --client-processes {processes}: each process needs at "
             "least one request in flight (use at most as many processes as --max-concurrency)"
         )
-    url = base_url.rstrip("/") + "/v1/completions"
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + endpoint
+    headers = request_headers(api_key)
     if warmup:
         event_loop_runner()(warm_up(url, headers, requests, warmup, model, temperature))
     order = [list(range(k, len(requests), processes)) for k in range(processes)]
@@ -429,7 +440,7 @@ def run_workload(
         bodies = [request_body(requests[i], model, temperature) for i in indices]
         jobs.append((url, headers, bodies, request_rate / processes, limit, seed + k))
     shares = [event_loop_runner()(send_share(*jobs[0]))] if len(jobs) == 1 else send_shares_in_processes(jobs)
-    summary = combined_summary(shares, order)
+    summary = combined_summary(shares, order, extra)
     summary.update(request_rate=request_rate, max_concurrency=max_concurrency, num_prompts=len(requests))
     return summary
 
@@ -469,11 +480,30 @@ def send_shares_in_processes(jobs: list[tuple]) -> list[ClientShare]:
                 child.kill()
 
 
+DEFAULT_VOCAB_SIZE = 10000  # token ids of the synthetic workloads below this (nano-vllm's ids: up to 10,000)
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
 def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
-    parser.add_argument("--served-model-name", dest="served_model", help="model name to send (default: none)")
+    """The flags of ``nanovllm bench serve``: vLLM's ``vllm bench serve`` names, and ours beside them."""
+    parser.add_argument(
+        "--base-url", help="the server, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT, vLLM's flags)"
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="the server's address without --base-url (default %(default)s)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=8000, help="the server's port without --base-url (default %(default)s)"
+    )
+    parser.add_argument(
+        "--endpoint", default="/v1/completions", help="the completions path under the base URL (default %(default)s)"
+    )
+    parser.add_argument("--model", help="model name to send (default: the first of the server's /v1/models)")
+    parser.add_argument("--served-model-name", dest="served_model", help="model name to send instead of --model")
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    parser.add_argument("--dataset", choices=["nano", "sharegpt-synth", "random"], default="nano")
+    parser.add_argument(
+        "--dataset", "--dataset-name", dest="dataset", choices=["nano", "sharegpt-synth", "random"], default="nano"
+    )
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: inf)")
     parser.add_argument("--rates", help="comma-separated request rates, one run each (e.g. 2,4,8,inf)")
@@ -486,12 +516,41 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--random-range-ratio", type=float, default=0.0, help="random: lengths vary by up to this fraction (0-1)"
     )
     parser.add_argument(
-        "--vocab-size", type=int, default=10000, help="sharegpt-synth, random: token ids are below this"
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"sharegpt-synth, random: token ids are below this (default {DEFAULT_VOCAB_SIZE}; without it, and for "
+        "nano, ids the server's model does not take are wrapped into its vocabulary)",
     )
     parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="accepted for vLLM's command lines: every request here ignores EOS, so that it produces its drawn length",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic lengths and the arrivals")
     parser.add_argument("--warmup", type=int, default=32, help="warm-up requests before timing (0: none)")
     parser.add_argument("--result-file", help="write the results as JSON here")
+    parser.add_argument(
+        "--save-result",
+        action="store_true",
+        help="write the results as JSON to --result-dir/--result-filename (vLLM's flags; default name "
+        "nanovllm-RATEqps[-concurrencyN]-MODEL-YYYYMMDD-HHMMSS.json)",
+    )
+    parser.add_argument("--result-dir", help="folder of the --save-result file (default: the current one)")
+    parser.add_argument("--result-filename", help="name of the --save-result file")
+    parser.add_argument(
+        "--percentile-metrics",
+        default=",".join(METRICS),
+        help="comma-separated metrics whose percentiles are printed (and, with --metric-percentiles, written as "
+        "p{Q}_{METRIC}_ms): ttft, tpot, itl, e2el (default: all)",
+    )
+    parser.add_argument(
+        "--metric-percentiles",
+        default=None,
+        help="comma-separated percentiles to print and write, e.g. 25,50,99.9 (default: 50,90,99; the JSON always "
+        "has median, p90 and p99)",
+    )
     parser.add_argument(
         "--client-processes",
         type=int,
@@ -518,37 +577,188 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+def parse_percentiles(metrics_text: str, percentiles_text: str | None) -> tuple[list[str], list[float] | None]:
+    """``--percentile-metrics`` and ``--metric-percentiles``: the metrics, and the percentiles (None: not given)."""
+    metrics = [m.strip() for m in metrics_text.split(",") if m.strip()]
+    unknown = [m for m in metrics if m not in METRICS]
+    if not metrics or unknown:
+        raise ConfigError(f"--percentile-metrics {metrics_text!r}: comma-separated names out of {', '.join(METRICS)}")
+    if percentiles_text is None:
+        return metrics, None
+    try:
+        percentiles = [float(q) for q in percentiles_text.split(",") if q.strip()]
+    except ValueError:
+        percentiles = []
+    if not percentiles or any(not 0 < q <= 100 for q in percentiles):
+        raise ConfigError(
+            f"--metric-percentiles {percentiles_text!r}: comma-separated numbers above 0 up to 100, e.g. 50,90,99.9"
+        )
+    return metrics, percentiles
+
+
+def percentile_key(q: float, metric: str) -> str:
+    """vLLM's key of a percentile: ``p99_ttft_ms``, ``p99.9_itl_ms``."""
+    return f"p{int(q) if q == int(q) else q}_{metric}_ms"
+
+
+@dataclass
+class ServerInfo:
+    """What ``bench serve`` learns from the server before the run: the model names of ``/v1/models``, its
+    ``max_model_len``, and the number of token ids its model accepts when that is below the workload's largest id
+    (None: the largest id is accepted, or the server does not say)."""
+
+    model_ids: list[str]
+    max_model_len: int | None
+    vocab_size: int | None = None
+
+
+async def read_models(session: Any, base_url: str, headers: dict[str, str]) -> ServerInfo:
+    """``GET /v1/models``: the names and ``max_model_len`` (vLLM's card field; the smallest of several cards)."""
+    aiohttp = _aiohttp()
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as response:
+            text = await response.text(errors="replace")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise ConfigError(f"cannot reach the server at {base_url}: {type(exc).__name__}: {exc}") from None
+    if response.status != 200:
+        raise ConfigError(f"GET {url} answered HTTP {response.status}: {text[:200]}")
+    try:
+        cards = json.loads(text)["data"]
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"GET {url} answered something other than a model list: {text[:200]!r}") from None
+    lengths = [c["max_model_len"] for c in cards if isinstance(c.get("max_model_len"), int)]
+    return ServerInfo([str(c["id"]) for c in cards if c.get("id")], min(lengths, default=None))
+
+
+async def accepted_ids(session: Any, url: str, headers: dict[str, str], model: str | None, largest: int) -> int | None:
+    """How many token ids the model behind ``url`` takes in a prompt, when fewer than ``largest + 1`` (else None).
+
+    One-token prompts, one output token each: the server checks prompt ids against the model's vocabulary (which
+    may be larger than its tokenizer's), answering 400 beyond it. One request when ``largest`` is taken; else a
+    bisection, some twenty more."""
+    aiohttp = _aiohttp()
+
+    async def taken(token: int) -> bool:
+        body = {**({"model": model} if model else {}), "prompt": [token], "max_tokens": 1, "temperature": 0.0}
+        try:
+            async with session.post(url, data=json.dumps(body), headers=headers) as response:
+                text = await response.text(errors="replace")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise ConfigError(f"cannot reach the server at {url}: {type(exc).__name__}: {exc}") from None
+        if response.status == 200 or (response.status == 400 and token > 0):
+            return response.status == 200
+        raise ConfigError(f"a one-token request to {url} answered HTTP {response.status}: {text[:200]}")
+
+    if await taken(largest):
+        return None
+    await taken(0)  # raises unless taken: a 400 here is about something else (the model name, the endpoint)
+    low, high = 0, largest  # ``low`` is taken, ``high`` is not
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if await taken(middle) else (low, middle)
+    return high
+
+
+async def probe_server(
+    base_url: str, endpoint: str, headers: dict[str, str], model: str | None, largest_id: int
+) -> tuple[ServerInfo, str | None]:
+    """The server's :class:`ServerInfo`, and the model name to send: ``model``, else the first of /v1/models."""
+    async with client_session() as session:
+        info = await read_models(session, base_url, headers)
+        model = model or (info.model_ids[0] if info.model_ids else None)
+        url = base_url.rstrip("/") + endpoint
+        info.vocab_size = await accepted_ids(session, url, headers, model, largest_id)
+    return info, model
+
+
+def fit_to_server(requests: list[BenchRequest], vocab_size: int | None, max_model_len: int | None) -> list[str]:
+    """Fit ``requests`` in place to the server's model: token ids beyond its vocabulary wrapped into it, and
+    requests whose prompt and output together exceed ``max_model_len`` scaled down to fit, prompt and output in
+    proportion; a one-line notice for each change."""
+    notices = []
+    if vocab_size is not None and any(t >= vocab_size for r in requests for t in r.prompt):
+        for r in requests:
+            r.prompt = [t % vocab_size for t in r.prompt]
+        notices.append(f"token ids taken modulo the server's vocabulary size {vocab_size}")
+    if max_model_len is not None:
+        clipped = 0
+        for r in requests:
+            total = len(r.prompt) + r.max_tokens
+            if total > max_model_len:
+                prompt_len = max(1, len(r.prompt) * max_model_len // total)
+                r.prompt = r.prompt[:prompt_len]
+                r.max_tokens = min(r.max_tokens, max_model_len - prompt_len)
+                clipped += 1
+        if clipped:
+            notices.append(
+                f"{clipped} of {len(requests)} requests longer than the server's max_model_len {max_model_len} "
+                "(prompt + output tokens): both lengths scaled down to fit"
+            )
+    return notices
+
+
+def result_path(args: argparse.Namespace, model: str | None, rates: list[float]) -> Path | None:
+    """Where the JSON goes: ``--result-file``, or with vLLM's ``--save-result`` (``--result-dir``,
+    ``--result-filename`` imply it) that folder and name, by default named as vLLM names it."""
+    if args.result_file:
+        return Path(args.result_file)
+    if not (args.save_result or args.result_filename or args.result_dir):
+        return None
+    name = args.result_filename
+    if not name:
+        rate = "-".join("inf" if math.isinf(r) else f"{r:g}" for r in rates)
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        model_id = (model or "model").rstrip("/").split("/")[-1]
+        name = f"nanovllm-{rate}qps{concurrency}-{model_id}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    folder = Path(args.result_dir or ".")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         raise ConfigError(f"--num-prompts {args.num_prompts}: at least 1")
-    if args.dataset == "nano":
-        requests = nano_workload(args.num_prompts, args.max_input_len, args.max_output_len)
-    elif args.dataset == "random":
-        requests = random_dataset(
-            args.num_prompts,
-            args.random_input_len,
-            args.random_output_len,
-            args.random_range_ratio,
-            args.vocab_size,
-            args.seed,
-        )
-    else:
-        requests = synthetic_sharegpt(args.num_prompts, args.vocab_size, args.seed)
+    if args.client_processes < 1:
+        raise ConfigError(f"--client-processes {args.client_processes}: at least 1")
+    if not args.endpoint.startswith("/"):
+        raise ConfigError(f"--endpoint {args.endpoint!r}: a path starting with /, e.g. /v1/completions")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise ConfigError(f"--vocab-size {args.vocab_size}: at least 1")
+    rates = parse_rates(args.rates) if args.rates else parse_rates(str(args.request_rate))
+    metrics, percentiles = parse_percentiles(args.percentile_metrics, args.metric_percentiles)
+    classes = None
     if args.priorities:
         try:
             classes = [int(p) for p in args.priorities.split(",")]
         except ValueError:
             raise ConfigError(f"--priorities {args.priorities!r}: comma-separated integers, e.g. 0,1") from None
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    vocab = args.vocab_size or DEFAULT_VOCAB_SIZE
+    if args.dataset == "nano":
+        requests = nano_workload(args.num_prompts, args.max_input_len, args.max_output_len)
+    elif args.dataset == "random":
+        requests = random_dataset(
+            args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, vocab, args.seed
+        )
+    else:
+        requests = synthetic_sharegpt(args.num_prompts, vocab, args.seed)
+    largest = max(t for r in requests for t in r.prompt)
+    headers = request_headers(args.api_key)
+    server, model = event_loop_runner()(
+        probe_server(base_url, args.endpoint, headers, args.served_model or args.model, largest)
+    )
+    # ids drawn below an explicit --vocab-size stay as drawn: the server's answer to them is the user's question
+    for notice in fit_to_server(requests, None if args.vocab_size else server.vocab_size, server.max_model_len):
+        print(f"bench serve: {notice}", file=sys.stderr, flush=True)
+    if classes:
         for i, req in enumerate(requests):
             req.priority = classes[i % len(classes)]
-    rates = parse_rates(args.rates) if args.rates else parse_rates(str(args.request_rate))
-    if args.client_processes < 1:
-        raise ConfigError(f"--client-processes {args.client_processes}: at least 1")
     runs = []
     for i, rate in enumerate(rates):
         summary = run_workload(
-            args.base_url,
-            args.served_model,
+            base_url,
+            model,
             requests,
             rate,
             args.max_concurrency,
@@ -557,16 +767,20 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             args.api_key,
             warmup=min(args.warmup, len(requests)) if i == 0 else 0,
             processes=args.client_processes,
+            endpoint=args.endpoint,
+            extra=(metrics, percentiles) if percentiles else None,
         )
         summary["dataset"] = args.dataset
+        summary["model_id"] = model
         runs.append(summary)
-        print_summary(summary)
-    if args.result_file:
-        Path(args.result_file).write_text(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=2))
+        print_summary(summary, metrics, percentiles)
+    path = result_path(args, model, rates)
+    if path is not None:
+        path.write_text(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=2))
     return 0 if all(run["failed"] == 0 for run in runs) else 1
 
 
-def print_summary(s: dict[str, Any]) -> None:
+def print_summary(s: dict[str, Any], metrics: Sequence[str] = METRICS, percentiles: list[float] | None = None) -> None:
     rate = "inf" if math.isinf(s["request_rate"]) else f"{s['request_rate']:g}"
     lines = [
         f"--- {s['dataset']}: {s['num_prompts']} requests at rate {rate}/s: {s['completed']} completed, "
@@ -574,11 +788,13 @@ def print_summary(s: dict[str, Any]) -> None:
         f"request throughput {s['request_throughput']:.2f} req/s, output {s['output_throughput']:,.0f} tok/s, "
         f"total {s['total_token_throughput']:,.0f} tok/s, {s['mean_tokens_per_chunk']:.2f} tokens per chunk",
     ]
-    for name in ("ttft", "tpot", "itl", "e2el"):
-        lines.append(
-            f"{name.upper():>5} ms: mean {s[f'mean_{name}_ms']:9.2f}  p50 {s[f'median_{name}_ms']:9.2f}  "
-            f"p90 {s[f'p90_{name}_ms']:9.2f}  p99 {s[f'p99_{name}_ms']:9.2f}"
-        )
+    for name in metrics:
+        if percentiles is None:
+            columns = [("p50", s[f"median_{name}_ms"]), ("p90", s[f"p90_{name}_ms"]), ("p99", s[f"p99_{name}_ms"])]
+        else:
+            columns = [(percentile_key(q, name).split("_")[0], s[percentile_key(q, name)]) for q in percentiles]
+        cells = "  ".join(f"{label} {value:9.2f}" for label, value in columns)
+        lines.append(f"{name.upper():>5} ms: mean {s[f'mean_{name}_ms']:9.2f}  {cells}")
     if "client_processes" in s:
         lines.append(
             f"client event loop lag ms ({s['client_processes']} process{'es' if s['client_processes'] > 1 else ''}): "

@@ -44,6 +44,7 @@ def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
 def load(script: Path) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location(f"benchmark_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
     spec.loader.exec_module(module)
     return module
 

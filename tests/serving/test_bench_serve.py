@@ -1,5 +1,6 @@
 """``nanovllm bench serve`` against a live server (a tiny model whose vocabulary holds the workload's token ids):
-both workloads, the metrics it reports, the --rates mode, and its input checks."""
+the workloads, the metrics it reports, the --rates mode, vLLM's option names, defaults fitted to the server's model
+(the demo's vocabulary and max_model_len), the SSE decoding of a stream cut anywhere, and its input checks."""
 
 from __future__ import annotations
 
@@ -12,8 +13,20 @@ from serving_helpers import start_server
 
 from nanovllm_core.bench.offline import workload
 from nanovllm_core.cli import main
+from nanovllm_core.errors import ConfigError
 from nanovllm_core.serving.api_server import ServerSettings
-from nanovllm_core.serving.bench import SYNTH_RANGE, nano_workload, percentile, random_dataset, synthetic_sharegpt
+from nanovllm_core.serving.bench import (
+    SYNTH_RANGE,
+    BenchRequest,
+    SSEDecoder,
+    fit_to_server,
+    nano_workload,
+    percentile,
+    probe_server,
+    random_dataset,
+    request_headers,
+    synthetic_sharegpt,
+)
 from nanovllm_core.testing import write_tiny_checkpoint
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -48,11 +61,13 @@ def test_rates_mode_writes_one_run_per_rate(bench_server, tmp_path, capsys):
     result_file = tmp_path / "rates.json"
     argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset", "sharegpt-synth", "--num-prompts", "5"]
     argv += ["--rates", "50,inf", "--warmup", "0", "--max-concurrency", "3", "--result-file", str(result_file)]
-    assert main(argv) == 0
+    assert main([*argv, "--vocab-size", "400"]) == 0
     runs = json.loads(result_file.read_text())["runs"]
     assert [r["request_rate"] for r in runs] == [50, math.inf]
     assert all(r["completed"] == 5 and r["max_concurrency"] == 3 for r in runs)
-    expected = sum(r.max_tokens for r in synthetic_sharegpt(5, 10000, 0))
+    requests = synthetic_sharegpt(5, 400, 0)
+    assert fit_to_server(requests, None, 512)  # one request is longer than the server's max_model_len 512
+    expected = sum(r.max_tokens for r in requests)
     assert all(r["total_output_tokens"] == expected for r in runs)
     assert "request throughput" in capsys.readouterr().out
 
@@ -137,15 +152,25 @@ def test_client_processes_share_the_workload_and_report_their_loop_lag(bench_ser
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-def test_client_processes_against_no_server_fail_every_request_and_leave_no_process(capsys):
+def test_no_server_is_one_line_error(capsys):
     import socket
 
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--dataset", "random", "--num-prompts", "3"]
-    assert main([*argv, "--random-input-len", "8", "--warmup", "0", "--client-processes", "2"]) == 1
-    assert "ConnectionRefusedError" in capsys.readouterr().out
+    argv = ["bench", "serve", "--port", str(port), "--dataset", "random", "--num-prompts", "3"]
+    assert main([*argv, "--random-input-len", "8", "--warmup", "0", "--client-processes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot reach the server at http://127.0.0.1:{port}: ClientConnectorError" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not multiprocessing.active_children()
+
+
+def test_client_processes_whose_every_request_fails_exit_1_and_leave_no_process(bench_server, capsys):
+    argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset", "random", "--num-prompts", "3"]
+    argv += ["--random-input-len", "8", "--vocab-size", "100000", "--seed", "1", "--warmup", "0"]
+    assert main([*argv, "--client-processes", "2"]) == 1
+    assert "3 failed" in capsys.readouterr().out
     assert not multiprocessing.active_children()
 
 
@@ -190,3 +215,122 @@ def test_loop_lag_watcher_sees_a_blocked_event_loop():
 
     samples = asyncio.run(block())
     assert max(samples) >= 0.07 and min(samples) < 0.07
+
+
+STREAM = (
+    b": a comment\r\n\r\n"
+    b'data: {"a": 1}\r\n\r\n'
+    b'data: {"b":\ndata: 2}\n\n'  # one event, two data lines
+    b"event: ignored\rdata: [DONE]\r\r"
+    b'data:{"c": 3}\n\n'
+    b'data: {"unfinished"'
+)
+EVENTS = [b'{"a": 1}', b'{"b":\n2}', b"[DONE]", b'{"c": 3}']
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, len(STREAM)])
+def test_sse_decoder_reads_a_stream_cut_anywhere(size):
+    for offset in range(size):  # every cut position, with pieces of `size` bytes after the first
+        pieces = [STREAM[:offset]] + [STREAM[i : i + size] for i in range(offset, len(STREAM), size)]
+        decoder = SSEDecoder()
+        events = [event for piece in pieces for event in decoder.feed(piece)]
+        assert events == EVENTS, (size, offset)
+
+
+def test_fit_to_server_wraps_ids_and_scales_lengths_down():
+    requests = [BenchRequest([5, 400, 1000], 10), BenchRequest(list(range(900)), 300), BenchRequest([1] * 10, 2000)]
+    notices = fit_to_server(requests, 384, 1024)
+    assert requests[0].prompt == [5, 400 % 384, 1000 % 384] and requests[0].max_tokens == 10
+    assert (len(requests[1].prompt), requests[1].max_tokens) == (900 * 1024 // 1200, 1024 - 768)
+    assert requests[1].prompt == [t % 384 for t in range(768)]  # the prompt's start
+    assert (len(requests[2].prompt), requests[2].max_tokens) == (5, 1019)
+    assert all(len(r.prompt) + r.max_tokens <= 1024 for r in requests)
+    assert notices == [
+        "token ids taken modulo the server's vocabulary size 384",
+        "2 of 3 requests longer than the server's max_model_len 1024 (prompt + output tokens): both lengths scaled "
+        "down to fit",
+    ]
+    assert fit_to_server(requests, 384, 1024) == [] and fit_to_server(requests, None, None) == []
+
+
+def test_probe_reads_max_model_len_and_the_ids_the_model_takes(bench_server, demo_server):
+    """The model's vocabulary (10,240 here), not its tokenizer's (smaller), bounds the ids a prompt may hold."""
+    import asyncio
+
+    def probe(server, largest: int, model: str | None = None):
+        coro = probe_server(server.url, "/v1/completions", request_headers(None), model, largest)
+        return asyncio.run(coro)
+
+    info, model = probe(bench_server, 10000)
+    assert (info.model_ids, info.max_model_len, info.vocab_size, model) == (["bench"], 512, None, "bench")
+    assert len(bench_server.engine.tokenizer) < 10000
+    assert probe(bench_server, 20000)[0].vocab_size == 10240
+    assert probe(demo_server, 10000)[0].vocab_size == 384
+    with pytest.raises(ConfigError, match="a one-token request to .* answered HTTP 404: .*model"):
+        probe(bench_server, 20000, "no-such-model")
+
+
+def test_vllm_option_names(bench_server, tmp_path, capsys):
+    """A vllm bench serve command line: --host/--port, --endpoint, --dataset-name, --save-result with --result-dir and
+    --result-filename, --metric-percentiles and --percentile-metrics; the model name from /v1/models."""
+    argv = ["bench", "serve", "--host", "127.0.0.1", "--port", str(bench_server.port), "--endpoint", "/v1/completions"]
+    argv += ["--dataset-name", "random", "--num-prompts", "3", "--random-input-len", "30", "--random-output-len", "4"]
+    argv += ["--request-rate", "100", "--max-concurrency", "2", "--seed", "3", "--ignore-eos", "--warmup", "0"]
+    argv += ["--save-result", "--result-dir", str(tmp_path / "out"), "--result-filename", "r.json"]
+    assert main([*argv, "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99.9"]) == 0
+    result = json.loads((tmp_path / "out" / "r.json").read_text())
+    assert result["completed"] == 3 and result["dataset"] == "random" and result["model_id"] == "bench"
+    assert result["total_input_tokens"] == 90 and result["max_concurrency"] == 2
+    for metric in ("ttft", "itl"):
+        assert result[f"p50_{metric}_ms"] == result[f"median_{metric}_ms"]
+        assert result[f"p99_{metric}_ms"] <= result[f"p99.9_{metric}_ms"]
+    assert "p99.9_tpot_ms" not in result and "p90_e2el_ms" in result  # the usual keys stay
+    out = capsys.readouterr().out
+    assert " TTFT ms: mean" in out and "p99.9" in out and "E2EL" not in out
+    # --save-result alone: vLLM's default name, in the current folder
+    argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset-name", "random", "--num-prompts", "2"]
+    argv += ["--random-input-len", "8", "--random-output-len", "2", "--warmup", "0", "--max-concurrency", "2"]
+    assert main([*argv, "--save-result", "--result-dir", str(tmp_path)]) == 0
+    (saved,) = tmp_path.glob("nanovllm-infqps-concurrency2-bench-*.json")
+    assert json.loads(saved.read_text())["completed"] == 2
+
+
+def test_vllm_option_bad_input(bench_server, capsys):
+    argv = ["bench", "serve", "--base-url", bench_server.url, "--num-prompts", "2", "--warmup", "0"]
+    assert main([*argv, "--endpoint", "v1/completions"]) == 2
+    assert "--endpoint 'v1/completions': a path starting with /" in capsys.readouterr().err
+    assert main([*argv, "--metric-percentiles", "99,101"]) == 2
+    assert "--metric-percentiles '99,101': comma-separated numbers above 0 up to 100" in capsys.readouterr().err
+    assert main([*argv, "--percentile-metrics", "ttft,latency"]) == 2
+    assert "out of ttft, tpot, itl, e2el" in capsys.readouterr().err
+    assert main([*argv, "--vocab-size", "0"]) == 2
+    assert "--vocab-size 0: at least 1" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    """The demo model's shape: a vocabulary of 384 token ids and max_model_len 1024."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("demo-shape"), "qwen3")
+    thread = start_server(path, ServerSettings(served_model_name="demo"), max_model_len=1024)
+    yield thread
+    thread.stop()
+
+
+@pytest.mark.parametrize("dataset", ["nano", "random", "sharegpt-synth"])
+def test_defaults_fit_the_demo_model(demo_server, dataset, tmp_path, capsys):
+    """Only the server and a small count given: every request fits the demo's vocabulary and context."""
+    assert len(demo_server.engine.tokenizer) == 384 and demo_server.engine.max_model_len == 1024
+    result_file = tmp_path / "demo.json"
+    argv = ["bench", "serve", "--base-url", demo_server.url, "--dataset-name", dataset, "--num-prompts", "3"]
+    assert main([*argv, "--warmup", "1", "--result-file", str(result_file)]) == 0
+    result = json.loads(result_file.read_text())
+    assert result["completed"] == 3 and result["failed"] == 0
+    err = capsys.readouterr().err
+    if dataset == "nano":  # nano-vllm's ids (up to 10,000) and lengths (up to 1,024 + 1,024)
+        assert "bench serve: token ids taken modulo the server's vocabulary size 384" in err
+        assert "requests longer than the server's max_model_len 1024" in err
+    if dataset == "random":  # 1,024 prompt tokens + 128
+        assert "bench serve: 3 of 3 requests longer than the server's max_model_len 1024" in err
+    assert result["total_input_tokens"] + result["total_output_tokens"] <= 3 * 1024
+    stats = demo_server.wait_idle()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
