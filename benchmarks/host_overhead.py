@@ -28,8 +28,8 @@ from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
 from nanovllm_core import EngineConfig, SamplingParams
 from nanovllm_core.engine.core import EngineCore
 from nanovllm_core.engine.model_runner import prepare_inputs
+from nanovllm_core.engine_client.step_loop import pack_outputs
 from nanovllm_core.layers.sampler import SamplingBatch
-from nanovllm_core.serving.step_loop import pack_outputs
 
 
 def reference_ms() -> float:

@@ -300,7 +300,7 @@ def vocab_size(checkpoint: Path) -> int:
 
 
 def soak(args: argparse.Namespace, argv: list[str]) -> int:
-    from nanovllm_core.cli import ensure_demo_checkpoint
+    from nanovllm_core.demo import ensure_demo_checkpoint
 
     folder = out_dir(args.results_dir, "soak")
     checkpoint = ensure_demo_checkpoint()

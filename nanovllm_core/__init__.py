@@ -8,10 +8,11 @@ and for plugin authors: :data:`hookimpl`, the interfaces in :mod:`nanovllm_core.
 :mod:`nanovllm_core.layers`, :func:`nanovllm_core.loader.load_weights` and :mod:`nanovllm_core.testing`.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from nanovllm_core.config import EngineConfig, PluginsConfig
-from nanovllm_core.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from nanovllm_core.engine.llm import LLM
-from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import (
     ConfigError,
     InvalidRequestError,
@@ -37,10 +38,44 @@ from nanovllm_core.plugins import get_registry, register_plugin, unregister_plug
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 
+if TYPE_CHECKING:
+    from nanovllm_core.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+    from nanovllm_core.engine.llm_engine import LLMEngine
+    from nanovllm_core.entrypoints.llm import LLM
+    from nanovllm_core.serving.async_llm import AsyncLLM
+
 __version__ = CORE_VERSION
+
+# The engine, the model runner and the server load on first use of these names (PEP 562), so that importing
+# nanovllm_core, its hookspecs or its interfaces (what a plugin does) costs only those modules.
+_LAZY = {
+    "AsyncLLM": "nanovllm_core.serving.async_llm",
+    "BeamSearchOutput": "nanovllm_core.engine.beam_search",
+    "BeamSearchParams": "nanovllm_core.engine.beam_search",
+    "BeamSearchSequence": "nanovllm_core.engine.beam_search",
+    "LLM": "nanovllm_core.entrypoints.llm",
+    "LLMEngine": "nanovllm_core.engine.llm_engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nanovllm_core' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "PLACEHOLDER_TOKEN",
     "PLUGIN_API_VERSION",
     "AttentionBackend",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -17,29 +16,10 @@ from typing import Any
 from pydantic.fields import FieldInfo
 
 from nanovllm_core.config import YAML_SUFFIXES, EngineConfig, PluginsConfig
+from nanovllm_core.demo import DEMO_MAX_MODEL_LEN, ensure_demo_checkpoint
 from nanovllm_core.errors import ConfigError, NanoVLLMError
 
 DEMO_PROMPTS = ["Hello world!", "The quick brown fox", "To be or not to be, that is the question."]
-
-
-DEMO_MAX_MODEL_LEN = 512
-"""``max_model_len`` of the demo checkpoint unless set: its KV cache then fits the CPU default comfortably."""
-
-
-def demo_checkpoint_dir() -> Path:
-    cache = Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm"))
-    return cache / "demo-qwen3-tiny"
-
-
-def ensure_demo_checkpoint() -> Path:
-    """The embedded demo: a tiny random-weight Qwen3 written on first use (no download is possible)."""
-    path = demo_checkpoint_dir()
-    if not (path / "config.json").is_file():
-        from nanovllm_core.demo import write_tiny_checkpoint
-
-        print(f"writing the demo checkpoint (tiny random-weight Qwen3) to {path}", file=sys.stderr)
-        write_tiny_checkpoint(path, "qwen3", hidden_size=128, intermediate_size=256, num_layers=4)
-    return path
 
 
 # --- engine flags, with vLLM's names beside ours ------------------------------------------------------

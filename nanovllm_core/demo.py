@@ -4,10 +4,13 @@ download. The test kits build on the same writer (``nanovllm_core.testing``)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 TINY_CORPUS = (
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
@@ -61,7 +64,7 @@ def write_tiny_checkpoint(
     head_dim: int = 32,
     max_position_embeddings: int = 1024,
     tie_word_embeddings: bool = True,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     seed: int = 0,
     init_std: float = 0.2,
     max_shard_size: str | None = None,
@@ -103,8 +106,10 @@ def write_tiny_checkpoint(
         architectures=[model_name],
         **config_overrides,
     )
+    import torch  # here: the CLI imports this module for the demo's path, and torch loads only to write weights
+
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).to(dtype)
+    model = getattr(transformers, model_name)(config).to(dtype or torch.float32)
     with torch.no_grad():  # norms start at 1.0; jitter them so a wrong norm wiring cannot pass
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -115,4 +120,22 @@ def write_tiny_checkpoint(
     model.save_pretrained(path, **kwargs)
     tokenizer.chat_template = chat_template  # None: a tokenizer without one
     tokenizer.save_pretrained(path)
+    return path
+
+
+DEMO_MAX_MODEL_LEN = 512
+"""``max_model_len`` of the demo checkpoint unless set: its KV cache then fits the CPU default comfortably."""
+
+
+def demo_checkpoint_dir() -> Path:
+    cache = Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm"))
+    return cache / "demo-qwen3-tiny"
+
+
+def ensure_demo_checkpoint() -> Path:
+    """The embedded demo: a tiny random-weight Qwen3 written on first use (no download is possible)."""
+    path = demo_checkpoint_dir()
+    if not (path / "config.json").is_file():
+        print(f"writing the demo checkpoint (tiny random-weight Qwen3) to {path}", file=sys.stderr)
+        write_tiny_checkpoint(path, "qwen3", hidden_size=128, intermediate_size=256, num_layers=4)
     return path

@@ -32,7 +32,7 @@ from typing import Any
 import pluggy
 from torch import nn
 
-from nanovllm_core import hookspecs
+import nanovllm_core.hookspecs as hookspecs
 from nanovllm_core.errors import PluginConflictError, UnknownPluginError
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler
 from nanovllm_core.parsing import ReasoningParser, ToolParser

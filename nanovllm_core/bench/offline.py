@@ -226,7 +226,8 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     profile_seqs = profile_sizes(args.profile_seqs, len(prompts))  # before anything loads: bad input costs nothing
 
-    data_parallel = EngineConfig.load(args.config, cli_overrides=overrides).data_parallel_size
+    config = EngineConfig.load(args.config, cli_overrides=overrides)  # resolved once: LLM takes the object
+    data_parallel = config.data_parallel_size
     # With data parallelism the engines run in replica processes, one GPU group each: this process measures no
     # device (that would hold memory on the first GPU, which replica 0 then lacks) and reports no bound.
     in_process = data_parallel == 1
@@ -238,7 +239,7 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     count_triton_compiles()
     t0 = time.perf_counter()
     with Phase("starting the engine (loading, KV cache, warm-up steps)", enabled=progress):
-        llm = LLM(config=args.config, cli_overrides=overrides)
+        llm = LLM(config=config)
     load_s = time.perf_counter() - t0
     # warm-up: a full-size prefill and some decode steps, so compilation and autotuning stay out of the timing
     # (every token id shifted, so that no block of the timed prompts is in the prefix cache)

@@ -47,6 +47,21 @@ def unwrap_prompt(prompt: Any) -> Any:
     return prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
 
 
+def tokenize_prompt(tokenizer: Any, prompt: Any) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt; InvalidRequestError for anything else than text or integer ids."""
+    prompt = unwrap_prompt(prompt)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer: give the prompt as a list of token ids")
+        return prompt, encode_text(tokenizer, prompt)
+    if isinstance(prompt, (list, tuple)):
+        bad = next((t for t in prompt if not _is_int(t)), None)
+        if bad is None:
+            return None, [int(t) for t in prompt]
+        raise InvalidRequestError(f"a token-id prompt holds integers only; it holds {bad!r} ({type(bad).__name__})")
+    raise InvalidRequestError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
+
+
 class LaunchedStep(Protocol):
     """What a runner's ``launch`` returns: the step's batch and, once read, its sampled tokens."""
 
@@ -159,19 +174,7 @@ class EngineCore:
     # --- requests -------------------------------------------------------------------------------------
 
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
-        prompt = unwrap_prompt(prompt)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer: give the prompt as a list of token ids")
-            return prompt, encode_text(self.tokenizer, prompt)
-        if isinstance(prompt, (list, tuple)):
-            bad = next((t for t in prompt if not _is_int(t)), None)
-            if bad is None:
-                return None, [int(t) for t in prompt]
-            raise InvalidRequestError(
-                f"a token-id prompt holds integers only; it holds {bad!r} ({type(bad).__name__})"
-            )
-        raise InvalidRequestError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def _make_request(self, prompt: Any, params: SamplingParams | None, request_id: str | None) -> Request:
         params = params if params is not None else SamplingParams()

@@ -156,6 +156,52 @@ def select_attention_backend(
     raise ConfigError(f"no attention backend runs on {device} / {dtype} (installed: {installed}): {'; '.join(reasons)}")
 
 
+def resolve_config(
+    model: str | None, config: str | Path | EngineConfig | None, cli_overrides: dict[str, Any] | None,
+    kwargs: dict[str, Any],
+) -> EngineConfig:
+    """The :class:`EngineConfig` of an entry point's arguments: ``config`` as it is when it is one (then nothing
+    else may be given), else defaults < ``config`` (a TOML file) < ``kwargs`` (``model`` among them) <
+    ``cli_overrides``."""
+    if isinstance(config, EngineConfig):
+        if model is not None or kwargs or cli_overrides:
+            raise ConfigError("give either an EngineConfig or a model, a config file and overrides, not both")
+        return config
+    overrides = dict(kwargs) if model is None else {**kwargs, "model": model}
+    return EngineConfig.load(config, overrides, cli_overrides)
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelLoadError(f"could not load a tokenizer from {path!r}: {exc}") from None
+
+
+def read_eos_token_ids(hf_config: Any, model: str, tokenizer: Any) -> set[int]:
+    """EOS ids from config.json and generation_config.json (as transformers' generate uses them)."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    gen_file = Path(model) / "generation_config.json"
+    if gen_file.is_file():
+        try:
+            add(json.loads(gen_file.read_text()).get("eos_token_id"))
+        except json.JSONDecodeError:
+            logger.warning("%s is not valid JSON; its eos_token_id is ignored", gen_file)
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 class LLMEngine(EngineCore):
     """The engine: ``add_request`` then ``step`` until ``has_unfinished_requests()`` is false.
 
@@ -166,16 +212,13 @@ class LLMEngine(EngineCore):
     def __init__(
         self,
         model: str | None = None,
-        config: str | Path | None = None,
+        config: str | Path | EngineConfig | None = None,
         *,
         cli_overrides: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         started = time.perf_counter()
-        overrides = dict(kwargs)
-        if model is not None:
-            overrides["model"] = model
-        self.config = EngineConfig.load(config, overrides, cli_overrides)
+        self.config = resolve_config(model, config, cli_overrides, kwargs)
         cfg = self.config
         if cfg.data_parallel_size > 1:
             raise ConfigError(
@@ -213,8 +256,8 @@ class LLMEngine(EngineCore):
         )
         self.attention_backend_name = backend_cls.name
         validate_plugin_options(cfg.plugins, scheduler_cls, block_manager_cls, backend_cls)  # before weights load
-        self.tokenizer = self._load_tokenizer(cfg.tokenizer or cfg.model)
-        self.eos_token_ids = self._eos_token_ids()
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        self.eos_token_ids = read_eos_token_ids(self.hf_config, cfg.model, self.tokenizer)
         # a generation_config folder without the file fails here, early; LLM.get_default_sampling_params reads this
         defaults = self._sampling_defaults = sampling_defaults(cfg)
         if defaults:
@@ -360,36 +403,6 @@ class LLMEngine(EngineCore):
             if runner is not None and not group.closed and healthy:  # (a stuck collective would never sync)
                 runner.release_cuda_graphs()  # before the NCCL group is left (see there)
             group.close()
-
-    @staticmethod
-    def _load_tokenizer(path: str) -> Any:
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(path)
-        except Exception as exc:  # noqa: BLE001
-            raise ModelLoadError(f"could not load a tokenizer from {path!r}: {exc}") from None
-
-    def _eos_token_ids(self) -> set[int]:
-        """EOS ids from config.json and generation_config.json (as transformers' generate uses them)."""
-        ids: set[int] = set()
-
-        def add(value: Any) -> None:
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(v for v in value if isinstance(v, int))
-
-        add(getattr(self.hf_config, "eos_token_id", None))
-        gen_file = Path(self.config.model) / "generation_config.json"
-        if gen_file.is_file():
-            try:
-                add(json.loads(gen_file.read_text()).get("eos_token_id"))
-            except json.JSONDecodeError:
-                logger.warning("%s is not valid JSON; its eos_token_id is ignored", gen_file)
-        if not ids and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from nanovllm_core import __version__
+from nanovllm_core.entrypoints.chat import conversation_chars, render_chat
 from nanovllm_core.errors import ConfigError, InvalidRequestError, NanoVLLMError
 from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.plugins import get_registry
@@ -39,7 +40,6 @@ from nanovllm_core.serving.admission import (
     max_prompt_chars,
 )
 from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from nanovllm_core.serving.chat import conversation_chars, render_chat
 from nanovllm_core.serving.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.serving.openai_serving import Job, chat_events, chat_response, completion_events, completion_response
 from nanovllm_core.serving.protocol import (

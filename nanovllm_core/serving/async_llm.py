@@ -1,12 +1,12 @@
 """AsyncLLM: the engine behind an asyncio API (streams of incremental outputs, abort, stats), for servers.
 
-The engine is not thread-safe, so one step loop owns it (:mod:`nanovllm_core.serving.step_loop`: a background
-thread, or a process of its own). Callers talk to it through commands that the loop drains between steps; the
-loop hands its results and each step's outputs back to the event loop in one piece each (a thread through
-``call_soon_threadsafe``; an engine process through its pipe, which the event loop reads itself), and sleeps
-while it has nothing to do. Prompts are tokenized on the caller's side with a tokenizer of its own (so the step
-loop does no tokenization); a long text is tokenized in a thread of its own (:meth:`AsyncLLM.off_loop`), so that
-the event loop keeps serving the other requests meanwhile.
+The engine is not thread-safe, so one step loop owns it (an engine client, :mod:`nanovllm_core.engine_client`: a
+background thread, a process of its own, or data-parallel replicas). Callers talk to it through commands that the
+loop drains between steps; the loop hands its results and each step's outputs back to the event loop in one piece
+each (a thread through ``call_soon_threadsafe``; an engine process through its pipe, which the event loop reads
+itself), and sleeps while it has nothing to do. Prompts are tokenized on the caller's side with a tokenizer of its
+own (so the step loop does no tokenization); a long text is tokenized in a thread of its own
+(:meth:`AsyncLLM.off_loop`), so that the event loop keeps serving the other requests meanwhile.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from typing import Any, Protocol, TypeVar
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import Prompt, unwrap_prompt
 from nanovllm_core.engine.detokenizer import Decode, IncrementalDetokenizer, decoder_of
-from nanovllm_core.engine.llm import data_parallel_size_of
-from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine.llm_engine import LLMEngine, load_tokenizer, resolve_config
+from nanovllm_core.engine_client.base import EngineClient, LoopAccount
+from nanovllm_core.engine_client.factory import make_engine_client
+from nanovllm_core.engine_client.step_loop import InProcessClient
 from nanovllm_core.errors import InvalidRequestError, NanoVLLMError
 from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, with_priority
-from nanovllm_core.serving.step_loop import EngineProcess, EngineThread, LoopAccount
 from nanovllm_core.tokenization import encode_text
 
 logger = logging.getLogger(__name__)
@@ -189,13 +190,14 @@ class AsyncLLM:
     :meth:`shutdown`, which aborts whatever is still in flight. ``async with AsyncLLM(...)`` does both.
     """
 
-    def __init__(self, core: LLMEngine | EngineThread | EngineProcess, observer: OutputObserver | None = None) -> None:
-        self.core = EngineThread(core) if isinstance(core, LLMEngine) else core
+    def __init__(self, core: LLMEngine | EngineClient, observer: OutputObserver | None = None) -> None:
+        self.core: EngineClient = InProcessClient(core) if isinstance(core, LLMEngine) else core
         self.engine: LLMEngine | None = getattr(self.core, "engine", None)  # None when it runs in its own process
         self.config: EngineConfig = self.core.config
         self.observer = observer
         self.max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
-        self.tokenizer = LLMEngine._load_tokenizer(self.config.tokenizer or self.config.model)
+        # a tokenizer of its own: the event loop and the tokenizer's thread encode while the step loop decodes
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
         self._decode = decoder_of(self.tokenizer)
         # One thread, made on first use: long texts are tokenized one at a time, as in vLLM's front-end. Short ones
         # are still tokenized on the event loop meanwhile: without truncation or padding (never set here) encoding
@@ -217,20 +219,16 @@ class AsyncLLM:
     def from_config(
         cls,
         model: str | None = None,
-        config: str | Path | None = None,
+        config: str | Path | EngineConfig | None = None,
         *,
         cli_overrides: dict[str, Any] | None = None,
         observer: OutputObserver | None = None,
         engine_process: bool = False,
         **kwargs: Any,
     ) -> AsyncLLM:
-        if data_parallel_size_of(model, config, cli_overrides, kwargs) > 1:
-            from nanovllm_core.engine.data_parallel import DataParallelCore
-
-            return cls(DataParallelCore(model, config, cli_overrides, **kwargs), observer)
-        if engine_process:
-            return cls(EngineProcess(model, config, cli_overrides, **kwargs), observer)
-        return cls(LLMEngine(model, config, cli_overrides=cli_overrides, **kwargs), observer)
+        """The engine client :func:`make_engine_client` picks for this config (resolved here, once), served."""
+        resolved = resolve_config(model, config, cli_overrides, kwargs)
+        return cls(make_engine_client(resolved, engine_process=engine_process), observer)
 
     # --- life cycle -------------------------------------------------------------------------------------
 

@@ -131,7 +131,7 @@ def resolve_model(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
     if args.demo:
         if model:
             raise ConfigError(f"--demo serves the demo checkpoint: leave out the model ({model!r}) or --demo")
-        from nanovllm_core.cli import DEMO_MAX_MODEL_LEN, ensure_demo_checkpoint
+        from nanovllm_core.demo import DEMO_MAX_MODEL_LEN, ensure_demo_checkpoint
 
         model = str(ensure_demo_checkpoint())
         overrides.setdefault("max_model_len", DEMO_MAX_MODEL_LEN)

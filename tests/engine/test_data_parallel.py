@@ -1,5 +1,5 @@
 """Data parallelism (``data_parallel_size``): replicas in processes of their own behind one ``LLM`` (and behind
-``AsyncLLM`` through :class:`DataParallelCore`). On CPU every replica is a process; the GPU cases are marked."""
+``AsyncLLM``), both through :class:`DataParallelClient`. On CPU every replica is a process; the GPU cases are marked."""
 
 from __future__ import annotations
 
@@ -19,11 +19,10 @@ import torch
 from engine_helpers import GREEDY, PROMPTS, SHUTDOWN_LIMIT_S, assert_exited_cleanly, make_prompts, pid_running
 
 from nanovllm_core import LLM, ConfigError, EngineConfig, InvalidRequestError, SamplingParams
-from nanovllm_core.engine import data_parallel_llm
 from nanovllm_core.engine.core import EngineStats
-from nanovllm_core.engine.data_parallel import DataParallelCore, combine_stats, plan_replicas
-from nanovllm_core.engine.data_parallel_llm import DataParallelLLM
 from nanovllm_core.engine.parallel import PORT_ENV
+from nanovllm_core.engine_client.data_parallel import DataParallelClient, combine_stats, plan_replicas
+from nanovllm_core.entrypoints import llm as llm_module
 from nanovllm_core.testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
 ENGINE = dict(device="cpu", num_kvcache_blocks=64, kvcache_block_size=16, max_model_len=256)
@@ -84,7 +83,7 @@ def assert_idle(stats: EngineStats) -> None:
 
 
 def test_outputs_equal_one_engine_token_for_token_and_the_load_is_split(dp, single, want_mixed):
-    assert isinstance(dp, DataParallelLLM) and isinstance(dp, LLM) and dp.config.data_parallel_size == 2
+    assert isinstance(dp.engine_client, DataParallelClient) and dp.config.data_parallel_size == 2
     before = dp.replica_stats()
     outs = dp.generate(MIXED, GREEDY, use_tqdm=False)
     ref = want_mixed
@@ -151,7 +150,7 @@ def test_an_exception_mid_generate_leaves_nothing_queued(dp, want_mixed, monkeyp
     prompts = [[5, 6, 7]] + [[20 + i, 21, 22] * 8 for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)] + [LONG] * 6
     before = dp.stats()
-    monkeypatch.setattr(data_parallel_llm, "tqdm", FailingBar)
+    monkeypatch.setattr(llm_module, "tqdm", FailingBar)
     with pytest.raises(Interrupted):
         dp.generate(prompts, params)
     monkeypatch.undo()
@@ -194,13 +193,10 @@ def test_add_request_step_and_abort(dp, single):
 
 
 def test_what_lives_inside_one_engine_says_it_is_not_available(dp):
-    for name in ("runner", "scheduler", "step_stats", "tp_group", "block_manager"):
+    for name in ("runner", "scheduler", "step_stats", "tp_group", "block_manager", "llm_engine"):
         with pytest.raises(AttributeError, match="not available with data_parallel_size > 1"):
             getattr(dp, name)
-    public = [n for n in dir(LLM) if not n.startswith("_")]
-    for name in public:  # every public method of LLM is DataParallelLLM's own, or LLM's on top of it
-        owner = next(c for c in DataParallelLLM.__mro__ if name in c.__dict__)
-        assert owner in (DataParallelLLM, LLM), (name, owner)
+    assert type(dp) is LLM  # the same class, holding another client
 
 
 def test_combine_stats_sums_counters_and_rates_over_all_blocks_and_queries():
@@ -227,7 +223,7 @@ def test_combine_stats_sums_counters_and_rates_over_all_blocks_and_queries():
 
 def test_config_flag_and_placement(qwen3_path, tmp_path, monkeypatch):
     from nanovllm_core.cli import _cli_overrides, build_parser
-    from nanovllm_core.engine.llm import data_parallel_size_of
+    from nanovllm_core.engine.llm_engine import resolve_config
 
     with pytest.raises(ConfigError, match="data_parallel_size"):
         EngineConfig.load(overrides={"model": "m", "data_parallel_size": 0})
@@ -235,9 +231,9 @@ def test_config_flag_and_placement(qwen3_path, tmp_path, monkeypatch):
     assert _cli_overrides(args)["data_parallel_size"] == 2
     toml = tmp_path / "dp.toml"
     toml.write_text("data_parallel_size = 3\n")
-    assert data_parallel_size_of(str(qwen3_path), toml, None, {}) == 3
-    assert data_parallel_size_of(str(qwen3_path), toml, {"data_parallel_size": 1}, {}) == 1
-    assert data_parallel_size_of(str(qwen3_path), None, None, {}) == 1
+    assert resolve_config(str(qwen3_path), toml, None, {}).data_parallel_size == 3
+    assert resolve_config(str(qwen3_path), toml, {"data_parallel_size": 1}, {}).data_parallel_size == 1
+    assert resolve_config(str(qwen3_path), None, None, {}).data_parallel_size == 1
     cpu = plan_replicas(EngineConfig.load(overrides={"model": "m", "device": "cpu", "data_parallel_size": 2}))
     assert [p.where for p in cpu] == ["CPU", "CPU"] and cpu[0].threads == max(1, (os.cpu_count() or 1) // 2)
 
@@ -362,7 +358,7 @@ def test_two_replicas_of_two_tensor_parallel_ranks_on_cpu(qwen3_path, want_mixed
     assert not wait_gone(replicas + workers, SHUTDOWN_LIMIT_S)
 
 
-def test_async_llm_serves_a_data_parallel_core(qwen3_path, single):
+def test_async_llm_serves_a_data_parallel_client(qwen3_path, single):
     from nanovllm_core.serving.async_llm import AsyncLLM
 
     prompts = MIXED[:6]
@@ -374,7 +370,7 @@ def test_async_llm_serves_a_data_parallel_core(qwen3_path, single):
         ]
 
     async def main():
-        core = DataParallelCore(str(qwen3_path), data_parallel_size=2, **ENGINE)
+        core = DataParallelClient(EngineConfig(model=str(qwen3_path), data_parallel_size=2, **ENGINE))
         async with AsyncLLM(core) as llm:
             got = await asyncio.gather(*(collect(llm, p, f"r{i}") for i, p in enumerate(prompts)))
             long = await llm.add_request([5, 6, 7] * 10, LONG, "long")
@@ -462,5 +458,5 @@ def test_from_config_serves_replicas_and_an_llm_engine_refuses_them(qwen3_path):
         return llm, outs
 
     llm, outs = asyncio.run(asyncio.wait_for(main(), 120))
-    assert isinstance(llm.core, DataParallelCore) and llm.core.data_parallel_size == 2
+    assert isinstance(llm.core, DataParallelClient) and llm.core.data_parallel_size == 2
     assert outs[-1].finished and not llm.core.alive

@@ -129,7 +129,7 @@ def test_numpy_and_torch_integer_token_ids_are_accepted(llm, expected):
 
 def test_an_interrupt_while_prompts_are_added_leaves_nothing_queued(llm, expected, monkeypatch):
     added = []
-    real_add = llm.add_request
+    real_add = llm.llm_engine.add_request
 
     def add_then_interrupt(*args, **kwargs):
         if len(added) == 2:
@@ -137,7 +137,7 @@ def test_an_interrupt_while_prompts_are_added_leaves_nothing_queued(llm, expecte
         added.append(real_add(*args, **kwargs))
         return added[-1]
 
-    monkeypatch.setattr(llm, "add_request", add_then_interrupt)
+    monkeypatch.setattr(llm.llm_engine, "add_request", add_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS * 3, GREEDY, use_tqdm=False)
     monkeypatch.undo()

@@ -15,7 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from serving_helpers import API_KEY, MODEL
 
 from nanovllm_core import InvalidRequestError, SamplingParams
-from nanovllm_core.serving.chat import render_chat
+from nanovllm_core.entrypoints.chat import render_chat
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
 LONE = b"\xff caf\xe9".decode("utf-8", errors="surrogateescape")  # latin-1 bytes read as UTF-8: lone surrogates

@@ -13,9 +13,9 @@ import threading
 
 import pytest
 
+from nanovllm_core.engine_client.step_loop import EngineProcess, FrameReader, frame_message
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.serving.async_llm import AsyncLLM
-from nanovllm_core.serving.step_loop import EngineProcess, FrameReader, frame_message
 from nanovllm_core.testing.scripted import build_scripted_engine
 
 
@@ -78,7 +78,7 @@ def test_frame_reader_cuts_what_connection_send_wrote_however_it_arrives():
 
 
 def test_loop_account_counts_slow_steps_and_combines_replicas():
-    from nanovllm_core.serving.step_loop import SLOW_STEP_SECONDS, LoopAccount
+    from nanovllm_core.engine_client.base import SLOW_STEP_SECONDS, LoopAccount
 
     a, b = LoopAccount(), LoopAccount()
     for seconds in (0.01, 0.06, 0.3):

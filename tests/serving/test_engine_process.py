@@ -121,8 +121,8 @@ def test_interpreter_exit_without_shutdown_ends_the_engine_process(tiny_path, tm
 def test_outputs_survive_the_pipe_encoding():
     import pickle
 
+    from nanovllm_core.engine_client.step_loop import pack_outputs, unpack_outputs
     from nanovllm_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-    from nanovllm_core.serving.step_loop import pack_outputs, unpack_outputs
 
     lp = [{5: Logprob(-0.1, 1, "a"), 7: Logprob(-2.5, 2, "b")}]
     outs = [

@@ -6,7 +6,7 @@ import pytest
 from serving_helpers import ENGINE
 
 from nanovllm_core import LLM, InvalidRequestError, SamplingParams
-from nanovllm_core.serving.chat import render_chat
+from nanovllm_core.entrypoints.chat import render_chat
 from nanovllm_core.testing import write_tiny_checkpoint
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

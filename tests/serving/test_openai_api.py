@@ -11,7 +11,7 @@ import pytest
 from serving_helpers import API_KEY, ENGINE, MODEL
 
 from nanovllm_core import SamplingParams
-from nanovllm_core.serving.chat import render_chat
+from nanovllm_core.entrypoints.chat import render_chat
 
 openai = pytest.importorskip("openai")
 

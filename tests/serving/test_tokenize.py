@@ -7,8 +7,8 @@ import httpx
 from serving_helpers import ENGINE, MODEL, start_server
 
 import nanovllm_core
+from nanovllm_core.entrypoints.chat import render_chat
 from nanovllm_core.serving.api_server import ServerSettings
-from nanovllm_core.serving.chat import render_chat
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
 

@@ -221,7 +221,7 @@ def test_the_engine_never_imports_the_bench_package():
     import subprocess
     import sys
 
-    code = "import sys, nanovllm_core, nanovllm_core.engine.llm; print(any(m.startswith('nanovllm_core.bench') " \
+    code = "import sys, nanovllm_core, nanovllm_core.entrypoints.llm; print(any(m.startswith('nanovllm_core.bench') " \
         "for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

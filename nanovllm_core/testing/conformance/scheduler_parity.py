@@ -58,7 +58,7 @@ class SchedulerParity:
 
     def engine(self, path: Path, scheduler: str, async_scheduling: bool = False, options: dict | None = None,
                **settings: Any) -> LLMEngine:
-        from nanovllm_core.engine.llm import LLM
+        from nanovllm_core.entrypoints.llm import LLM
 
         for kind, name in (("scheduler", scheduler), ("attention", "torch"), ("model", "Qwen3ForCausalLM")):
             _installed(kind, name, "scheduler_name" if kind == "scheduler" else kind)

@@ -1,12 +1,10 @@
 """Data parallelism: ``data_parallel_size`` engine replicas, each in a process of its own on its own GPUs (or CPU),
-behind one front-end.
+behind one :class:`~nanovllm_core.engine_client.base.EngineClient`.
 
-:class:`DataParallelCore` holds the replicas (each an :class:`~nanovllm_core.serving.step_loop.EngineProcess`)
-and has the same contract as one of them (``config``, ``start(emit, fail)``, ``submit(commands)``, ``join()``,
-``alive``), so that :class:`~nanovllm_core.serving.AsyncLLM` can serve it. It routes each ``add`` to the replica
+:class:`DataParallelClient` holds the replicas (each an :class:`~nanovllm_core.engine_client.step_loop.EngineProcess`)
+and serves ``LLM`` (pull) and ``AsyncLLM`` (push) as one engine would. It routes each ``add`` to the replica
 with the least outstanding work, each ``abort`` to the replica that owns the request, answers ``stats`` from every
-replica's stats, and sends ``stop`` to all. :class:`~nanovllm_core.engine.data_parallel_llm.DataParallelLLM`
-is the offline API on top of it: what ``LLM(model, data_parallel_size=N)`` returns.
+replica's stats, and sends ``stop`` to all.
 
 Replica ``r`` of ``N`` with ``tensor_parallel_size`` ``T`` runs on GPUs ``r*T .. (r+1)*T - 1`` (of the GPUs this
 process sees): its process sets ``CUDA_VISIBLE_DEVICES`` to them before CUDA starts, so inside it they are
@@ -29,20 +27,21 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.core import EngineStats
 from nanovllm_core.engine.llm_engine import LLMEngine, resolve_device
 from nanovllm_core.engine.parallel import PORT_ENV, launched_by_torchrun
+from nanovllm_core.engine_client.base import Command, EngineClient, LoopAccount, Result
+from nanovllm_core.engine_client.step_loop import EngineProcess
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.serving.step_loop import Command, EngineProcess, LoopAccount, Result
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataParallelCore", "ReplicaPlacement", "combine_stats", "plan_replicas"]
+__all__ = ["DataParallelClient", "ReplicaPlacement", "combine_stats", "plan_replicas"]
 
 STOP_TIMEOUT_S = 4.0  # how long join() waits for the replicas to leave before it kills the ones still there
 
@@ -104,14 +103,7 @@ def _distinct_free_ports(n: int) -> list[int]:
             s.close()
 
 
-def build_replica_engine(
-    env: dict[str, str],
-    threads: int,
-    model: str | None,
-    config: str | Path | None,
-    cli_overrides: dict[str, Any] | None,
-    kwargs: dict[str, Any],
-) -> LLMEngine:
+def build_replica_engine(env: dict[str, str], threads: int, config: EngineConfig) -> LLMEngine:
     """Runs in a replica's process (``EngineProcess(build=...)``): place it, then build its engine."""
     import torch
 
@@ -123,8 +115,7 @@ def build_replica_engine(
             '`if __name__ == "__main__":`'
         )
     torch.set_num_threads(threads)
-    overrides = {**(cli_overrides or {}), "data_parallel_size": 1}  # one engine here; highest precedence
-    return LLMEngine(model, config, cli_overrides=overrides, **kwargs)
+    return LLMEngine(config=config.model_copy(update={"data_parallel_size": 1}))  # one engine here
 
 
 def _refuse_while_bootstrapping() -> None:
@@ -219,40 +210,30 @@ def _cost(args: tuple) -> tuple[int, int, str]:
     return prompt_tokens, SamplingParams.max_tokens, "final"
 
 
-class DataParallelCore:
-    """``data_parallel_size`` :class:`EngineProcess` replicas behind the contract of one.
+class DataParallelClient(EngineClient):
+    """``data_parallel_size`` :class:`EngineProcess` replicas behind one client.
 
     Commands: ``add`` goes to the replica with the least outstanding work (prompt tokens not yet computed plus
     output tokens not yet produced, summed over its requests: what it still has to do; several adds submitted
     together are placed largest first), ``abort`` to the replica that owns the request, ``stats`` to every
     replica (answered with :func:`combine_stats` of their answers; ``replica_stats`` answers the list), ``stop``
     to all. Adds carry their request id (AsyncLLM's do): an add without one is not tracked, so it cannot be
-    aborted through this core. Outputs pass through unchanged. ``emit`` is called from each replica's reader (one
+    aborted through this client. Outputs pass through unchanged. ``emit`` is called from each replica's reader (one
     thread per replica, or the event loop with ``start(..., loop=loop)``); its account sums the replicas'
     accounts. When a replica fails or dies, ``fail`` is called once with an error naming it and the other
     replicas are stopped.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        config: str | Path | None = None,
-        cli_overrides: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         _refuse_while_bootstrapping()
-        overrides = dict(kwargs)
-        if model is not None:
-            overrides["model"] = model
-        resolved = EngineConfig.load(config, overrides, cli_overrides)  # bad values fail before any process starts
         if launched_by_torchrun():
             raise ConfigError(
                 "data_parallel_size > 1 starts its replicas itself and cannot run under torchrun; run the script "
                 "with python (tensor_parallel_size still works within each replica)"
             )
-        self.data_parallel_size = resolved.data_parallel_size
-        self.placements = plan_replicas(resolved)
-        self.replicas = self._start_replicas(model, config, cli_overrides, kwargs)
+        self.data_parallel_size = config.data_parallel_size
+        self.placements = plan_replicas(config)
+        self.replicas = self._start_replicas(config)
         self.config: EngineConfig = self.replicas[0].config.model_copy()
         self.config.data_parallel_size = self.data_parallel_size
         n = self.data_parallel_size
@@ -269,9 +250,7 @@ class DataParallelCore:
         self._emit: Callable[..., None] | None = None
         self._fail: Callable[[BaseException], None] | None = None
 
-    def _start_replicas(
-        self, model: str | None, config: str | Path | None, cli_overrides: dict[str, Any] | None, kwargs: dict
-    ) -> list[EngineProcess]:
+    def _start_replicas(self, config: EngineConfig) -> list[EngineProcess]:
         """Start every replica at once (each loads its weights and warms up in parallel); on any failure stop the
         ones that started and raise the first replica's error, naming the replica."""
         n = len(self.placements)
@@ -280,7 +259,7 @@ class DataParallelCore:
 
         def build(p: ReplicaPlacement) -> None:
             try:
-                make = functools.partial(build_replica_engine, p.env, p.threads, model, config, cli_overrides, kwargs)
+                make = functools.partial(build_replica_engine, p.env, p.threads, config)
                 replicas[p.index] = EngineProcess(build=make)
             except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
                 errors[p.index] = exc
@@ -315,14 +294,14 @@ class DataParallelCore:
             raise renamed from exc
         return [rep for rep in replicas if rep is not None]
 
-    # --- the EngineProcess contract ---------------------------------------------------------------------
+    # --- push ----------------------------------------------------------------------------------------------
 
-    def start(self, emit: Callable[..., None], fail: Callable[[BaseException], None], **options: Any) -> None:
+    def start(self, emit: Callable[..., None], fail: Callable[[BaseException], None], loop: Any = None) -> None:
         """Start delivering outputs: ``emit(results, outputs, now, account)`` and ``fail(exc)`` as for one
-        replica; ``options`` (such as ``loop=``) go to every replica's ``start``."""
+        replica, on ``loop`` when given."""
         self._emit, self._fail = emit, fail
         for r, replica in enumerate(self.replicas):
-            replica.start(functools.partial(self._on_emit, r), functools.partial(self._on_fail, r), **options)
+            replica.start(functools.partial(self._on_emit, r), functools.partial(self._on_fail, r), loop=loop)
 
     def submit(self, commands: list[Command]) -> None:
         if self._failure is not None:
@@ -509,6 +488,15 @@ class DataParallelCore:
     def close(self) -> None:
         """Stop and join every replica (idempotent; what shutdown() and the garbage collector do)."""
         self.join()
+
+    def replica_stats(self) -> list[EngineStats]:
+        """Each replica's own stats, in replica order (:meth:`stats` combines them)."""
+        return self._pull().call("replica_stats", ())
+
+    @property
+    def replica_processes(self) -> list[multiprocessing.process.BaseProcess]:
+        """The replicas' processes (replica r at index r)."""
+        return [replica.process for replica in self.replicas]
 
     @property
     def alive(self) -> bool:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
+import time
+import weakref
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
 from pathlib import Path
@@ -12,8 +16,11 @@ from tqdm.auto import tqdm
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from nanovllm_core.engine.core import Prompt
-from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine.core import EngineStats, Prompt, tokenize_prompt
+from nanovllm_core.engine.llm_engine import resolve_config
+from nanovllm_core.engine_client.base import EngineClient
+from nanovllm_core.engine_client.factory import make_engine_client
+from nanovllm_core.entrypoints.chat import render_chat
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
@@ -22,27 +29,99 @@ from nanovllm_core.sampling_params import SamplingParams, with_priority
 logger = logging.getLogger(__name__)
 
 
-class LLM(LLMEngine):
+class LLM:
     """``LLM(model, config="nanovllm.toml", **overrides).generate(prompts, sampling_params)``.
 
-    With ``data_parallel_size`` > 1 (keyword, config file or command line) the object is a
-    :class:`~nanovllm_core.engine.data_parallel_llm.DataParallelLLM`: that many engine replicas in processes of their
-    own behind the same API.
+    The config is resolved here, once; :func:`make_engine_client` then picks how the engines run: one in this
+    process, or with ``data_parallel_size`` > 1 (keyword, config file or command line) that many replicas in
+    processes of their own, behind the same API (``replica_stats()`` and ``replica_processes`` are theirs). What
+    lives inside the one engine of this process (``runner``, ``scheduler``, ``block_manager``, ...) is reached as
+    ``llm.llm_engine.<name>`` or ``llm.<name>``. A context manager: ``with LLM(...) as llm:`` shuts it down on exit.
     """
 
-    def __new__(
-        cls,
+    def __init__(
+        self,
         model: str | None = None,
-        config: str | Path | None = None,
+        config: str | Path | EngineConfig | None = None,
         *,
         cli_overrides: dict[str, Any] | None = None,
         **kwargs: Any,
-    ) -> LLM:
-        if cls is LLM and data_parallel_size_of(model, config, cli_overrides, kwargs) > 1:
-            from nanovllm_core.engine.data_parallel_llm import DataParallelLLM
+    ) -> None:
+        client = make_engine_client(resolve_config(model, config, cli_overrides, kwargs))
+        self.engine_client: EngineClient = client
+        self._finalizer = weakref.finalize(self, client.shutdown)
+        try:
+            self.config: EngineConfig = client.config
+            self.tokenizer = client.tokenizer
+            self.hf_config = client.hf_config
+            self.eos_token_ids: set[int] = set(client.eos_token_ids)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
+        self._lock = threading.RLock()  # one generate at a time
+        self._generate_calls = itertools.count()
+        self._sampling_defaults: dict[str, Any] | None = None
 
-            return super().__new__(DataParallelLLM)  # Python then runs DataParallelLLM.__init__ with these arguments
-        return super().__new__(cls)
+    @property
+    def llm_engine(self) -> Any:
+        """The :class:`LLMEngine` of this process (vLLM's name); AttributeError when the engines run elsewhere."""
+        return self.engine_client.engine  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "engine_client" not in self.__dict__:
+            raise AttributeError(name)
+        client = self.__dict__["engine_client"]
+        for owner in (getattr(client, "engine", None), client):
+            if owner is not None and hasattr(owner, name):
+                return getattr(owner, name)
+        if hasattr(client, "engine"):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        raise AttributeError(
+            f"{name!r} is not available with data_parallel_size > 1: the engines run in {type(client).__name__}'s "
+            "replica processes. Available: generate, chat, beam_search, embed, add_request, step, abort_request, "
+            "has_unfinished_requests, stats, replica_stats, replica_processes, shutdown, config, tokenizer, hf_config"
+        )
+
+    # --- requests, as LLMEngine's (the client's) ---------------------------------------------------------
+
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+        priority: int | None = None,
+    ) -> str:
+        """Queue one request and return its id; drive it with :meth:`step` (``LLMEngine.add_request``'s contract)."""
+        return self.engine_client.add_request(prompt, sampling_params, request_id, priority)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step (data parallel: the outputs that arrived since the last call, waiting for one while
+        requests are unfinished)."""
+        return self.engine_client.step()
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        return self.engine_client.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_client.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.engine_client.num_unfinished_requests
+
+    def stats(self) -> EngineStats:
+        """The engine's stats (data parallel: every replica's combined)."""
+        return self.engine_client.stats()
+
+    def shutdown(self) -> None:
+        """Stop the engines and their processes (also done on garbage collection and at exit)."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # --- generation -------------------------------------------------------------------------------------
 
     def generate(
         self,
@@ -87,35 +166,58 @@ class LLM(LLMEngine):
     def _generate(
         self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
-        order: list[str] = []
+        """All prompts go to the client at once (a data-parallel one places them together); only final outputs
+        come back. The call's own request-id prefix keeps a late output of an earlier call from matching."""
+        client = self.engine_client
+        prefix = f"generate-{next(self._generate_calls)}-"
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        requests = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            if isinstance(params, SamplingParams) and params.output_kind != "final":
+                params = replace(params, output_kind="final")
+            requests.append((prompt, params, f"{prefix}{i}"))
         bar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        produced, start = 0, time.perf_counter()
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-                request_id = f"generate-{i}"
-                order.append(request_id)
-                if isinstance(params, SamplingParams) and params.output_kind != "final":
-                    params = replace(params, output_kind="final")
-                try:
-                    self.add_request(prompt, params, request_id=request_id)
-                except InvalidRequestError as exc:
-                    logger.warning("prompt %d rejected: %s", i, exc)
-                    results[request_id] = _error_output(request_id, prompt, str(exc))
+            for i, (_, error) in enumerate(client.add_requests(requests)):
+                if error is not None:
+                    logger.warning("prompt %d rejected: %s", i, error)
+                    results[i] = _error_output(f"generate-{i}", prompts[i], str(error))
                     bar.update(1)
-            while self.has_unfinished_requests():
-                for out in self.step():
-                    results[out.request_id] = out
+            while client.has_unfinished_requests():
+                for out in client.step():
+                    if not out.finished or not out.request_id.startswith(prefix):
+                        continue
+                    i = int(out.request_id[len(prefix) :])
+                    out.request_id = f"generate-{i}"
+                    results[i] = out
+                    produced += sum(len(c.token_ids) for c in out.outputs)
                     bar.update(1)
                 if use_tqdm:
-                    bar.set_postfix_str(self._progress_text(), refresh=False)
+                    bar.set_postfix_str(self._progress_text(produced, time.perf_counter() - start), refresh=False)
         except BaseException:
-            for request_id in order:  # leave the engine clean for the next call
-                if request_id not in results:
-                    self.abort_request(request_id)
+            unfinished = [f"{prefix}{i}" for i, r in enumerate(results) if r is None]
+            try:  # leave the engines clean for the next call
+                client.abort_requests(unfinished)
+            except Exception:  # noqa: BLE001 - the original exception is what the caller must see
+                logger.warning("aborting the rest of a generate call failed", exc_info=True)
             raise
         finally:
             bar.close()
-        return [results[r] for r in order]
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def _progress_text(self, produced: int, elapsed: float) -> str:
+        engine = getattr(self.engine_client, "engine", None)
+        if engine is None:  # the replicas' stats are a round trip away: the output rate only
+            return f"output {produced / elapsed if elapsed else 0.0:,.0f} tok/s"
+        stats = engine.stats()
+        text = engine.step_stats.rates_text()
+        if stats.prefix_cache_queries:
+            text += f", prefix hits {100 * stats.prefix_cache_hit_rate:.0f}%"
+        if stats.num_preemptions:
+            text += f", {stats.num_preemptions} preemptions"
+        return text
 
     def get_tokenizer(self) -> Any:
         """The tokenizer prompts are encoded with (vLLM's ``LLM.get_tokenizer``)."""
@@ -125,7 +227,7 @@ class LLM(LLMEngine):
         """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` beams of each prompt (``beam_search``), one
         ``generate`` call a step; turn on ``enable_prefix_caching`` so that the beams' shared prefixes are not
         computed again each step."""
-        token_prompts = [self._tokenize(p)[1] for p in _as_prompt_list(prompts)]
+        token_prompts = [tokenize_prompt(self.tokenizer, p)[1] for p in _as_prompt_list(prompts)]
 
         def generate(batch: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
             return self.generate(batch, step, use_tqdm=False)
@@ -144,19 +246,10 @@ class LLM(LLMEngine):
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without sampling params (vLLM's): SamplingParams' defaults with those
         of the checkpoint's generation_config.json over them (``generation_config``), read once."""
-        defaults = getattr(self, "_sampling_defaults", None)
+        defaults = self._sampling_defaults
         if defaults is None:
             defaults = self._sampling_defaults = sampling_defaults(self.config)
         return SamplingParams(**defaults)
-
-    def _progress_text(self) -> str:
-        stats = self.stats()
-        text = self.step_stats.rates_text()
-        if stats.prefix_cache_queries:
-            text += f", prefix hits {100 * stats.prefix_cache_hit_rate:.0f}%"
-        if stats.num_preemptions:
-            text += f", {stats.num_preemptions} preemptions"
-        return text
 
     def chat(
         self,
@@ -178,8 +271,6 @@ class LLM(LLMEngine):
 
         Raises InvalidRequestError when the tokenizer has no chat template and none is given.
         """
-        from nanovllm_core.serving.chat import render_chat
-
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list: one conversation, or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
@@ -194,17 +285,6 @@ class LLM(LLMEngine):
             render_chat(self.tokenizer, c, add_generation_prompt, chat_template, **kwargs) for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-
-def data_parallel_size_of(
-    model: str | None, config: str | Path | None, cli_overrides: dict[str, Any] | None, kwargs: dict[str, Any]
-) -> int:
-    """The ``data_parallel_size`` these arguments resolve to (the whole config is loaded, and checked, only when a
-    layer can set it)."""
-    if config is None and "data_parallel_size" not in kwargs and "data_parallel_size" not in (cli_overrides or {}):
-        return 1
-    overrides = dict(kwargs) if model is None else {**kwargs, "model": model}
-    return EngineConfig.load(config, overrides, cli_overrides).data_parallel_size
 
 
 def _as_prompt_list(prompts: Any) -> list[Any]:

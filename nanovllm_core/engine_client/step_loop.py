@@ -1,4 +1,4 @@
-"""The step loop, and the two places it can run: a thread of the server's process (:class:`EngineThread`) or a
+"""The step loop, and the two places it can run: a thread of this process (:class:`InProcessClient`) or a
 process of its own (:class:`EngineProcess`, vLLM's design: the HTTP and detokenization-free front-end then never
 holds the GIL the step loop needs).
 
@@ -26,57 +26,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.core import EngineStats
 from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine_client.base import Command, Emit, EngineClient, Fail, LoopAccount, NewRequest, Result
+from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.gc_heap import freeze_startup_heap
 from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-
-Command = tuple[int | None, str, tuple]
-Result = tuple[int | None, Any, BaseException | None]
-
-
-SLOW_STEP_SECONDS = (0.05, 0.2, 1.0)  # LoopAccount.slow_steps counts the steps longer than each
-
-
-@dataclass
-class LoopAccount:
-    steps: int = 0
-    step_seconds: float = 0.0  # wall time inside engine.step()
-    cpu_seconds: float = 0.0  # CPU time of the loop's thread
-    emit_seconds: float = 0.0  # wall time handing outputs over (an engine process: pickling, and waiting on the pipe)
-    longest_step_seconds: float = 0.0
-    # steps longer than each of SLOW_STEP_SECONDS: a stall in the engine (a compilation, a long prompt chunk)
-    # against one in the front-end (see the server's event-loop lag)
-    slow_steps: list[int] = dataclasses.field(default_factory=lambda: [0] * len(SLOW_STEP_SECONDS))
-
-    @classmethod
-    def combined(cls, accounts: list[LoopAccount]) -> LoopAccount:
-        """Several loops' accounts as one (data-parallel replicas): sums, and the longest step of all."""
-        return cls(
-            steps=sum(a.steps for a in accounts),
-            step_seconds=sum(a.step_seconds for a in accounts),
-            cpu_seconds=sum(a.cpu_seconds for a in accounts),
-            emit_seconds=sum(a.emit_seconds for a in accounts),
-            longest_step_seconds=max((a.longest_step_seconds for a in accounts), default=0.0),
-            slow_steps=[sum(counts) for counts in zip(*(a.slow_steps for a in accounts))]
-            or [0] * len(SLOW_STEP_SECONDS),
-        )
-
-    def count_step(self, seconds: float) -> None:
-        self.steps += 1
-        self.step_seconds += seconds
-        if seconds > self.longest_step_seconds:
-            self.longest_step_seconds = seconds
-        for i, limit in enumerate(SLOW_STEP_SECONDS):
-            if seconds > limit:
-                self.slow_steps[i] += 1
-
-
-Emit = Callable[[list[Result], list[RequestOutput], float, LoopAccount], None]
 
 _REQUEST_FIELDS = [f.name for f in dataclasses.fields(RequestOutput) if f.init]
 _OUTPUTS_AT, _METRICS_AT = _REQUEST_FIELDS.index("outputs"), _REQUEST_FIELDS.index("metrics")
@@ -193,8 +151,9 @@ def _on_loop(loop: Any, fn: Callable[..., None]) -> Callable[..., None]:
     return call
 
 
-class EngineThread:
-    """The step loop in a thread of this process, around an engine built here."""
+class InProcessClient(EngineClient):
+    """An :class:`LLMEngine` in this process. ``LLM`` drives it in the caller's thread (the pull methods call the
+    engine directly); ``AsyncLLM`` runs its step loop in a thread of this process (:meth:`start`)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -203,7 +162,58 @@ class EngineThread:
         self._pending: list[Command] = []
         self._thread: threading.Thread | None = None
 
-    def start(self, emit: Emit, fail: Callable[[BaseException], None], loop: Any = None) -> None:
+    @property
+    def tokenizer(self) -> Any:  # type: ignore[override]
+        return self.engine.tokenizer
+
+    @property
+    def hf_config(self) -> Any:  # type: ignore[override]
+        return self.engine.hf_config
+
+    @property
+    def eos_token_ids(self) -> set[int]:  # type: ignore[override]
+        return self.engine.eos_token_ids
+
+    # --- pull: the engine itself -----------------------------------------------------------------------
+
+    def add_requests(self, requests: list[NewRequest]) -> list[tuple[str, BaseException | None]]:
+        answers: list[tuple[str, BaseException | None]] = []
+        for prompt, params, request_id in requests:
+            try:
+                answers.append((self.engine.add_request(prompt, params, request_id), None))
+            except InvalidRequestError as exc:
+                answers.append((request_id or "", exc))
+        return answers
+
+    def step(self) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        return self.engine.abort_request(request_id)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.engine.num_unfinished_requests
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self.close()
+        else:
+            self.engine.shutdown()
+
+    # --- push: the step loop in a thread ---------------------------------------------------------------
+
+    def start(self, emit: Emit, fail: Fail, loop: Any = None) -> None:
         """Run the loop in a thread; with ``loop`` (an asyncio event loop), ``emit`` and ``fail`` are called on it."""
         if loop is not None:
             emit, fail = _on_loop(loop, emit), _on_loop(loop, fail)
@@ -351,24 +361,18 @@ def _widen_pipe(connection: Any) -> None:
         pass
 
 
-class EngineProcess:
+class EngineProcess(EngineClient):
     """The step loop in a process of its own (``spawn``ed: CUDA needs a fresh process), over two pipes.
 
-    ``EngineProcess(model, config, cli_overrides, **overrides)`` builds an :class:`LLMEngine` there; ``build``
-    (a picklable callable returning an engine-like object) builds something else, as benchmarks do.
+    ``EngineProcess(config)`` builds an :class:`LLMEngine` of that :class:`EngineConfig` there; ``build`` (a
+    picklable callable returning an engine-like object) builds something else, as benchmarks do.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        config: str | Path | None = None,
-        cli_overrides: dict[str, Any] | None = None,
-        *,
-        build: Callable[[], Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, build: Callable[[], Any] | None = None) -> None:
         if build is None:
-            build = functools.partial(LLMEngine, model, config, cli_overrides=cli_overrides, **kwargs)
+            if config is None:
+                raise TypeError("EngineProcess needs an EngineConfig or a build callable")
+            build = functools.partial(LLMEngine, config=config)
         ctx = multiprocessing.get_context("spawn")
         commands_out, self._commands = ctx.Pipe(duplex=False)
         self._outputs, outputs_in = ctx.Pipe(duplex=False)
@@ -401,7 +405,7 @@ class EngineProcess:
         self._loop: Any = None
         self._outbox = bytearray()  # framed commands not yet written (on an event loop: the pipe was full)
 
-    def start(self, emit: Emit, fail: Callable[[BaseException], None], loop: Any = None) -> None:
+    def start(self, emit: Emit, fail: Fail, loop: Any = None) -> None:
         """Deliver the loop's messages: on ``loop`` (an asyncio event loop, whose thread calls this), reading the
         pipe when it is readable, else from a reader thread. On the event loop no thread competes for the GIL:
         a reader thread that has to win it back from a busy event loop after every read waits a switch

@@ -1,0 +1,5 @@
+"""Engine clients: how the entry points (``LLM``, ``AsyncLLM``) reach the engines, wherever they run.
+
+:mod:`.base` holds the :class:`EngineClient` interface; :mod:`.step_loop` the step loop and the in-process and
+engine-process clients; :mod:`.data_parallel` the data-parallel one; :mod:`.factory` picks one from the config.
+"""
