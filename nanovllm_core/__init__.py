@@ -35,7 +35,7 @@ from nanovllm_core.interfaces import (
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.parsing import ParsedToolCall, ReasoningParser, TaggedToolParser, ThinkTagReasoningParser, ToolParser
 from nanovllm_core.plugins import get_registry, register_plugin, unregister_plugin
-from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sampling_params import RequestOutputKind, SamplingParams
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -98,6 +98,7 @@ __all__ = [
     "PluginsConfig",
     "ReasoningParser",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "Scheduler",
     "SchedulerError",
