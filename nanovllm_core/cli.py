@@ -503,7 +503,7 @@ def check_before_loading(config: EngineConfig) -> None:
     attention backend runs there, and which backend ``auto`` picks (so the options of ``auto``'s pick)."""
     from nanovllm_core.engine.options import validate_options
     from nanovllm_core.errors import ModelLoadError
-    from nanovllm_core.plugins import get_registry, missing_hint
+    from nanovllm_core.plugins import get_registry, installed_architecture
 
     registry = get_registry()
     plugins = config.plugins
@@ -515,16 +515,7 @@ def check_before_loading(config: EngineConfig) -> None:
             hf_config = json.loads(hf_config_file.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"{hf_config_file} cannot be read as JSON: {exc}") from None
-        architectures = hf_config.get("architectures") or []
-        if not architectures:
-            raise ModelLoadError(f"{config.model}/config.json names no architecture ('architectures' is empty)")
-        arch = architectures[0]
-        if arch not in registry.registrations["model"] and arch not in registry.conflicts["model"]:
-            installed = ", ".join(registry.names("model")) or "none"
-            raise ModelLoadError(
-                f"architecture {arch!r} is not provided by any installed model plugin; installed: {installed}. "
-                + missing_hint("model", arch)
-            )
+        installed_architecture(registry, config.model, hf_config.get("architectures"))
         max_positions = hf_config.get("max_position_embeddings")
         if config.max_model_len is not None and max_positions and config.max_model_len > max_positions:
             raise ConfigError(

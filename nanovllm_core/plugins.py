@@ -33,7 +33,7 @@ import pluggy
 from torch import nn
 
 import nanovllm_core.hookspecs as hookspecs
-from nanovllm_core.errors import PluginConflictError, UnknownPluginError
+from nanovllm_core.errors import ModelLoadError, PluginConflictError, UnknownPluginError
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler
 from nanovllm_core.parsing import ReasoningParser, ToolParser
 
@@ -492,3 +492,18 @@ def reset_registry() -> None:
     global _registry
     with _lock:
         _registry = None
+
+
+def installed_architecture(registry: PluginRegistry, model: str, architectures: list[str] | None) -> str:
+    """The checkpoint's architecture (the first of config.json's ``architectures``); a ModelLoadError when there is
+    none or no installed model plugin provides it."""
+    if not architectures:
+        raise ModelLoadError(f"{model}/config.json names no architecture ('architectures' is empty)")
+    arch = architectures[0]
+    if arch not in registry.registrations["model"] and arch not in registry.conflicts["model"]:
+        installed = ", ".join(registry.names("model")) or "none"
+        raise ModelLoadError(
+            f"architecture {arch!r} is not provided by any installed model plugin; installed: {installed}. "
+            + missing_hint("model", arch)
+        )
+    return arch

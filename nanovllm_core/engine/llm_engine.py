@@ -29,7 +29,12 @@ from nanovllm_core.errors import ConfigError, ModelLoadError
 from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler, SchedulerOutput
 from nanovllm_core.loader import load_hf_config
-from nanovllm_core.plugins import PluginRegistry, get_registry, missing_hint, none_installed_hint
+from nanovllm_core.plugins import (
+    PluginRegistry,
+    get_registry,
+    installed_architecture,
+    none_installed_hint,
+)
 from nanovllm_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -229,16 +234,7 @@ class LLMEngine(EngineCore):
         scheduler_cls = registry.get("scheduler", cfg.plugins.scheduler).obj
         block_manager_cls = registry.get("block_manager", cfg.plugins.block_manager).obj
         self.hf_config = load_hf_config(cfg.model)
-        architectures = getattr(self.hf_config, "architectures", None) or []
-        if not architectures:
-            raise ModelLoadError(f"{cfg.model}/config.json names no architecture ('architectures' is empty)")
-        arch = architectures[0]
-        if arch not in registry.registrations["model"] and arch not in registry.conflicts["model"]:
-            installed = ", ".join(registry.names("model")) or "none"
-            raise ModelLoadError(
-                f"architecture {arch!r} is not provided by any installed model plugin; installed: {installed}. "
-                + missing_hint("model", arch)
-            )
+        arch = installed_architecture(registry, cfg.model, getattr(self.hf_config, "architectures", None))
         model_cls = registry.get("model", arch).obj
         max_positions = getattr(self.hf_config, "max_position_embeddings", None)
         if cfg.max_model_len is None:
