@@ -184,6 +184,14 @@ def test_add_request_step_and_abort(dp, single):
     while not any(o.request_id == urgent for o in done):
         done += dp.step()
     assert next(o for o in done if o.request_id == urgent).outputs[0].token_ids == want[0].outputs[0].token_ids
+    # the replicas step on their own while this thread pulls: on a loaded machine the first long request may have
+    # finished by now (its final output then came through step()); one added now cannot have
+    first = dp.abort_request(long_id)
+    if first is None:
+        assert next(o for o in done if o.request_id == long_id).outputs[0].finish_reason == "length"
+    else:  # aborted, or finished and not pulled yet
+        assert first.finished and first.outputs[0].finish_reason in ("abort", "length")
+    long_id = dp.add_request([5, 6, 7] * 10, LONG)
     aborted = dp.abort_request(long_id)
     assert aborted is not None and aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert len(aborted.outputs[0].token_ids) < LONG.max_tokens
