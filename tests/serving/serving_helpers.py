@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import uvicorn
 
 from nanovllm_core.outputs import CompletionOutput
@@ -92,3 +95,21 @@ class ScriptedJob(Job):
 def pieces_of(text: str, size: int) -> list[str]:
     """``text`` in pieces of ``size`` characters (one empty piece for an empty text)."""
     return [text[i : i + size] for i in range(0, len(text), size)] or [""]
+
+
+def start_serve_process(
+    args: list[str], port: int, env: dict[str, str] | None = None, timeout: float = 90
+) -> subprocess.Popen:
+    """``nanovllm serve ARGS --port PORT`` in a subprocess (its output piped), returned once ``/health`` answers."""
+    cmd = [sys.executable, "-m", "nanovllm_core.cli", "serve", *args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.communicate()[0]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.1)

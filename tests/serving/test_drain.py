@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
+from serving_helpers import start_serve_process
 from test_shutdown import free_port
 
 from nanovllm_core.testing import write_tiny_checkpoint
@@ -27,20 +27,10 @@ def long_path(tmp_path_factory):
 
 
 def serve(path, port: int, shutdown_timeout: float, log_level: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "nanovllm_core.cli", "serve", str(path), "--port", str(port)]
-    cmd += ["--device", "cpu", "--max-model-len", "8192", "--kvcache-block-size", "16", "--num-kvcache-blocks", "2048"]
+    cmd = [str(path), "--device", "cpu", "--max-model-len", "8192"]
+    cmd += ["--kvcache-block-size", "16", "--num-kvcache-blocks", "2048"]
     cmd += ["--shutdown-timeout", str(shutdown_timeout), "--log-level", log_level]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 90
-    while True:
-        assert proc.poll() is None, proc.communicate()[0]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.1)
+    return start_serve_process(cmd, port)
 
 
 class Stream(threading.Thread):

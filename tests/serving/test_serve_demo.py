@@ -8,12 +8,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from serving_helpers import start_serve_process
 
 
 def free_port() -> int:
@@ -23,18 +22,7 @@ def free_port() -> int:
 
 
 def start(args: list[str], port: int, env: dict[str, str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "nanovllm_core.cli", "serve", *args, "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.communicate()[0]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.1)
+    return start_serve_process([*args, "--log-level", "warning"], port, env, timeout=120)
 
 
 @pytest.mark.parametrize("from_yaml", [False, True], ids=["flags", "yaml-config"])

@@ -7,11 +7,10 @@ import json
 import signal
 import socket
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+from serving_helpers import start_serve_process
 
 
 def free_port() -> int:
@@ -21,20 +20,10 @@ def free_port() -> int:
 
 
 def start(tiny_path, port: int, shutdown_timeout: float, *flags: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "nanovllm_core.cli", "serve", str(tiny_path), "--port", str(port), *flags]
-    cmd += ["--device", "cpu", "--max-model-len", "1024", "--kvcache-block-size", "16", "--num-kvcache-blocks", "64"]
+    cmd = [str(tiny_path), *flags, "--device", "cpu", "--max-model-len", "1024"]
+    cmd += ["--kvcache-block-size", "16", "--num-kvcache-blocks", "64"]
     cmd += ["--shutdown-timeout", str(shutdown_timeout), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 90
-    while True:
-        assert proc.poll() is None, proc.communicate()[0]
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.1)
+    return start_serve_process(cmd, port)
 
 
 def stream_after_signal(port: int, proc: subprocess.Popen, sig: int, max_tokens: int) -> tuple[list[dict], bool]:
