@@ -1,7 +1,7 @@
 """How fast the decode step's projections read their weights: each layer's GEMM at the batch sizes decode meets.
 
     python benchmarks/decode_gemm.py [--shape qwen3-0.6b] [--rows 1,16,64,128,256,512] [--blas default,cublaslt]
-                                     [--iters 50] [--json PATH] [--results-dir results]
+                                     [--skinny] [--sweep] [--iters 50] [--json PATH] [--results-dir results]
 
 A decode step multiplies ``rows`` activations (one per running sequence) by every weight matrix once: at small
 ``rows`` the step should stream the weights at the copy rate. For each projection of the shape (``qkv``, ``o``,
@@ -11,7 +11,10 @@ events bracketing 5 replays, the median per call; each call takes the next of en
 the L2 cache, as the layers of a step do)
 and reports microseconds, TFLOP/s and the weights' read rate in TB/s against the device's copy rate (the
 ``nanovllm bench`` bound's). ``--blas`` names PyTorch's BLAS back-ends to compare
-(``torch.backends.cuda.preferred_blas_library``). At a few rows a GEMM's fixed latency, not its bytes, can set
+(``torch.backends.cuda.preferred_blas_library``); ``--skinny`` adds the engine's kernel for a few rows
+(``nanovllm_core.layers.skinny_gemm_kernel``, rows up to its ``MAX_ROWS``) as the ``skinny`` row, and ``--sweep``
+times every block configuration of it instead of its default one, printing the fastest per layer and row count
+(how ``launch_config`` is chosen). At a few rows a GEMM's fixed latency, not its bytes, can set
 its time: this says, layer by layer, how far each projection is from reading its weights at the copy rate. On a
 machine without CUDA it runs on the CPU with ``--rows`` as given (a check of the script, not a measurement of
 interest). Without ``--json`` the report goes to RESULTS_DIR/kernels/decode_gemm_SHAPE.json.
@@ -20,6 +23,7 @@ interest). Without ``--json`` the report goes to RESULTS_DIR/kernels/decode_gemm
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -54,7 +58,7 @@ def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
     }
 
 
-def time_linear(x: torch.Tensor, weights: list[torch.Tensor], iters: int) -> float:
+def time_linear(x: torch.Tensor, weights: list[torch.Tensor], iters: int, fn: Any = F.linear) -> float:
     """Seconds per ``F.linear(x, w)``, ``w`` taken in turn from ``weights`` (copies of one matrix that together
     outgrow the L2 cache, as a step's layers do: each call reads its weights from DRAM, not from L2).
 
@@ -63,7 +67,7 @@ def time_linear(x: torch.Tensor, weights: list[torch.Tensor], iters: int) -> flo
 
     def calls() -> None:
         for i in range(iters):
-            F.linear(x, weights[i % len(weights)])
+            fn(x, weights[i % len(weights)])
 
     runs = []
     if x.is_cuda:
@@ -92,7 +96,31 @@ def time_linear(x: torch.Tensor, weights: list[torch.Tensor], iters: int) -> flo
 COLD_BYTES = 256 << 20  # the copies of a weight matrix one timing cycles through: several times an H200's L2
 
 
-def measure(shape_name: str, rows: list[int], blas: list[str], iters: int) -> dict[str, Any]:
+SWEEP = [
+    {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
+    for n in (1, 2, 4, 8, 16, 32)
+    for k in (256, 512, 1024, 2048)
+    for w in (2, 4, 8)
+]
+
+
+def skinny_configs(m: int, n: int, k: int, sweep: bool) -> list[dict[str, int]]:
+    from nanovllm_core.layers.skinny_gemm_kernel import launch_config
+
+    default = launch_config(m, n, k)
+    if not sweep:
+        return [default]
+    fits = [
+        dict(c, M_PAD=default["M_PAD"])
+        for c in SWEEP
+        if default["M_PAD"] * c["BLOCK_N"] * c["BLOCK_K"] <= 32768  # products a program holds
+    ]
+    return [c for c in fits if c["BLOCK_K"] <= max(256, k)]
+
+
+def measure(
+    shape_name: str, rows: list[int], blas: list[str], iters: int, skinny: bool = False, sweep: bool = False
+) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     copy_rate = copy_bytes_per_s() if device.type == "cuda" else None
@@ -115,6 +143,8 @@ def measure(shape_name: str, rows: list[int], blas: list[str], iters: int) -> di
             del w, weights
         if device.type == "cuda":
             torch.backends.cuda.preferred_blas_library("default")
+    if skinny or sweep:
+        results += measure_skinny(shape_name, rows, iters, sweep, device, dtype)
     return {
         "shape": shape_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -122,6 +152,35 @@ def measure(shape_name: str, rows: list[int], blas: list[str], iters: int) -> di
         "copy_tb_per_s": copy_rate / 1e12 if copy_rate else None,
         "results": results,
     }
+
+
+def measure_skinny(
+    shape_name: str, rows: list[int], iters: int, sweep: bool, device: torch.device, dtype: torch.dtype
+) -> list[dict[str, Any]]:
+    """The skinny kernel's rows (``blas`` = ``skinny``): its default configuration, or with ``sweep`` the fastest
+    of every configuration (named in ``config``)."""
+    from nanovllm_core.layers.skinny_gemm_kernel import MAX_ROWS, skinny_linear
+
+    results = []
+    for name, (k, n) in projections(SHAPES[shape_name]).items():
+        w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
+        weight_bytes = w.numel() * w.element_size()
+        copies = min(64, -(-COLD_BYTES // weight_bytes)) if device.type == "cuda" else 1
+        weights = [w] + [w.clone() for _ in range(copies - 1)]
+        for m in (r for r in rows if r <= MAX_ROWS):
+            x = torch.randn(m, k, dtype=dtype, device=device)
+            timed = []
+            for config in skinny_configs(m, n, k, sweep):
+                fn = functools.partial(skinny_linear, config=config)
+                timed.append((time_linear(x, weights, iters if device.type == "cuda" else 1, fn), config))
+            seconds, config = min(timed, key=lambda t: t[0])
+            results.append({
+                "blas": "skinny", "layer": name, "rows": m, "in": k, "out": n, "us": seconds * 1e6,
+                "tflops": 2 * m * k * n / seconds / 1e12, "weight_tb_per_s": weight_bytes / seconds / 1e12,
+                "config": config,
+            })  # fmt: skip
+        del w, weights
+    return results
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -134,7 +193,7 @@ def print_table(report: dict[str, Any]) -> None:
         share = f" ({100 * r['weight_tb_per_s'] / copy:.0f}%)" if copy else ""
         print(
             f"{r['blas']:9} {r['layer']:8} {r['in']:>6} x {r['out']:<6} {r['rows']:>5} {r['us']:>9.1f} "
-            f"{r['tflops']:>8.1f} {r['weight_tb_per_s']:>7.2f}{share}"
+            f"{r['tflops']:>8.1f} {r['weight_tb_per_s']:>7.2f}{share}" + (f"  {r['config']}" if "config" in r else "")
         )
 
 
@@ -143,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--rows", default="1,16,64,128,256,512", help="comma-separated batch sizes (rows)")
     parser.add_argument("--blas", default="default,cublaslt", help="comma-separated BLAS back-ends to compare")
+    parser.add_argument("--skinny", action="store_true", help="also time the engine's kernel for a few rows")
+    parser.add_argument("--sweep", action="store_true", help="time every block configuration of that kernel")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", help="write the report here ('-': stdout; default: in --results-dir)")
     parser.add_argument(
@@ -155,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rows {args.rows!r}: comma-separated positive integers, e.g. 1,64,256")
     if not rows or min(rows) < 1:
         parser.error(f"--rows {args.rows!r}: comma-separated positive integers, e.g. 1,64,256")
-    report = measure(args.shape, rows, [b.strip() for b in args.blas.split(",") if b.strip()], args.iters)
+    blas = [b.strip() for b in args.blas.split(",") if b.strip()]
+    report = measure(args.shape, rows, blas, args.iters, skinny=args.skinny, sweep=args.sweep)
     print_table(report)
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)

@@ -11,12 +11,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm_core.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanovllm_core.layers.fused import fused_enabled
+from nanovllm_core.layers.triton_jit import kernel_module
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
     return numerator // denominator
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, except that a decode step's few rows on CUDA take the skinny kernel (``skinny_gemm_kernel``
+    says why) when the hand-fused kernels are on (``compile_small_ops``)."""
+    if bias is None and x.is_cuda and fused_enabled():
+        kernels = kernel_module("skinny_gemm_kernel")
+        if kernels is not None and kernels.supports(x, weight):
+            return kernels.skinny_linear(x, weight)
+    return F.linear(x, weight, bias)
 
 
 class _Linear(nn.Module):
@@ -36,7 +48,7 @@ class _Linear(nn.Module):
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(_Linear):
@@ -111,8 +123,7 @@ class RowParallelLinear(_Linear):
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        y = all_reduce(y)
+        y = all_reduce(linear(x, self.weight))
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -1,0 +1,107 @@
+"""``x @ w.T`` for a few rows of ``x`` in one Triton kernel (imports ``triton``: import it lazily).
+
+A decode step with a handful of running sequences multiplies a few activation rows by every weight matrix:
+the step is a stream of weight reads, and its time should be the weights' bytes at the memory's copy rate.
+cuBLAS picks tile shapes made for many rows there (a tile of 64 or more output columns, split-K and a reduce
+kernel on narrow matrices), which launch too few programs to keep the memory busy on a small model's matrices.
+Here a program owns ``BLOCK_N`` output columns for all rows: it reads its ``BLOCK_N x K`` slice of the weight
+once, in ``BLOCK_K`` chunks, and accumulates in float32; the grid has enough programs to fill the GPU without
+split-K. Rows are padded to ``M_PAD`` (a power of two) inside the kernel, never in memory.
+
+Like the other kernels (``silu_and_mul_kernel``), the body is a plain function wrapped on first use as a compiled
+``JITFunction`` (CUDA tensors) or an ``InterpretedFunction`` (CPU tensors, Triton's interpreter, for tests).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm_core.layers.triton_jit import wrap_kernel
+
+# Where this kernel beats cuBLAS on an H200 (``benchmarks/decode_gemm.py --sweep``): a few rows of a small model's
+# matrices. With more rows cuBLAS's tensor-core tiles reuse each weight tile enough to win; a large matrix keeps
+# enough of cuBLAS's tiles in flight to read at the copy rate.
+MAX_ROWS = 4
+MAX_WEIGHT_ELEMENTS = 8 << 20
+
+
+def _skinny_gemm_kernel(
+    X, W, Y, M, N, K, stride_x, stride_w, stride_y,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """Program ``pid``: ``Y[:M, cols] = X[:M] @ W[cols].T`` for the ``BLOCK_N`` columns ``cols`` it owns."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, M_PAD)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    x_ptrs = X + rows[:, None] * stride_x + ks[None, :]
+    acc = tl.full([M_PAD, BLOCK_N], 0.0, dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN:  # K and N are multiples of the blocks: unmasked, vectorised weight loads
+            w = tl.load(w_ptrs + k)
+            x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = (k + ks) < K
+            w = tl.load(w_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.reduce(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2, tl.standard._sum_combine)
+    y_ptrs = Y + rows[:, None] * stride_y + cols[None, :]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@lru_cache(maxsize=2)
+def _kernel(interpret: bool) -> object:
+    return wrap_kernel(_skinny_gemm_kernel, interpret)
+
+
+def launch_config(rows: int, out_features: int, in_features: int) -> dict[str, int]:
+    """Block sizes and warps for ``rows`` rows of a ``[out_features, in_features]`` weight: the fastest of the
+    sweep on the Qwen3-0.6B's projections. Many small programs (two or four columns each, two warps) beat fewer
+    large ones: each SM keeps several programs' loads in flight."""
+    m_pad = triton.next_power_of_2(max(rows, 1))
+    block_k = min(1024, triton.next_power_of_2(in_features))
+    return {"M_PAD": m_pad, "BLOCK_N": 2 if m_pad <= 2 else 4, "BLOCK_K": block_k, "num_warps": 2}
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`skinny_linear` takes these and is the faster choice: at most ``MAX_ROWS`` rows, a weight of at
+    most ``MAX_WEIGHT_ELEMENTS``, 16-bit, last dimensions contiguous."""
+    return (
+        x.dim() >= 1
+        and weight.numel() <= MAX_WEIGHT_ELEMENTS
+        and x.numel() <= MAX_ROWS * x.size(-1)
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dim() == 2
+        and weight.stride(-1) == 1
+        and x.stride(-1) == 1
+    )
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
+    """``F.linear(x, weight)`` for ``x`` of at most ``MAX_ROWS`` rows (any leading shape), accumulated in float32.
+
+    CUDA tensors run the compiled kernel; anything else runs it in Triton's interpreter (slow: tests only).
+    ``config`` overrides :func:`launch_config` (benchmarks sweep it)."""
+    out_features, in_features = weight.shape
+    if x.size(-1) != in_features:
+        raise ValueError(f"x has {x.size(-1)} features, the weight takes {in_features}")
+    rows = x.reshape(-1, in_features)
+    m = rows.size(0)
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
+    y = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
+    if m and out_features:
+        cfg = dict(config or launch_config(m, out_features, in_features))
+        even = in_features % cfg["BLOCK_K"] == 0 and out_features % cfg["BLOCK_N"] == 0
+        _kernel(x.device.type != "cuda")[(triton.cdiv(out_features, cfg["BLOCK_N"]),)](
+            rows, weight, y, m, out_features, in_features, rows.stride(0), weight.stride(0), y.stride(0),
+            EVEN=even, **cfg,
+        )  # fmt: skip
+    return y.view(*x.shape[:-1], out_features)
