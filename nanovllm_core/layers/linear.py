@@ -6,11 +6,14 @@ tensor for this rank; :func:`nanovllm_core.loader.load_weights` calls it.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm_core.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanovllm_core.layers.activation import SiluAndMul
 from nanovllm_core.layers.fused import fused_enabled
 from nanovllm_core.layers.triton_jit import kernel_module
 
@@ -21,14 +24,20 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except that a decode step's few rows on CUDA take the skinny kernel (``skinny_gemm_kernel``
-    says why) when the hand-fused kernels are on (``compile_small_ops``)."""
-    if bias is None and x.is_cuda and fused_enabled():
+def _skinny_kernels(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+    """``skinny_gemm_kernel`` when it takes ``x`` and ``weight`` (a decode step's few rows on CUDA, with the
+    hand-fused kernels on: ``compile_small_ops``; that module says why), else None."""
+    if x.is_cuda and fused_enabled():
         kernels = kernel_module("skinny_gemm_kernel")
         if kernels is not None and kernels.supports(x, weight):
-            return kernels.skinny_linear(x, weight)
-    return F.linear(x, weight, bias)
+            return kernels
+    return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or the skinny kernel for a decode step's few rows (:func:`_skinny_kernels`)."""
+    kernels = _skinny_kernels(x, weight) if bias is None else None
+    return kernels.skinny_linear(x, weight) if kernels is not None else F.linear(x, weight, bias)
 
 
 class _Linear(nn.Module):
@@ -79,6 +88,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp_size
         src = loaded_weight.narrow(0, self.tp_rank * size, size)
         param.data.narrow(0, offset, size).copy_(src)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``SiluAndMul()(self(x))`` for a ``[gate, up]`` projection; a decode step's few rows take one kernel for
+        both, without writing the projection."""
+        kernels = _skinny_kernels(x, self.weight) if self.bias is None and len(set(self.output_sizes)) == 1 else None
+        if kernels is not None and len(self.output_sizes) == 2:
+            return kernels.skinny_linear(x, self.weight, silu_mul=True)
+        return SiluAndMul()(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

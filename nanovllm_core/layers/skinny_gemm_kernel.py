@@ -31,28 +31,46 @@ MAX_WEIGHT_ELEMENTS = 8 << 20
 
 def _skinny_gemm_kernel(
     X, W, Y, M, N, K, stride_x, stride_w, stride_y,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SILU_MUL: tl.constexpr,
 ):  # fmt: skip
-    """Program ``pid``: ``Y[:M, cols] = X[:M] @ W[cols].T`` for the ``BLOCK_N`` columns ``cols`` it owns."""
+    """Program ``pid``: ``Y[:M, cols] = X[:M] @ W[cols].T`` for the ``BLOCK_N`` columns ``cols`` it owns.
+
+    ``SILU_MUL``: ``W`` holds ``[gate; up]`` (``2N`` rows) and ``Y[:M, cols] = silu(X @ W[cols].T) * (X @
+    W[N + cols].T)``, rounded as the separate GEMM and ``silu_and_mul_kernel`` round: the product once to the
+    output dtype, SiLU in float32 rounded again, then their product in float32."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, M_PAD)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
     w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    up_ptrs = w_ptrs + N * stride_w
     x_ptrs = X + rows[:, None] * stride_x + ks[None, :]
     acc = tl.full([M_PAD, BLOCK_N], 0.0, dtype=tl.float32)
+    acc_up = tl.full([M_PAD, BLOCK_N], 0.0, dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN:  # K and N are multiples of the blocks: unmasked, vectorised weight loads
+            x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0).to(tl.float32)[:, None, :]
             w = tl.load(w_ptrs + k)
-            x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0)
+            if SILU_MUL:
+                up = tl.load(up_ptrs + k)
         else:
             k_ok = (k + ks) < K
-            w = tl.load(w_ptrs + k, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.reduce(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2, tl.standard._sum_combine)
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)[:, None, :]
+            w = tl.load(w_ptrs + k, mask=w_ok, other=0.0)
+            if SILU_MUL:
+                up = tl.load(up_ptrs + k, mask=w_ok, other=0.0)
+        acc += tl.reduce(x * w.to(tl.float32)[None, :, :], 2, tl.standard._sum_combine)
+        if SILU_MUL:
+            acc_up += tl.reduce(x * up.to(tl.float32)[None, :, :], 2, tl.standard._sum_combine)
+    out_dtype = Y.dtype.element_ty
+    if SILU_MUL:
+        gate = acc.to(out_dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
+        acc = silu * acc_up.to(out_dtype).to(tl.float32)
     y_ptrs = Y + rows[:, None] * stride_y + cols[None, :]
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(y_ptrs, acc.to(out_dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @lru_cache(maxsize=2)
@@ -84,24 +102,31 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, config: dict[str, int] | None = None, silu_mul: bool = False
+) -> torch.Tensor:
     """``F.linear(x, weight)`` for ``x`` of at most ``MAX_ROWS`` rows (any leading shape), accumulated in float32.
 
+    ``silu_mul``: ``weight`` holds ``[gate; up]`` and the result is ``silu(gate) * up`` (half the weight's rows
+    wide), as ``silu_and_mul_kernel`` computes it from the full product, without writing that product.
     CUDA tensors run the compiled kernel; anything else runs it in Triton's interpreter (slow: tests only).
     ``config`` overrides :func:`launch_config` (benchmarks sweep it)."""
     out_features, in_features = weight.shape
     if x.size(-1) != in_features:
         raise ValueError(f"x has {x.size(-1)} features, the weight takes {in_features}")
+    if silu_mul and out_features % 2:
+        raise ValueError(f"silu_mul needs a [gate; up] weight of an even number of rows, got {out_features}")
+    width = out_features // 2 if silu_mul else out_features
     rows = x.reshape(-1, in_features)
     m = rows.size(0)
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
-    y = torch.empty((m, out_features), dtype=x.dtype, device=x.device)
-    if m and out_features:
-        cfg = dict(config or launch_config(m, out_features, in_features))
-        even = in_features % cfg["BLOCK_K"] == 0 and out_features % cfg["BLOCK_N"] == 0
-        _kernel(x.device.type != "cuda")[(triton.cdiv(out_features, cfg["BLOCK_N"]),)](
-            rows, weight, y, m, out_features, in_features, rows.stride(0), weight.stride(0), y.stride(0),
-            EVEN=even, **cfg,
+    y = torch.empty((m, width), dtype=x.dtype, device=x.device)
+    if m and width:
+        cfg = dict(config or launch_config(m, width, in_features))
+        even = in_features % cfg["BLOCK_K"] == 0 and width % cfg["BLOCK_N"] == 0
+        _kernel(x.device.type != "cuda")[(triton.cdiv(width, cfg["BLOCK_N"]),)](
+            rows, weight, y, m, width, in_features, rows.stride(0), weight.stride(0), y.stride(0),
+            EVEN=even, SILU_MUL=silu_mul, **cfg,
         )  # fmt: skip
-    return y.view(*x.shape[:-1], out_features)
+    return y.view(*x.shape[:-1], width)

@@ -109,3 +109,40 @@ def test_linear_layers_take_the_kernel_for_a_decode_batch_on_cuda():
     finally:
         set_compile(False)
     assert torch.equal(layer(few), F.linear(few, layer.weight))
+
+
+def _silu_and_mul_of_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The unfused path: the product rounded to its dtype, then ``F.silu(gate) * up`` as eager PyTorch rounds it."""
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    return (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 128, 64), (3, 96, 40), (4, 70, 34)])
+def test_silu_mul_matches_the_product_then_silu_and_mul(rows, k, n):
+    x, w = _inputs(rows, k, n, torch.float32)
+    torch.testing.assert_close(skinny_linear(x, w, silu_mul=True), _silu_and_mul_of_product(x, w), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="even number of rows, got 5"):
+        skinny_linear(x, w[:5], silu_mul=True)
+
+
+def test_merged_projection_silu_and_mul_is_the_projection_then_the_activation():
+    from nanovllm_core.layers import MergedColumnParallelLinear, SiluAndMul
+
+    layer = MergedColumnParallelLinear(32, [24, 24])
+    torch.nn.init.normal_(layer.weight, std=0.1)
+    x = torch.randn(3, 32)
+    assert torch.equal(layer.silu_and_mul(x), SiluAndMul()(layer(x)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_cuda_silu_mul_matches_the_separate_kernels(rows):
+    from nanovllm_core.layers.silu_and_mul_kernel import silu_and_mul
+
+    x, w = _inputs(rows, 1024, 6144, torch.bfloat16, device="cuda")
+    fused = skinny_linear(x, w, silu_mul=True)
+    separate = silu_and_mul(skinny_linear(x, w))
+    # the same sums and roundings; the exponential may differ in its last float32 bit between two kernels
+    assert (fused.float() - separate.float()).abs().max() <= 2.0**-7 * separate.float().abs().max()
+    assert (fused != separate).float().mean() < 1e-2

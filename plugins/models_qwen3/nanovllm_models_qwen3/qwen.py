@@ -16,7 +16,6 @@ from nanovllm_core.layers import (
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
-    SiluAndMul,
     VocabParallelEmbedding,
     fused_enabled,
     get_rope,
@@ -72,10 +71,9 @@ class QwenMLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: 'silu')")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 MlpFactory = Callable[[Any, int], nn.Module]
