@@ -66,6 +66,7 @@ PROVIDERS: dict[str, dict[str, str]] = {
     },
 }
 """The nanovllm distribution that registers each of the project's own names, kind by kind (for error messages)."""
+REPLY_PARSER_FLAGS = {"tool_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser"}
 
 _BASES: dict[str, type] = {
     "scheduler": Scheduler,
@@ -163,14 +164,11 @@ def missing_hint(kind: str, name: str) -> str:
     dist = PROVIDERS.get(kind, {}).get(name)
     if dist is not None:
         return f"It ships in {dist}: pip install {dist}"
-    return {
-        "scheduler": "Install the plugin that registers it, or fix [plugins] scheduler.",
-        "block_manager": "Install the plugin that registers it, or fix [plugins] block_manager.",
-        "attention": "Install the plugin that registers it, or fix [plugins] attention.",
-        "model": "Install a model plugin that registers this architecture.",
-        "tool_parser": "Install a plugin that registers it, or fix --tool-call-parser.",
-        "reasoning_parser": "Install a plugin that registers it, or fix --reasoning-parser.",
-    }[kind]
+    if kind == "model":
+        return "Install a model plugin that registers this architecture."
+    if kind in REPLY_PARSER_FLAGS:
+        return f"Install a plugin that registers it, or fix {REPLY_PARSER_FLAGS[kind]}."
+    return f"Install the plugin that registers it, or fix [plugins] {kind}."
 
 
 def none_installed_hint(kind: str) -> str:

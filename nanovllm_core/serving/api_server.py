@@ -32,7 +32,7 @@ from nanovllm_core import __version__
 from nanovllm_core.entrypoints.chat import conversation_chars, render_chat
 from nanovllm_core.errors import ConfigError, InvalidRequestError, NanoVLLMError
 from nanovllm_core.generation_config import sampling_defaults
-from nanovllm_core.plugins import get_registry
+from nanovllm_core.plugins import REPLY_PARSER_FLAGS, get_registry
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.serving.admission import (
     check_max_request_body_bytes,
@@ -119,8 +119,7 @@ def reply_parser(kind: str, name: str) -> type:
     try:
         return get_registry().get(kind, name).obj
     except NanoVLLMError as exc:
-        flag = "--tool-call-parser" if kind == "tool_parser" else "--reasoning-parser"
-        raise ConfigError(f"{flag} {name!r}: {exc}") from None
+        raise ConfigError(f"{REPLY_PARSER_FLAGS[kind]} {name!r}: {exc}") from None
 
 
 def check_reply_parsers(

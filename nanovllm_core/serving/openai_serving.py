@@ -362,11 +362,10 @@ async def chat_response(job: Job) -> ChatCompletionResponse:
             choice = choices.setdefault(index, ChatChoice(index=index, message=AssistantMessage(content="")))
             texts.setdefault(index, []).append(c.text)
             delta = chat_logprobs(job, c)
-            if delta is not None:
-                if choice.logprobs is None:
-                    choice.logprobs = delta
-                else:
-                    choice.logprobs.content.extend(delta.content or [])  # type: ignore[union-attr]
+            if delta is not None and choice.logprobs is not None:
+                choice.logprobs.content.extend(delta.content or [])  # type: ignore[union-attr]
+            elif delta is not None:
+                choice.logprobs = delta
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     for index, choice in choices.items():
         text = "".join(texts[index])
