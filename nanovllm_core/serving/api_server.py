@@ -460,7 +460,9 @@ class OpenAIServer:
             show_prompt_logprobs=completion is not None and completion.prompt_logprobs is not None,
         )
 
-    async def add_requests(self, prompts: list[list[int]], params: SamplingParams, response_id: str) -> list:
+    async def add_requests(
+        self, prompts: list[list[int]], params: SamplingParams, response_id: str
+    ) -> list[RequestStream]:
         """One engine request a prompt, ``{response_id}-{i}``; those added are aborted if one cannot be."""
         streams: list[RequestStream] = []
         try:
@@ -471,7 +473,9 @@ class OpenAIServer:
             raise
         return streams
 
-    async def respond(self, job: Job, body: SamplingRequest, request: Request, events: Any, whole: Any) -> Response:
+    async def respond(
+        self, job: Job, body: SamplingRequest, request: Request, events: Callable, whole: Callable
+    ) -> Response:
         """The answer to ``job``: an event stream, or the whole response unless the client went away (499)."""
         if body.stream:
             return EventStreamResponse(events(job))

@@ -112,12 +112,7 @@ class Job:
 
     def _usage_json(self, index: int) -> str:
         usage = self.chunk_usage(index)
-        if usage is None:
-            return "null"
-        return (
-            f'{{"prompt_tokens":{usage.prompt_tokens},"completion_tokens":{usage.completion_tokens},'
-            f'"total_tokens":{usage.total_tokens}}}'
-        )
+        return "null" if usage is None else usage.model_dump_json()
 
     def take_prompt_logprobs(self, index: int) -> list[dict[int, PromptLogprob] | None] | None:
         """The prompt logprobs of choice ``index``'s prompt, once per choice (its first chunk carries them)."""
