@@ -204,39 +204,21 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{'.'.join(loc)}: {first['msg']}{got}", param
 
 
-class APIKeyMiddleware:
-    """401 for ``/v1/*`` without ``Authorization: Bearer <key>`` (pure ASGI: streaming and disconnects pass
-    through untouched)."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(
-                    401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 class RequestBodyTooLarge(Exception):
     """Raised into the app from ``receive`` once a body without Content-Length has passed the limit."""
 
 
 class AdmissionMiddleware:
-    """Before any route (pure ASGI): while the server drains, 503 with Retry-After for every request but
-    ``/metrics``; a request body over the limit is a 413, from its Content-Length before any of it is read, or
-    (a chunked body) as soon as the bytes the app has read pass the limit."""
+    """Before any route (pure ASGI: streaming and disconnects pass through untouched): with ``api_key``, 401 for
+    ``/v1/*`` without ``Authorization: Bearer <key>``; while the server drains, 503 with Retry-After for every
+    request but ``/metrics``; a request body over the limit is a 413, from its Content-Length before any of it is
+    read, or (a chunked body) as soon as the bytes the app has read pass the limit."""
 
-    def __init__(self, app: Any, server: OpenAIServer, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, server: OpenAIServer, max_body_bytes: int, api_key: str | None = None) -> None:
         self.app = app
         self.server = server
         self.max_body_bytes = max_body_bytes
+        self.expected_key = f"Bearer {api_key}".encode() if api_key else None
 
     def too_large(self, size: str) -> Response:
         return error_response(
@@ -249,11 +231,16 @@ class AdmissionMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        headers = dict(scope["headers"])
+        if self.expected_key is not None and scope["path"].startswith("/v1"):
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected_key):
+                message = "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
+                await error_response(401, message)(scope, receive, send)
+                return
         if self.server.draining and scope["path"] != "/metrics":
             await error_response(503, DRAINING, headers=RETRY)(scope, receive, send)
             return
         limit = self.max_body_bytes
-        headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is not None and b"transfer-encoding" not in headers:  # the HTTP parser holds the body to it
             if length.isdigit() and int(length) > limit:
@@ -623,9 +610,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     app = FastAPI(title="nanovllm", lifespan=lifespan)
     app.state.server = server
     max_body = settings.max_request_body_bytes or default_max_request_body_bytes(engine.max_model_len)
-    app.add_middleware(AdmissionMiddleware, server=server, max_body_bytes=max_body)
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(AdmissionMiddleware, server=server, max_body_bytes=max_body, api_key=settings.api_key)
     if settings.allowed_origins:  # added last, so it runs first: preflight requests carry no API key
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"], allow_headers=["*"]
