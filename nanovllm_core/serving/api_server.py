@@ -2,10 +2,11 @@
 
 ``build_app(engine, settings)`` returns the ASGI app; its lifespan starts the engine's step loop and, at
 shutdown, aborts what is still in flight and stops the loop (``nanovllm serve`` drains first, on SIGTERM/SIGINT:
-:meth:`OpenAIServer.drain`). Before any route, :class:`AdmissionMiddleware` refuses a request body over
-``--max-request-body-bytes`` (413) and, while the server drains, every request (503). Routes: ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and
-vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET``/``POST /ping`` (``/health``'s answer).
+:meth:`OpenAIServer.drain`). Before any route, :class:`AdmissionMiddleware` refuses ``/v1/*`` without the API key
+(401), every request while the server drains (503) and a body over ``--max-request-body-bytes`` (413). Routes:
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics``, and vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET``/``POST /ping``
+(``/health``'s answer).
 """
 
 from __future__ import annotations
