@@ -432,13 +432,10 @@ def run_workload(
     headers = request_headers(api_key)
     if warmup:
         event_loop_runner()(warm_up(url, headers, requests, warmup, model, temperature))
-    order = [list(range(k, len(requests), processes)) for k in range(processes)]
-    order = [indices for indices in order if indices]
+    order = [list(range(k, len(requests), processes)) for k in range(min(processes, len(requests)))]
     jobs = []
-    for k, indices in enumerate(order):
-        limit = None
-        if max_concurrency:  # (0 or None: no cap)
-            limit = max_concurrency // processes + (1 if k < max_concurrency % processes else 0)
+    for k, indices in enumerate(order):  # a process's share of max_concurrency (0 or None: no cap)
+        limit = max_concurrency // processes + (k < max_concurrency % processes) if max_concurrency else None
         bodies = [request_body(requests[i], model, temperature) for i in indices]
         jobs.append((url, headers, bodies, request_rate / processes, limit, seed + k))
     shares = [event_loop_runner()(send_share(*jobs[0]))] if len(jobs) == 1 else send_shares_in_processes(jobs)

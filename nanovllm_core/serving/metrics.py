@@ -80,20 +80,17 @@ class EngineStatsCollector(Collector):
                 s.num_cuda_graph_steps,
             ),
         ]
-        if self.loop is not None:
+        account = self.loop.account if self.loop is not None else None
+        if account is not None:
             counters += [
-                ("step_loop_steps", "Engine steps run by the step loop.", self.loop.account.steps),
-                (
-                    "step_loop_busy_seconds",
-                    "Wall time the step loop spent inside engine.step().",
-                    self.loop.account.step_seconds,
-                ),
-                ("step_loop_cpu_seconds", "CPU time of the step-loop thread.", self.loop.account.cpu_seconds),
+                ("step_loop_steps", "Engine steps run by the step loop.", account.steps),
+                ("step_loop_busy_seconds", "Wall time the step loop spent inside engine.step().", account.step_seconds),
+                ("step_loop_cpu_seconds", "CPU time of the step-loop thread.", account.cpu_seconds),
                 (
                     "step_loop_emit_seconds",
                     "Wall time the step loop spent handing outputs to the front-end (an engine process: pickling, "
                     "and waiting on a full pipe).",
-                    self.loop.account.emit_seconds,
+                    account.emit_seconds,
                 ),
             ]
         for family, series in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
@@ -102,8 +99,7 @@ class EngineStatsCollector(Collector):
                     metric = family(f"{prefix}:{name}", doc, labels=["model_name"])
                     metric.add_metric(label, value)
                     yield metric
-        if self.loop is not None:
-            account = self.loop.account
+        if account is not None:
             metric = CounterMetricFamily(
                 "nanovllm:step_loop_slow_steps",
                 "Engine steps that took longer than `over` seconds.",
