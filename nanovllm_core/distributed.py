@@ -127,10 +127,7 @@ class SymmMemAllReduce:
             self._one_shot_copy(staged, flat, "sum", self.group_name, flat)
             return
         staged.copy_(flat)
-        if method == "one_shot":
-            self._one_shot(staged, "sum", self.group_name, flat)
-        else:
-            self._two_shot(staged, "sum", self.group_name, flat)
+        (self._one_shot if method == "one_shot" else self._two_shot)(staged, "sum", self.group_name, flat)
 
 
 _symm_mem: SymmMemAllReduce | None = None

@@ -66,6 +66,7 @@ PROVIDERS: dict[str, dict[str, str]] = {
     },
 }
 """The nanovllm distribution that registers each of the project's own names, kind by kind (for error messages)."""
+REPLY_PARSER_FLAGS = {"tool_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser"}
 
 _BASES: dict[str, type] = {
     "scheduler": Scheduler,
@@ -163,14 +164,11 @@ def missing_hint(kind: str, name: str) -> str:
     dist = PROVIDERS.get(kind, {}).get(name)
     if dist is not None:
         return f"It ships in {dist}: pip install {dist}"
-    return {
-        "scheduler": "Install the plugin that registers it, or fix [plugins] scheduler.",
-        "block_manager": "Install the plugin that registers it, or fix [plugins] block_manager.",
-        "attention": "Install the plugin that registers it, or fix [plugins] attention.",
-        "model": "Install a model plugin that registers this architecture.",
-        "tool_parser": "Install a plugin that registers it, or fix --tool-call-parser.",
-        "reasoning_parser": "Install a plugin that registers it, or fix --reasoning-parser.",
-    }[kind]
+    if kind == "model":
+        return "Install a model plugin that registers this architecture."
+    if kind in REPLY_PARSER_FLAGS:
+        return f"Install a plugin that registers it, or fix {REPLY_PARSER_FLAGS[kind]}."
+    return f"Install the plugin that registers it, or fix [plugins] {kind}."
 
 
 def none_installed_hint(kind: str) -> str:
@@ -349,14 +347,19 @@ def _import_error(ep: importlib.metadata.EntryPoint, dist: str, exc: BaseExcepti
             f"importing {module!r} failed: {exc}; install {exc.name!r} (and list it in the distribution's "
             "dependencies)"
         )
-    frames = traceback.extract_tb(exc.__traceback__)
-    at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    at = _raised_at(exc)
     if isinstance(exc, SystemExit):
         return (
             f"importing {ep.value!r} called sys.exit({'' if exc.code is None else repr(exc.code)}){at}; a plugin "
             "module must not end the process when it is imported: raise an exception instead"
         )
     return f"importing {ep.value!r} raised {type(exc).__name__}: {exc}{at}"
+
+
+def _raised_at(exc: BaseException) -> str:
+    """`` at FILE:LINE`` of the frame that raised ``exc`` (empty without a traceback)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 def _has_path(obj: Any, dotted: str) -> bool:
@@ -402,9 +405,8 @@ def build_registry(extra_plugins: list[tuple[str, ModuleType | object]] | None =
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # noqa: BLE001 - sys.exit() in a hook is reported too
-                frames = traceback.extract_tb(exc.__traceback__)
-                at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-                registry.add_broken(impl.plugin_name, f"{hook_name} raised {type(exc).__name__}: {exc}{at}")
+                error = f"{hook_name} raised {type(exc).__name__}: {exc}{_raised_at(exc)}"
+                registry.add_broken(impl.plugin_name, error)
     return registry
 
 
@@ -414,23 +416,16 @@ def _register_plugin(registry: PluginRegistry, name: str, plugin: Any, dist: str
         name = f"{name} ({dist})"
     problem = _api_problem(plugin)
     problems = [problem] if problem else _hook_problems(pm, plugin)
-    if problems:
-        for problem in problems:
-            registry.broken.append(BrokenPlugin(name, dist, version, problem))
-        return
-    try:
-        pm.register(plugin, name=name)
-    except pluggy.PluginValidationError as exc:
-        registry.broken.append(
-            BrokenPlugin(name, dist, version, f"invalid hook implementation: {exc}; a hook takes `register` only")
-        )
-        return
-    except ValueError as exc:  # the same module behind two entry points
-        registry.broken.append(
-            BrokenPlugin(name, dist, version, f"{exc}; each plugin module may be named by one entry point only")
-        )
-        return
-    registry.distributions[name] = (dist, version)
+    if not problems:
+        try:
+            pm.register(plugin, name=name)
+            registry.distributions[name] = (dist, version)
+            return
+        except pluggy.PluginValidationError as exc:
+            problems = [f"invalid hook implementation: {exc}; a hook takes `register` only"]
+        except ValueError as exc:  # the same module behind two entry points
+            problems = [f"{exc}; each plugin module may be named by one entry point only"]
+    registry.broken += [BrokenPlugin(name, dist, version, problem) for problem in problems]
 
 
 def _make_register(registry: PluginRegistry, kind: str, plugin: str) -> Callable[[str, Any], None]:

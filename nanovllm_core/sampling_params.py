@@ -27,6 +27,10 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and all(_is_int(t) and t >= 0 for t in value)
+
+
 def _is_number(value: object) -> bool:
     """A finite int or float, not a bool (an infinity would pass one-sided range checks such as ``>= 0``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -174,9 +178,7 @@ class SamplingParams:
             raise bad("detokenize", "True when stop strings are given (they are matched on the text)")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
-        ):
+        elif not _is_token_ids(self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
         if self.top_k == 0:
             self.top_k = -1
@@ -188,11 +190,8 @@ class SamplingParams:
             ):
                 raise bad("logit_bias", "None or a dict of non-negative token ids to finite numbers")
             self.logit_bias = {t: min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()} or None
-        if self.allowed_token_ids is not None and (
-            not isinstance(self.allowed_token_ids, (list, tuple))
-            or not self.allowed_token_ids
-            or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
-        ):
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (allowed and _is_token_ids(allowed)):
             raise bad("allowed_token_ids", "None or a non-empty list of non-negative token ids")
         if self.bad_words is not None and (
             not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w for w in self.bad_words)

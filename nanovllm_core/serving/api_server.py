@@ -2,10 +2,11 @@
 
 ``build_app(engine, settings)`` returns the ASGI app; its lifespan starts the engine's step loop and, at
 shutdown, aborts what is still in flight and stops the loop (``nanovllm serve`` drains first, on SIGTERM/SIGINT:
-:meth:`OpenAIServer.drain`). Before any route, :class:`AdmissionMiddleware` refuses a request body over
-``--max-request-body-bytes`` (413) and, while the server drains, every request (503). Routes: ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``, and
-vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET``/``POST /ping`` (``/health``'s answer).
+:meth:`OpenAIServer.drain`). Before any route, :class:`AdmissionMiddleware` refuses ``/v1/*`` without the API key
+(401), every request while the server drains (503) and a body over ``--max-request-body-bytes`` (413). Routes:
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics``, and vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and ``GET``/``POST /ping``
+(``/health``'s answer).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from nanovllm_core import __version__
 from nanovllm_core.entrypoints.chat import conversation_chars, render_chat
 from nanovllm_core.errors import ConfigError, InvalidRequestError, NanoVLLMError
 from nanovllm_core.generation_config import sampling_defaults
-from nanovllm_core.plugins import get_registry
+from nanovllm_core.plugins import REPLY_PARSER_FLAGS, get_registry
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.serving.admission import (
     check_max_request_body_bytes,
@@ -41,7 +42,14 @@ from nanovllm_core.serving.admission import (
 )
 from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from nanovllm_core.serving.metrics import CONTENT_TYPE, ServerMetrics
-from nanovllm_core.serving.openai_serving import Job, chat_events, chat_response, completion_events, completion_response
+from nanovllm_core.serving.openai_serving import (
+    Job,
+    abort_unfinished,
+    chat_events,
+    chat_response,
+    completion_events,
+    completion_response,
+)
 from nanovllm_core.serving.protocol import (
     ChatCompletionRequest,
     ChatPrompt,
@@ -112,8 +120,7 @@ def reply_parser(kind: str, name: str) -> type:
     try:
         return get_registry().get(kind, name).obj
     except NanoVLLMError as exc:
-        flag = "--tool-call-parser" if kind == "tool_parser" else "--reasoning-parser"
-        raise ConfigError(f"{flag} {name!r}: {exc}") from None
+        raise ConfigError(f"{REPLY_PARSER_FLAGS[kind]} {name!r}: {exc}") from None
 
 
 def check_reply_parsers(
@@ -140,6 +147,10 @@ def error_response(status: int, message: str, param: str | None = None, headers:
         error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "APIError"), param=param, code=status)
     )
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+DRAINING = "the server is shutting down and takes no new requests"
+RETRY = {"Retry-After": "1"}
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -194,39 +205,21 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{'.'.join(loc)}: {first['msg']}{got}", param
 
 
-class APIKeyMiddleware:
-    """401 for ``/v1/*`` without ``Authorization: Bearer <key>`` (pure ASGI: streaming and disconnects pass
-    through untouched)."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(
-                    401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 class RequestBodyTooLarge(Exception):
     """Raised into the app from ``receive`` once a body without Content-Length has passed the limit."""
 
 
 class AdmissionMiddleware:
-    """Before any route (pure ASGI): while the server drains, 503 with Retry-After for every request but
-    ``/metrics``; a request body over the limit is a 413, from its Content-Length before any of it is read, or
-    (a chunked body) as soon as the bytes the app has read pass the limit."""
+    """Before any route (pure ASGI: streaming and disconnects pass through untouched): with ``api_key``, 401 for
+    ``/v1/*`` without ``Authorization: Bearer <key>``; while the server drains, 503 with Retry-After for every
+    request but ``/metrics``; a request body over the limit is a 413, from its Content-Length before any of it is
+    read, or (a chunked body) as soon as the bytes the app has read pass the limit."""
 
-    def __init__(self, app: Any, server: OpenAIServer, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, server: OpenAIServer, max_body_bytes: int, api_key: str | None = None) -> None:
         self.app = app
         self.server = server
         self.max_body_bytes = max_body_bytes
+        self.expected_key = f"Bearer {api_key}".encode() if api_key else None
 
     def too_large(self, size: str) -> Response:
         return error_response(
@@ -239,13 +232,16 @@ class AdmissionMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        headers = dict(scope["headers"])
+        if self.expected_key is not None and scope["path"].startswith("/v1"):
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected_key):
+                message = "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
+                await error_response(401, message)(scope, receive, send)
+                return
         if self.server.draining and scope["path"] != "/metrics":
-            await error_response(
-                503, "the server is shutting down and takes no new requests", headers={"Retry-After": "1"}
-            )(scope, receive, send)
+            await error_response(503, DRAINING, headers=RETRY)(scope, receive, send)
             return
         limit = self.max_body_bytes
-        headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         if length is not None and b"transfer-encoding" not in headers:  # the HTTP parser holds the body to it
             if length.isdigit() and int(length) > limit:
@@ -345,16 +341,15 @@ class OpenAIServer:
             logger.warning("shutting down: aborting %d requests still in flight", self.engine.num_unfinished)
         await self.engine.shutdown()
 
-    def aborted_by_shutdown(self, finish_reasons: list[str | None]) -> APIError | None:
-        """The error a whole (non-streaming) response gets when the shutdown aborted it, else None."""
-        if not (self.draining and "abort" in finish_reasons):
-            return None
-        return APIError(
-            503,
-            "the server shut down before this request finished (it was aborted at the end of --shutdown-timeout): "
-            "retry it",
-            headers={"Retry-After": "1"},
-        )
+    def check_not_aborted_by_shutdown(self, finish_reasons: list[str | None]) -> None:
+        """The error a whole (non-streaming) response gets when the shutdown aborted it."""
+        if self.draining and "abort" in finish_reasons:
+            raise APIError(
+                503,
+                "the server shut down before this request finished (it was aborted at the end of "
+                "--shutdown-timeout): retry it",
+                headers=RETRY,
+            )
 
     def check_model(self, model: str | None) -> None:
         names = self.settings.model_names
@@ -364,7 +359,7 @@ class OpenAIServer:
 
     def check_capacity(self, num_requests: int) -> None:
         if self.draining:
-            raise APIError(503, "the server is shutting down and takes no new requests", headers={"Retry-After": "1"})
+            raise APIError(503, DRAINING, headers=RETRY)
         if not self.engine.is_running:
             raise APIError(503, "the server is shutting down or its engine has stopped")
         limit = self.settings.max_queued_requests
@@ -373,7 +368,7 @@ class OpenAIServer:
                 503,
                 f"the request queue is full ({self.engine.num_queued} requests waiting, --max-queued-requests "
                 f"{limit}); retry later",
-                headers={"Retry-After": "1"},
+                headers=RETRY,
             )
 
     def max_tokens(self, num_prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
@@ -438,20 +433,11 @@ class OpenAIServer:
         params: SamplingParams = body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.sampling_defaults)
         self.check_capacity(len(prompts))
         response_id = f"{prefix}-{uuid.uuid4().hex}"
-        streams: list[RequestStream] = []
-        try:
-            for i, ids in enumerate(prompts):
-                streams.append(await self.engine.add_request(ids, params, f"{response_id}-{i}"))
-        except BaseException:
-            for stream in streams:
-                self.engine.abort_nowait(stream.request_id)
-            raise
-        model = self.settings.served_model_name
         return Job(
             self.engine,
             response_id,
-            model,
-            streams,
+            self.settings.served_model_name,
+            await self.add_requests(prompts, params, response_id),
             body.n,
             logprobs,
             body.include_usage,
@@ -461,6 +447,31 @@ class OpenAIServer:
             echo_only=echo_only,
             show_prompt_logprobs=completion is not None and completion.prompt_logprobs is not None,
         )
+
+    async def add_requests(
+        self, prompts: list[list[int]], params: SamplingParams, response_id: str
+    ) -> list[RequestStream]:
+        """One engine request a prompt, ``{response_id}-{i}``; those added are aborted if one cannot be."""
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(await self.engine.add_request(ids, params, f"{response_id}-{i}"))
+        except BaseException:
+            abort_unfinished(self.engine, streams)
+            raise
+        return streams
+
+    async def respond(
+        self, job: Job, body: SamplingRequest, request: Request, events: Callable, whole: Callable
+    ) -> Response:
+        """The answer to ``job``: an event stream, or the whole response unless the client went away (499)."""
+        if body.stream:
+            return EventStreamResponse(events(job))
+        result = await until_disconnected(request, whole(job))
+        if result is None:
+            return Response(status_code=499)
+        self.check_not_aborted_by_shutdown([c.finish_reason for c in result.choices])
+        return JSONResponse(result.model_dump())
 
     @staticmethod
     def logprobs_of(body: SamplingRequest) -> int | None:
@@ -476,15 +487,7 @@ class OpenAIServer:
             )
         prompts = [await self.prompt_ids(p, body.truncate_prompt_tokens, "prompt") for p in body.prompts()]
         job = await self.submit(body, prompts, body.max_tokens, "prompt", "cmpl")
-        if body.stream:
-            return EventStreamResponse(completion_events(job))
-        result = await until_disconnected(request, completion_response(job))
-        if result is None:
-            return Response(status_code=499)
-        error = self.aborted_by_shutdown([c.finish_reason for c in result.choices])
-        if error is not None:
-            raise error
-        return JSONResponse(result.model_dump())
+        return await self.respond(job, body, request, completion_events, completion_response)
 
     async def embeddings(self, body: EmbeddingRequest) -> EmbeddingResponse:
         """OpenAI's ``/v1/embeddings``: one engine request a prompt, each the prompt's last-token embedding."""
@@ -500,23 +503,17 @@ class OpenAIServer:
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False, embed=True,
                                 output_kind="delta")  # fmt: skip
         response_id = f"embd-{uuid.uuid4().hex}"
-        streams: list[RequestStream] = []
+        streams = await self.add_requests(prompts, params, response_id)
         try:
-            for i, ids in enumerate(prompts):
-                streams.append(await self.engine.add_request(ids, params, f"{response_id}-{i}"))
             finals = []
             for stream in streams:
                 async for out in stream:
                     final = out
                 finals.append(final)
         except BaseException:
-            for stream in streams:
-                if not stream.done:
-                    self.engine.abort_nowait(stream.request_id)
+            abort_unfinished(self.engine, streams)
             raise
-        error = self.aborted_by_shutdown([c.finish_reason for out in finals for c in out.outputs])
-        if error is not None:
-            raise error
+        self.check_not_aborted_by_shutdown([c.finish_reason for out in finals for c in out.outputs])
         data = []
         for i, out in enumerate(finals):
             vector: list[float] | str = out.embedding or []
@@ -593,15 +590,7 @@ class OpenAIServer:
         job.tool_parser = parser
         if self.settings.reasoning_parser is not None:
             job.reasoning_parser = reply_parser("reasoning_parser", self.settings.reasoning_parser)()
-        if body.stream:
-            return EventStreamResponse(chat_events(job))
-        result = await until_disconnected(request, chat_response(job))
-        if result is None:
-            return Response(status_code=499)
-        error = self.aborted_by_shutdown([c.finish_reason for c in result.choices])
-        if error is not None:
-            raise error
-        return JSONResponse(result.model_dump())
+        return await self.respond(job, body, request, chat_events, chat_response)
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
@@ -622,9 +611,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     app = FastAPI(title="nanovllm", lifespan=lifespan)
     app.state.server = server
     max_body = settings.max_request_body_bytes or default_max_request_body_bytes(engine.max_model_len)
-    app.add_middleware(AdmissionMiddleware, server=server, max_body_bytes=max_body)
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(AdmissionMiddleware, server=server, max_body_bytes=max_body, api_key=settings.api_key)
     if settings.allowed_origins:  # added last, so it runs first: preflight requests carry no API key
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.allowed_origins, allow_methods=["*"], allow_headers=["*"]
@@ -640,12 +627,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
         return error_response(400, message, param)
 
     @app.exception_handler(InvalidRequestError)
-    async def invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, str(exc))
-
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, str(exc))
+    async def plain_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(400 if isinstance(exc, InvalidRequestError) else 503, str(exc))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
@@ -690,13 +674,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
         return Response(status_code=200)
 
     # vLLM's, for SageMaker: what /health says. Two routes, so that OpenAPI gives each method its own operation id.
-    @app.get("/ping")
-    async def ping() -> Response:
-        return await health()
-
-    @app.post("/ping")
-    async def ping_post() -> Response:
-        return await health()
+    app.get("/ping")(health)
+    app.post("/ping")(health)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import multiprocessing
@@ -75,6 +76,17 @@ def nano_workload(num_prompts: int, max_input_len: int, max_output_len: int) -> 
     return [BenchRequest(p, m) for p, m in zip(prompts, max_tokens)]
 
 
+def draw_requests(
+    num_prompts: int, vocab_size: int, rng: random.Random, lengths: Callable[[], tuple[int, int]]
+) -> list[BenchRequest]:
+    """``num_prompts`` requests of ``lengths()`` (prompt, output) each, token ids uniform in ``[0, vocab_size)``."""
+    requests = []
+    for _ in range(num_prompts):
+        prompt_len, output_len = lengths()
+        requests.append(BenchRequest([rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
+    return requests
+
+
 def synthetic_sharegpt(num_prompts: int, vocab_size: int, seed: int) -> list[BenchRequest]:
     rng = random.Random(seed)
     low, high = SYNTH_RANGE
@@ -82,11 +94,7 @@ def synthetic_sharegpt(num_prompts: int, vocab_size: int, seed: int) -> list[Ben
     def draw(mu_sigma: tuple[float, float]) -> int:
         return min(high, max(low, round(rng.lognormvariate(*mu_sigma))))
 
-    requests = []
-    for _ in range(num_prompts):
-        prompt_len, output_len = draw(SYNTH_PROMPT), draw(SYNTH_OUTPUT)
-        requests.append(BenchRequest([rng.randrange(vocab_size) for _ in range(prompt_len)], output_len))
-    return requests
+    return draw_requests(num_prompts, vocab_size, rng, lambda: (draw(SYNTH_PROMPT), draw(SYNTH_OUTPUT)))
 
 
 def random_dataset(
@@ -101,11 +109,7 @@ def random_dataset(
     def draw(length: int) -> int:
         return max(1, rng.randint(round(length * (1 - range_ratio)), round(length * (1 + range_ratio))))
 
-    requests = []
-    for _ in range(num_prompts):
-        prompt_len, out_len = draw(input_len), draw(output_len)
-        requests.append(BenchRequest([rng.randrange(vocab_size) for _ in range(prompt_len)], out_len))
-    return requests
+    return draw_requests(num_prompts, vocab_size, rng, lambda: (draw(input_len), draw(output_len)))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -336,9 +340,7 @@ async def send_share(
     async with client_session() as session:
 
         async def one(body: dict[str, Any]) -> RequestResult:
-            if gate is None:
-                return await send(session, url, body, headers)
-            async with gate:
+            async with gate or contextlib.nullcontext():
                 return await send(session, url, body, headers)
 
         tasks = []
@@ -430,13 +432,10 @@ def run_workload(
     headers = request_headers(api_key)
     if warmup:
         event_loop_runner()(warm_up(url, headers, requests, warmup, model, temperature))
-    order = [list(range(k, len(requests), processes)) for k in range(processes)]
-    order = [indices for indices in order if indices]
+    order = [list(range(k, len(requests), processes)) for k in range(min(processes, len(requests)))]
     jobs = []
-    for k, indices in enumerate(order):
-        limit = None
-        if max_concurrency:  # (0 or None: no cap)
-            limit = max_concurrency // processes + (1 if k < max_concurrency % processes else 0)
+    for k, indices in enumerate(order):  # a process's share of max_concurrency (0 or None: no cap)
+        limit = max_concurrency // processes + (k < max_concurrency % processes) if max_concurrency else None
         bodies = [request_body(requests[i], model, temperature) for i in indices]
         jobs.append((url, headers, bodies, request_rate / processes, limit, seed + k))
     shares = [event_loop_runner()(send_share(*jobs[0]))] if len(jobs) == 1 else send_shares_in_processes(jobs)
@@ -612,17 +611,24 @@ class ServerInfo:
     vocab_size: int | None = None
 
 
+async def fetch(request: Any, where: str, url: str, **kwargs: Any) -> tuple[int, str]:
+    """``request(url, **kwargs)`` (a session's ``get`` or ``post``): the status and text of the answer; a ConfigError
+    naming ``where`` when the server cannot be reached."""
+    aiohttp = _aiohttp()
+    try:
+        async with request(url, **kwargs) as response:
+            return response.status, await response.text(errors="replace")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise ConfigError(f"cannot reach the server at {where}: {type(exc).__name__}: {exc}") from None
+
+
 async def read_models(session: Any, base_url: str, headers: dict[str, str]) -> ServerInfo:
     """``GET /v1/models``: the names and ``max_model_len`` (vLLM's card field; the smallest of several cards)."""
-    aiohttp = _aiohttp()
     url = base_url.rstrip("/") + "/v1/models"
-    try:
-        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as response:
-            text = await response.text(errors="replace")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        raise ConfigError(f"cannot reach the server at {base_url}: {type(exc).__name__}: {exc}") from None
-    if response.status != 200:
-        raise ConfigError(f"GET {url} answered HTTP {response.status}: {text[:200]}")
+    timeout = _aiohttp().ClientTimeout(total=60)
+    status, text = await fetch(session.get, base_url, url, headers=headers, timeout=timeout)
+    if status != 200:
+        raise ConfigError(f"GET {url} answered HTTP {status}: {text[:200]}")
     try:
         cards = json.loads(text)["data"]
     except (ValueError, KeyError, TypeError):
@@ -637,18 +643,13 @@ async def accepted_ids(session: Any, url: str, headers: dict[str, str], model: s
     One-token prompts, one output token each: the server checks prompt ids against the model's vocabulary (which
     may be larger than its tokenizer's), answering 400 beyond it. One request when ``largest`` is taken; else a
     bisection, some twenty more."""
-    aiohttp = _aiohttp()
 
     async def taken(token: int) -> bool:
         body = {**({"model": model} if model else {}), "prompt": [token], "max_tokens": 1, "temperature": 0.0}
-        try:
-            async with session.post(url, data=json.dumps(body), headers=headers) as response:
-                text = await response.text(errors="replace")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise ConfigError(f"cannot reach the server at {url}: {type(exc).__name__}: {exc}") from None
-        if response.status == 200 or (response.status == 400 and token > 0):
-            return response.status == 200
-        raise ConfigError(f"a one-token request to {url} answered HTTP {response.status}: {text[:200]}")
+        status, text = await fetch(session.post, url, url, data=json.dumps(body), headers=headers)
+        if status == 200 or (status == 400 and token > 0):
+            return status == 200
+        raise ConfigError(f"a one-token request to {url} answered HTTP {status}: {text[:200]}")
 
     if await taken(largest):
         return None

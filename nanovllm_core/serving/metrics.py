@@ -34,9 +34,8 @@ LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 # Series exposed a second time under vLLM's name (``vllm:`` + the name), with the same value and labels: those
 # whose meaning is vLLM's. vLLM's time_per_output_token_seconds is its older name of the inter-token latency.
-VLLM_GAUGES = frozenset({"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"})
-VLLM_COUNTERS = frozenset({"prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
-                           "generation_tokens"})  # fmt: skip
+VLLM_SERIES = frozenset({"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+                         "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens"})  # fmt: skip
 VLLM_HISTOGRAMS = {
     "time_to_first_token_seconds": ("time_to_first_token_seconds",),
     "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
@@ -68,11 +67,6 @@ class EngineStatsCollector(Collector):
             ("num_free_kv_blocks", "KV-cache blocks free.", s.num_free_kv_blocks),
             ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up.", s.prefix_cache_hit_rate),
         ]
-        for name, doc, value in gauges:
-            for prefix in ("nanovllm", "vllm") if name in VLLM_GAUGES else ("nanovllm",):
-                metric = GaugeMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
-                metric.add_metric(label, value)
-                yield metric
         counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
@@ -86,29 +80,26 @@ class EngineStatsCollector(Collector):
                 s.num_cuda_graph_steps,
             ),
         ]
-        if self.loop is not None:
+        account = self.loop.account if self.loop is not None else None
+        if account is not None:
             counters += [
-                ("step_loop_steps", "Engine steps run by the step loop.", self.loop.account.steps),
-                (
-                    "step_loop_busy_seconds",
-                    "Wall time the step loop spent inside engine.step().",
-                    self.loop.account.step_seconds,
-                ),
-                ("step_loop_cpu_seconds", "CPU time of the step-loop thread.", self.loop.account.cpu_seconds),
+                ("step_loop_steps", "Engine steps run by the step loop.", account.steps),
+                ("step_loop_busy_seconds", "Wall time the step loop spent inside engine.step().", account.step_seconds),
+                ("step_loop_cpu_seconds", "CPU time of the step-loop thread.", account.cpu_seconds),
                 (
                     "step_loop_emit_seconds",
                     "Wall time the step loop spent handing outputs to the front-end (an engine process: pickling, "
                     "and waiting on a full pipe).",
-                    self.loop.account.emit_seconds,
+                    account.emit_seconds,
                 ),
             ]
-        for name, doc, value in counters:
-            for prefix in ("nanovllm", "vllm") if name in VLLM_COUNTERS else ("nanovllm",):
-                metric = CounterMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
-                metric.add_metric(label, value)
-                yield metric
-        if self.loop is not None:
-            account = self.loop.account
+        for family, series in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, value in series:
+                for prefix in ("nanovllm", "vllm") if name in VLLM_SERIES else ("nanovllm",):
+                    metric = family(f"{prefix}:{name}", doc, labels=["model_name"])
+                    metric.add_metric(label, value)
+                    yield metric
+        if account is not None:
             metric = CounterMetricFamily(
                 "nanovllm:step_loop_slow_steps",
                 "Engine steps that took longer than `over` seconds.",

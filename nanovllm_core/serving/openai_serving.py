@@ -112,12 +112,7 @@ class Job:
 
     def _usage_json(self, index: int) -> str:
         usage = self.chunk_usage(index)
-        if usage is None:
-            return "null"
-        return (
-            f'{{"prompt_tokens":{usage.prompt_tokens},"completion_tokens":{usage.completion_tokens},'
-            f'"total_tokens":{usage.total_tokens}}}'
-        )
+        return "null" if usage is None else usage.model_dump_json()
 
     def take_prompt_logprobs(self, index: int) -> list[dict[int, PromptLogprob] | None] | None:
         """The prompt logprobs of choice ``index``'s prompt, once per choice (its first chunk carries them)."""
@@ -132,15 +127,15 @@ class Job:
             for position in raw
         ]
 
+    def event(self, response: type[CompletionResponse | ChatCompletionChunk], choices: list, usage: Any) -> str:
+        """An SSE event of this response: its id, time and model around ``choices`` and ``usage``."""
+        body = response(id=self.response_id, created=self.created, model=self.model, choices=choices, usage=usage)
+        return sse(body.model_dump_json())
+
     def usage(self) -> UsageInfo:
         prompt = sum(s.num_prompt_tokens for s in self.streams)
         completion = sum(self.completion_tokens)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-    def abort_unfinished(self) -> None:
-        for stream in self.streams:
-            if not stream.done:
-                self.engine.abort_nowait(stream.request_id)
 
     @contextlib.asynccontextmanager
     async def reading(self) -> AsyncIterator[AsyncIterator[tuple[int, CompletionOutput]]]:
@@ -151,7 +146,7 @@ class Job:
             yield outputs
         finally:
             await outputs.aclose()
-            self.abort_unfinished()
+            abort_unfinished(self.engine, self.streams)
 
     async def _outputs(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
         async with contextlib.aclosing(merge_streams(self.streams)) as merged:
@@ -186,6 +181,12 @@ class Job:
 
     def top(self, position: dict[int, Any]) -> list[tuple[int, Any]]:
         return sorted(position.items(), key=lambda item: -item[1].logprob)[: self.logprobs]
+
+
+def abort_unfinished(engine: AsyncLLM, streams: list[RequestStream]) -> None:
+    for stream in streams:
+        if not stream.done:
+            engine.abort_nowait(stream.request_id)
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -230,10 +231,11 @@ class CompletionLogprobsBuilder:
         self.job = job
         self.offset = 0
 
-    def build(self, c: CompletionOutput) -> CompletionLogprobs | None:
+    def build(self, c: CompletionOutput, into: CompletionLogprobs | None = None) -> CompletionLogprobs | None:
+        """Output ``c``'s tokens, appended to ``into`` when given (a whole response's logprobs so far)."""
         if self.job.logprobs is None or c.logprobs is None:
-            return None
-        return self._tokens(c.token_ids, c.logprobs)
+            return into
+        return self._tokens(c.token_ids, c.logprobs, into)
 
     def build_prompt(self, index: int) -> CompletionLogprobs | None:
         """With ``echo``: the prompt tokens of choice ``index``'s prompt; the first has no logprob (null)."""
@@ -243,8 +245,10 @@ class CompletionLogprobsBuilder:
         positions = self.job.prompt_logprobs.get(index // self.job.n) or [None] * stream.num_prompt_tokens
         return self._tokens(stream.prompt_token_ids, positions)
 
-    def _tokens(self, token_ids: list[int], positions: list[dict[int, Any] | None]) -> CompletionLogprobs:
-        result = CompletionLogprobs()
+    def _tokens(
+        self, token_ids: list[int], positions: list[dict[int, Any] | None], into: CompletionLogprobs | None = None
+    ) -> CompletionLogprobs:
+        result = into if into is not None else CompletionLogprobs()
         for token_id, position in zip(token_ids, positions):
             own = position.get(token_id) if position is not None else None
             text = self.job.token_text(token_id, own.decoded_token if own else None)
@@ -279,14 +283,7 @@ async def completion_response(job: Job) -> CompletionResponse:
                     choices[index].logprobs = builders[index].build_prompt(index)
             choice = choices[index]
             texts.setdefault(index, []).append(c.text)
-            builder = builders[index]
-            delta = builder.build(c)
-            if delta is not None:
-                if choice.logprobs is None:
-                    choice.logprobs = delta
-                else:
-                    for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
-                        getattr(choice.logprobs, name).extend(getattr(delta, name))
+            choice.logprobs = builders[index].build(c, into=choice.logprobs)
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     for index, choice in choices.items():
         choice.text = "".join(texts[index])
@@ -297,13 +294,6 @@ async def completion_response(job: Job) -> CompletionResponse:
 async def completion_events(job: Job) -> AsyncIterator[str]:
     builders: dict[int, CompletionLogprobsBuilder] = {}
     echoed: set[int] = set()
-
-    def event(choices: list[CompletionChoice], usage: UsageInfo | None) -> str:
-        response = CompletionResponse(
-            id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
-        )
-        return sse(response.model_dump_json())
-
     try:
         async with job.reading() as outputs:
             async for index, c in outputs:
@@ -316,7 +306,7 @@ async def completion_events(job: Job) -> AsyncIterator[str]:
                         logprobs=builder.build_prompt(index),
                         prompt_logprobs=job.take_prompt_logprobs(index),
                     )
-                    yield event([choice], job.chunk_usage(index))
+                    yield job.event(CompletionResponse, [choice], job.chunk_usage(index))
                 if not (c.text or c.token_ids or c.finish_reason):
                     continue
                 prompt_logprobs = job.take_prompt_logprobs(index)
@@ -332,9 +322,9 @@ async def completion_events(job: Job) -> AsyncIterator[str]:
                     stop_reason=c.stop_reason,
                     prompt_logprobs=prompt_logprobs,
                 )
-                yield event([choice], job.chunk_usage(index))
+                yield job.event(CompletionResponse, [choice], job.chunk_usage(index))
         if job.include_usage:
-            yield event([], job.usage())
+            yield job.event(CompletionResponse, [], job.usage())
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream
         yield sse(stream_error(exc))
     yield DONE
@@ -367,11 +357,10 @@ async def chat_response(job: Job) -> ChatCompletionResponse:
             choice = choices.setdefault(index, ChatChoice(index=index, message=AssistantMessage(content="")))
             texts.setdefault(index, []).append(c.text)
             delta = chat_logprobs(job, c)
-            if delta is not None:
-                if choice.logprobs is None:
-                    choice.logprobs = delta
-                else:
-                    choice.logprobs.content.extend(delta.content or [])  # type: ignore[union-attr]
+            if delta is not None and choice.logprobs is not None:
+                choice.logprobs.content.extend(delta.content or [])  # type: ignore[union-attr]
+            elif delta is not None:
+                choice.logprobs = delta
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
     for index, choice in choices.items():
         text = "".join(texts[index])
@@ -394,20 +383,11 @@ def tool_call(call: ParsedToolCall) -> ToolCall:
 
 
 async def chat_events(job: Job) -> AsyncIterator[str]:
-    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-        return sse(
-            ChatCompletionChunk(
-                id=job.response_id, created=job.created, model=job.model, choices=choices, usage=usage
-            ).model_dump_json()
-        )
-
     try:
-        # OpenAI's first chunk of each choice carries the role
-        num_choices = len(job.streams) * job.n
-        yield chunk(
-            [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(num_choices)],
-            job.chunk_usage(None),
-        )
+        num_choices = len(job.streams) * job.n  # OpenAI's first chunk of each choice carries the role
+        roles = [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                 for i in range(num_choices)]  # fmt: skip
+        yield job.event(ChatCompletionChunk, roles, job.chunk_usage(None))
         parsed = job.tool_parser is not None or job.reasoning_parser is not None
         replies = [ReplyStream(job.tool_parser, job.reasoning_parser) for _ in range(num_choices)] if parsed else None
         async with job.reading() as outputs:
@@ -427,9 +407,9 @@ async def chat_events(job: Job) -> AsyncIterator[str]:
                     finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
                 )
-                yield chunk([choice], job.chunk_usage(index))
+                yield job.event(ChatCompletionChunk, [choice], job.chunk_usage(index))
         if job.include_usage:
-            yield chunk([], job.usage())
+            yield job.event(ChatCompletionChunk, [], job.usage())
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in the stream
         yield sse(stream_error(exc))
     yield DONE

@@ -21,6 +21,11 @@ from nanovllm_core.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 GUIDED_DECODING_FIELDS = frozenset(
     {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs"}
 )
+# the request fields that go to SamplingParams as they are
+SAME_AS_SAMPLING_PARAMS = (
+    "n", "stop_token_ids", "ignore_eos", "seed", "skip_special_tokens", "presence_penalty", "frequency_penalty",
+    "include_stop_str_in_output", "priority", "truncate_prompt_tokens", "min_tokens", "allowed_token_ids", "bad_words",
+)  # fmt: skip
 
 
 class OpenAIModel(BaseModel):
@@ -102,29 +107,17 @@ class SamplingRequest(OpenAIModel):
         ``--generation-config``) stand in for the sampling fields the request left out."""
         defaults = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
         return SamplingParams(
-            n=self.n,
+            **{name: getattr(self, name) for name in SAME_AS_SAMPLING_PARAMS},
             temperature=defaults.get("temperature", self.temperature),
             top_p=defaults.get("top_p", self.top_p),
             top_k=defaults.get("top_k", self.top_k if self.top_k is not None else -1),
             min_p=defaults.get("min_p", self.min_p),
+            repetition_penalty=defaults.get("repetition_penalty", self.repetition_penalty),
             max_tokens=max_tokens,
             stop=self.stop or None,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            seed=self.seed,
-            skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=defaults.get("repetition_penalty", self.repetition_penalty),
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            priority=self.priority,
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
-            min_tokens=self.min_tokens,
             logit_bias={int(key): bias for key, bias in self.logit_bias.items()} if self.logit_bias else None,
-            allowed_token_ids=self.allowed_token_ids,
-            bad_words=self.bad_words,
             output_kind="delta",
         )
 

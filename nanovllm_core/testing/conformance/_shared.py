@@ -15,10 +15,12 @@ from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.hookspecs import PLUGIN_API_VERSION, hookimpl
 from nanovllm_core.plugins import KINDS, get_registry, register_plugin, unregister_plugin
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.testing.checkpoints import write_tiny_checkpoint
+from nanovllm_core.testing.checkpoints import hf_greedy, write_tiny_checkpoint
 
 if TYPE_CHECKING:
     import pytest
+
+    from nanovllm_core.testing.simulated import SimulatedEngine
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -26,20 +28,20 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 # pytest is imported where it is used, so that the kits import where pytest is not installed (their checks run
 # under pytest only); the decorators the kits put on their methods are pytest's own when it is installed.
-def _fixture(**kwargs: Any) -> Callable[[_F], _F]:
+def _pytest_decorator(make: Callable[[Any], Callable[[_F], _F]]) -> Callable[[_F], _F]:
     try:
         import pytest
     except ModuleNotFoundError:
         return lambda function: function
-    return pytest.fixture(**kwargs)
+    return make(pytest)
+
+
+def _fixture(**kwargs: Any) -> Callable[[_F], _F]:
+    return _pytest_decorator(lambda pytest: pytest.fixture(**kwargs))
 
 
 def _parametrize(names: str, values: list[Any], ids: list[str]) -> Callable[[_F], _F]:
-    try:
-        import pytest
-    except ModuleNotFoundError:
-        return lambda function: function
-    return pytest.mark.parametrize(names, values, ids=ids)
+    return _pytest_decorator(lambda pytest: pytest.mark.parametrize(names, values, ids=ids))
 
 
 @contextmanager
@@ -128,3 +130,20 @@ def _first_difference(got: list[int], want: list[int]) -> str:
         if a != b:
             return f"first difference at output token {i}: got {a}, expected {b}"
     return f"lengths differ: got {len(got)} tokens, expected {len(want)}"
+
+
+def _assert_matches_transformers(
+    checkpoint: Path, prompts: list[list[int]], got: list[list[int]], max_tokens: int
+) -> None:
+    """``got`` equals ``transformers``' greedy output of ``prompts``, prompt for prompt."""
+    want = hf_greedy(checkpoint, prompts, max_tokens)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"prompt {i} ({len(prompts[i])} tokens): " + _first_difference(g, w)
+
+
+def _assert_done(sim: SimulatedEngine, num_requests: int | None = None) -> None:
+    """``num_requests`` finished (when given), every output exact and every block free."""
+    if num_requests is not None:
+        assert len(sim.finished) == num_requests, f"{len(sim.finished)} of {num_requests} requests finished"
+    sim.assert_outputs_exact()
+    sim.assert_all_blocks_free()

@@ -10,7 +10,7 @@ from nanovllm_core.interfaces import BlockManager, Scheduler
 from nanovllm_core.plugins import check_registration
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.sequence import Sequence
-from nanovllm_core.testing.conformance._shared import _installed
+from nanovllm_core.testing.conformance._shared import _assert_done, _installed
 from nanovllm_core.testing.simulated import SimulatedEngine, random_tokens
 
 
@@ -155,6 +155,4 @@ class BlockManagerConformance:
                 if sim.core.has_unfinished_requests():
                     sim.step()
         sim.run()
-        assert len(sim.finished) == 12, f"{len(sim.finished)} of 12 requests finished"
-        sim.assert_outputs_exact()
-        sim.assert_all_blocks_free()
+        _assert_done(sim, 12)

@@ -13,9 +13,9 @@ from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import ModelLoadError
 from nanovllm_core.loader import iter_safetensors, load_hf_config
 from nanovllm_core.plugins import check_registration
-from nanovllm_core.testing.checkpoints import hf_greedy, write_tiny_checkpoint
+from nanovllm_core.testing.checkpoints import write_tiny_checkpoint
 from nanovllm_core.testing.conformance._shared import (
-    _first_difference,
+    _assert_matches_transformers,
     _fixture,
     _installed,
     _run_engine,
@@ -91,6 +91,4 @@ class ModelConformance:
                 plugins={"attention": self.attention},
             )
             got = _run_engine(engine, prompts, self.max_new_tokens)
-        want = hf_greedy(model_checkpoint, prompts, self.max_new_tokens)
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert g == w, f"prompt {i} ({len(prompts[i])} tokens): " + _first_difference(g, w)
+        _assert_matches_transformers(model_checkpoint, prompts, got, self.max_new_tokens)

@@ -10,9 +10,9 @@ from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.interfaces import BlockManager, Scheduler
 from nanovllm_core.plugins import check_registration, get_registry
-from nanovllm_core.testing.checkpoints import hf_greedy
 from nanovllm_core.testing.conformance._shared import (
-    _first_difference,
+    _assert_done,
+    _assert_matches_transformers,
     _fixture,
     _installed,
     _run_engine,
@@ -80,9 +80,7 @@ class SchedulerConformance:
         for _ in range(12):
             sim.add(random_tokens(rng.randint(5, 90), rng), rng.randint(1, 20))
         sim.run()
-        assert len(sim.finished) == 12, f"{len(sim.finished)} of 12 requests finished"
-        sim.assert_outputs_exact()
-        sim.assert_all_blocks_free()
+        _assert_done(sim, 12)
 
     def test_long_prompts_in_many_chunks_mixed_with_decodes(self, async_scheduling: bool) -> None:
         """Prompts of 3 to 6 budgets arrive while others decode: every chunk stays within the budget."""
@@ -97,8 +95,7 @@ class SchedulerConformance:
         sim.run()
         assert len(sim.finished) == 8, f"{len(sim.finished)} of 8 requests finished"
         assert max(tokens for _, tokens in sim.batch_sizes) <= 24 and max(n for n, _ in sim.batch_sizes) <= 4
-        sim.assert_outputs_exact()
-        sim.assert_all_blocks_free()
+        _assert_done(sim)
 
     def test_prefix_hits_with_chunked_admission_and_few_blocks(self, async_scheduling: bool) -> None:
         """Prompts sharing cached prefixes longer than the budget, admitted in chunks, with the cache nearly full
@@ -114,9 +111,7 @@ class SchedulerConformance:
         for i in range(6):
             sim.add(shared[: (1 + i % 4) * bs] + random_tokens(rng.randint(1, 2 * bs), rng), rng.randint(1, 10))
         sim.run()
-        assert len(sim.finished) == 7, f"{len(sim.finished)} of 7 requests finished"
-        sim.assert_outputs_exact()
-        sim.assert_all_blocks_free()
+        _assert_done(sim, 7)
 
     def test_request_that_can_never_fit_is_rejected(self) -> None:
         import pytest
@@ -127,8 +122,7 @@ class SchedulerConformance:
         assert not sim.scheduler.has_unfinished(), "a rejected request must leave the scheduler unchanged"
         sim.add(random_tokens(20, rng), 4)
         sim.run()
-        sim.assert_outputs_exact()
-        sim.assert_all_blocks_free()
+        _assert_done(sim)
 
     def test_no_starvation_under_a_stream_of_requests(self, async_scheduling: bool) -> None:
         """A long request added first finishes while shorter ones keep arriving, one per step."""
@@ -147,8 +141,7 @@ class SchedulerConformance:
             f"while 20-token requests kept arriving: it is starved ({first!r})"
         )
         sim.run()
-        sim.assert_outputs_exact()
-        sim.assert_all_blocks_free()
+        _assert_done(sim)
 
     def test_abort_anywhere_frees_blocks(self, async_scheduling: bool) -> None:
         """Abort requests at random points (waiting, mid-prompt, decoding, just finished); the rest finish."""
@@ -167,8 +160,7 @@ class SchedulerConformance:
         assert sim.abort("no-such-request") is None, "abort of an unknown request must return None"
         assert len(sim.finished) + len(sim.aborted) == len(ids)
         assert sim.aborted, "the scenario aborted nothing"
-        sim.assert_outputs_exact()
-        sim.assert_all_blocks_free()
+        _assert_done(sim)
         assert sim.abort(sim.finished[0].request_id) is None, "abort of a finished request must return None"
 
     def test_preemption_under_kv_pressure_keeps_outputs(self, async_scheduling: bool) -> None:
@@ -178,9 +170,7 @@ class SchedulerConformance:
         for n in (30, 25, 40, 18, 33, 27):
             sim.add(random_tokens(n, rng), 40)
         sim.run()
-        assert len(sim.finished) == 6, f"{len(sim.finished)} of 6 requests finished"
-        sim.assert_outputs_exact()
-        sim.assert_all_blocks_free()
+        _assert_done(sim, 6)
 
     def test_forced_preemption_frees_the_victims_blocks(self, async_scheduling: bool) -> None:
         """Two prompts of two blocks each fill a four-block cache and each needs a third block for its first
@@ -202,9 +192,7 @@ class SchedulerConformance:
                     f"step {sim.steps}: {victim!r} was preempted but holds blocks {victim.block_table} and "
                     f"{victim.num_computed_tokens} computed tokens: Scheduler.preempt frees the blocks and resets both"
                 )
-        assert len(sim.finished) == 2, f"{len(sim.finished)} of 2 requests finished"
-        sim.assert_outputs_exact()
-        sim.assert_all_blocks_free()
+        _assert_done(sim, 2)
 
     def test_limits_hold_when_decodes_and_prompt_chunks_share_steps(self, async_scheduling: bool) -> None:
         """Requests arrive every other step while others decode, with token budgets down to one token per seat:
@@ -223,8 +211,7 @@ class SchedulerConformance:
                     sim.step()
             sim.run()
             assert len(sim.finished) == 12, f"max_num_seqs={max_num_seqs}, budget={budget}: {len(sim.finished)} of 12"
-            sim.assert_outputs_exact()
-            sim.assert_all_blocks_free()
+            _assert_done(sim)
 
     def test_prefix_cache_hits_are_reported(self) -> None:
         """A prompt sharing full blocks with a finished one reports exactly those tokens as cached."""
@@ -249,8 +236,7 @@ class SchedulerConformance:
         )
         stats = sim.core.stats()
         assert stats.prefix_cache_hits == 3 * bs, f"engine stats count {stats.prefix_cache_hits} hit tokens"
-        sim.assert_outputs_exact()
-        sim.assert_all_blocks_free()
+        _assert_done(sim)
 
     def test_engine_greedy_outputs_under_kv_pressure(
         self, conformance_checkpoint: Path, async_scheduling: bool
@@ -282,6 +268,4 @@ class SchedulerConformance:
             )
             got = _run_engine(engine, prompts, max_tokens)
             assert engine.block_manager.num_free_blocks == 6, "blocks are still in use after every request finished"
-        want = hf_greedy(conformance_checkpoint, prompts, max_tokens)
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert g == w, f"prompt {i} ({len(prompts[i])} tokens): " + _first_difference(g, w)
+        _assert_matches_transformers(conformance_checkpoint, prompts, got, max_tokens)
