@@ -223,3 +223,27 @@ class CudaGraphMixed(MixedStepBuffers):
         self.graphs[self.load(input_ids, positions, batch)].replay()
         self.num_replays += 1
         return self.hidden[: batch.num_tokens]
+
+
+def capture_cuda_graphs(
+    model: nn.Module,
+    backend: AttentionBackend,
+    config: Any,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[CudaGraphDecoder | None, CudaGraphMixed | None]:
+    """The graphs ``config`` (an ``EngineConfig``) and the backend allow: decode steps on CUDA unless
+    ``enforce_eager``, and steps with prompt tokens up to ``cuda_graph_max_mixed_tokens`` where the backend
+    opts in (both share one memory pool)."""
+    if device.type != "cuda" or config.enforce_eager or not backend.supports_cuda_graph:
+        return None, None
+    shape = dict(max_model_len=config.max_model_len, block_size=config.kvcache_block_size, hidden_size=hidden_size,
+                 dtype=dtype, device=device)  # fmt: skip
+    graphs = CudaGraphDecoder(model, backend, max_batch=min(config.max_num_seqs, 512), **shape)
+    mixed_tokens = min(config.cuda_graph_max_mixed_tokens, config.max_num_batched_tokens)
+    if mixed_tokens <= 1 or not backend.supports_cuda_graph_mixed:
+        return graphs, None
+    mixed = CudaGraphMixed(model, backend, graphs.max_batch, mixed_tokens, pool=graphs.pool, **shape)
+    return graphs, mixed
+

@@ -3,6 +3,7 @@ top-k, top-p, min-p, with per-request seeds; logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -12,6 +13,7 @@ import torch
 from nanovllm_core.host_tensor import host_tensor
 from nanovllm_core.layers.fused import fused_enabled, temperature_race
 from nanovllm_core.layers.triton_jit import kernel_module
+from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence
 
 
@@ -21,62 +23,34 @@ class Penalties:
 
     ``repetition`` divides the positive logits and multiplies the others of every token in the prompt or the
     output; then ``frequency`` times a token's count in the output and ``presence`` (once) for a token in the
-    output are subtracted.
+    output are subtracted. The counts are rows ``table_rows`` of :class:`SamplingState`'s persistent tables.
     """
 
     rows: torch.Tensor  # int64 [m]: which rows of the batch
     presence: torch.Tensor  # float32 [m]
     frequency: torch.Tensor  # float32 [m]
     repetition: torch.Tensor  # float32 [m]
-    output_counts: torch.Tensor  # float32 [m, vocab]: occurrences of each token in the output
-    seen: torch.Tensor  # bool [m, vocab]: in the prompt or in the output
-
-    @classmethod
-    def from_seqs(cls, seqs: list[Sequence], rows: list[int], vocab_size: int, device: torch.device) -> Penalties:
-        """``rows``: the indices into ``seqs`` (and into the logits) of the sequences that use penalties."""
-        output_ids: list[int] = []
-        output_lens: list[int] = []
-        prompt_ids: list[int] = []
-        prompt_lens: list[int] = []
-        for row in rows:
-            seq = seqs[row]
-            tokens, num_prompt = seq.token_ids, seq.num_prompt_tokens
-            # a placeholder can only be the last token (one step in flight); the engine must not let it get here
-            assert tokens[-1] != PLACEHOLDER_TOKEN, f"request {seq.request_id} uses penalties but a token is in flight"
-            output_ids += tokens[num_prompt:]
-            output_lens.append(len(tokens) - num_prompt)
-            repeat = seq.sampling_params.repetition_penalty != 1
-            prompt_ids += tokens[:num_prompt] if repeat else []
-            prompt_lens.append(num_prompt if repeat else 0)
-        params = [seqs[row].sampling_params for row in rows]
-        m = len(rows)
-        index = torch.arange(m, device=device)
-        counts = torch.zeros((m, vocab_size), dtype=torch.float32, device=device)
-        out_rows = index.repeat_interleave(host_tensor(output_lens, torch.int64, device), output_size=len(output_ids))
-        out_ids = host_tensor(output_ids, torch.int64, device)
-        counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)
-        seen = counts > 0
-        p_rows = index.repeat_interleave(host_tensor(prompt_lens, torch.int64, device), output_size=len(prompt_ids))
-        seen[p_rows, host_tensor(prompt_ids, torch.int64, device)] = True
-        return cls(
-            host_tensor(rows, torch.int64, device),
-            host_tensor([p.presence_penalty for p in params], torch.float32, device),
-            host_tensor([p.frequency_penalty for p in params], torch.float32, device),
-            host_tensor([p.repetition_penalty for p in params], torch.float32, device),
-            counts,
-            seen,
-        )
+    table_rows: torch.Tensor  # int64 [m]: their rows of counts and prompt_seen
+    counts: torch.Tensor  # float32 [rows, vocab]: occurrences of each token in the output
+    prompt_seen: torch.Tensor  # bool [rows, vocab]: in the prompt (rows with a repetition penalty only)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The penalised logits as a new float32 tensor (``logits`` is left as it is)."""
         logits = logits.float()
         penalised = logits[self.rows]
+        output_counts = self.counts[self.table_rows]
+        seen = self.prompt_seen[self.table_rows] | (output_counts > 0)
         repetition = self.repetition.unsqueeze(1)
         repeated = torch.where(penalised > 0, penalised / repetition, penalised * repetition)
-        penalised = torch.where(self.seen, repeated, penalised)
-        penalised -= self.frequency.unsqueeze(1) * self.output_counts
-        penalised -= self.presence.unsqueeze(1) * (self.output_counts > 0)
+        penalised = torch.where(seen, repeated, penalised)
+        penalised -= self.frequency.unsqueeze(1) * output_counts
+        penalised -= self.presence.unsqueeze(1) * (output_counts > 0)
         return logits.index_copy(0, self.rows, penalised)
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """Count this step's sampled ``tokens`` (one per row of the batch) into the output counts, on the device."""
+        sampled = tokens[self.rows]
+        self.counts.index_put_((self.table_rows, sampled), torch.ones_like(sampled, dtype=torch.float32), True)
 
 
 @dataclass
@@ -167,41 +141,171 @@ class SamplingBatch:
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
-        params = [s.sampling_params for s in seqs]
-        temperatures = [p.temperature for p in params]
-        num_greedy = temperatures.count(0)  # 0.0 == 0, so this counts both
+        """The batch of ``seqs`` alone (a one-off :class:`SamplingState`)."""
+        state = SamplingState(vocab_size, device)
+        return state.batch(seqs, state.add(seqs))
+
+
+# per-request scalars of SamplingState: name -> (dtype, value of SamplingParams p)
+_COLUMNS: dict[str, tuple[torch.dtype, Callable[[SamplingParams, int], float]]] = {
+    "temperature": (torch.float32, lambda p, vocab: p.temperature),
+    "top_k": (torch.int64, lambda p, vocab: p.top_k if p.top_k > 0 else vocab),
+    "top_p": (torch.float32, lambda p, vocab: p.top_p),
+    "min_p": (torch.float32, lambda p, vocab: p.min_p),
+    "presence": (torch.float32, lambda p, vocab: p.presence_penalty),
+    "frequency": (torch.float32, lambda p, vocab: p.frequency_penalty),
+    "repetition": (torch.float32, lambda p, vocab: p.repetition_penalty),
+}
+
+
+def _grown(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """``table`` with at least ``rows`` rows (doubling; new rows zero)."""
+    if table.size(0) >= rows:
+        return table
+    grown = table.new_zeros((max(rows, 2 * table.size(0)), *table.shape[1:]))
+    grown[: table.size(0)] = table
+    return grown
+
+
+class SamplingState:
+    """Per-request sampling state in persistent tensors, one row (slot) per request (vLLM's ``InputBatch``).
+
+    A request's parameters are written once, when it joins (:meth:`add`); the output-token counts of a request
+    with penalties start from its tokens then and grow on the device by each step's sampled tokens
+    (:meth:`Penalties.record`); :meth:`remove` frees its slot. A step gathers its rows (:meth:`batch`) instead of
+    rebuilding tensors from the sequences; the count tables hold rows for requests with penalties only.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.params: list[SamplingParams | None] = []  # per slot; None: free
+        self.generators: list[torch.Generator | None] = []
+        self.penalty_rows: list[int] = []  # per slot: its row of counts / prompt_seen, -1 without penalties
+        self.free: list[int] = []
+        self.free_penalty_rows: list[int] = []
+        self.num_penalty_rows = 0  # rows of counts / prompt_seen handed out (free ones included)
+        self.columns = {name: torch.zeros(0, dtype=dtype, device=device) for name, (dtype, _) in _COLUMNS.items()}
+        self.counts = torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
+        self.prompt_seen = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
+        # the last step's slots, batch and rows with logit adjustments
+        self._last: tuple[list[int], SamplingBatch, list[int]] | None = None
+
+    def add(self, seqs: list[Sequence]) -> list[int]:
+        """Give each sequence a slot and write its parameters (and, with penalties, its token counts so far)."""
+        self._last = None
+        slots = []
+        for seq in seqs:
+            slot = self.free.pop() if self.free else len(self.params)
+            if slot == len(self.params):
+                self.params.append(None)
+                self.generators.append(None)
+                self.penalty_rows.append(-1)
+            self.params[slot], self.generators[slot] = seq.sampling_params, seq.generator
+            slots.append(slot)
+        index = host_tensor(slots, torch.int64, self.device)
+        for name, (dtype, value) in _COLUMNS.items():
+            column = self.columns[name] = _grown(self.columns[name], len(self.params))
+            values = [value(seq.sampling_params, self.vocab_size) for seq in seqs]
+            column[index] = host_tensor(values, dtype, self.device)
+        penalised = [(seq, slot) for seq, slot in zip(seqs, slots) if seq.sampling_params.needs_output_token_ids]
+        if penalised:
+            self._add_counts(penalised)
+        return slots
+
+    def _add_counts(self, penalised: list[tuple[Sequence, int]]) -> None:
+        rows, output_ids, output_lens, prompt_ids, prompt_lens = [], [], [], [], []
+        for seq, slot in penalised:
+            tokens, num_prompt = seq.token_ids, seq.num_prompt_tokens
+            # a placeholder can only be the last token (one step in flight); the engine must not let it get here
+            assert tokens[-1] != PLACEHOLDER_TOKEN, f"request {seq.request_id} uses penalties but a token is in flight"
+            if self.free_penalty_rows:
+                row = self.free_penalty_rows.pop()
+            else:
+                row, self.num_penalty_rows = self.num_penalty_rows, self.num_penalty_rows + 1
+            self.penalty_rows[slot] = row
+            rows.append(row)
+            output_ids += tokens[num_prompt:]
+            output_lens.append(len(tokens) - num_prompt)
+            repeat = seq.sampling_params.repetition_penalty != 1
+            prompt_ids += tokens[:num_prompt] if repeat else []
+            prompt_lens.append(num_prompt if repeat else 0)
+        self.counts = _grown(self.counts, self.num_penalty_rows)
+        self.prompt_seen = _grown(self.prompt_seen, self.num_penalty_rows)
+        dev = self.device
+        index = host_tensor(rows, torch.int64, dev)
+        self.counts[index] = 0
+        self.prompt_seen[index] = False
+        out_rows = index.repeat_interleave(host_tensor(output_lens, torch.int64, dev), output_size=len(output_ids))
+        out_ids = host_tensor(output_ids, torch.int64, dev)
+        self.counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)
+        p_rows = index.repeat_interleave(host_tensor(prompt_lens, torch.int64, dev), output_size=len(prompt_ids))
+        self.prompt_seen[p_rows, host_tensor(prompt_ids, torch.int64, dev)] = True
+
+    def remove(self, slots: list[int]) -> None:
+        """Free the slots of requests that left."""
+        self._last = None
+        for slot in slots:
+            self.params[slot] = self.generators[slot] = None
+            if self.penalty_rows[slot] >= 0:
+                self.free_penalty_rows.append(self.penalty_rows[slot])
+                self.penalty_rows[slot] = -1
+            self.free.append(slot)
+        if len(self.free_penalty_rows) == self.num_penalty_rows > 0:  # no request with penalties left: free them
+            self.counts, self.prompt_seen = self.counts[:0].clone(), self.prompt_seen[:0].clone()
+            self.free_penalty_rows.clear()
+            self.num_penalty_rows = 0
+
+    def batch(self, seqs: list[Sequence], slots: list[int]) -> SamplingBatch:
+        """The step's sampling parameters: the rows ``slots`` of ``seqs`` (reused while the slots stay the same);
+        the logit adjustments follow each sequence's output so far, so they are built for every step."""
+        if self._last is None or self._last[0] != slots:
+            params: list[SamplingParams] = [self.params[slot] for slot in slots]  # type: ignore[misc]
+            adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+            self._last = (slots, self._gather(slots, params), adjusted)
+        _, batch, adjusted = self._last
+        if adjusted:
+            adjustments = LogitAdjustments.from_seqs(seqs, adjusted, self.vocab_size, self.device)
+            batch = dataclasses.replace(batch, adjustments=adjustments)
+        return batch
+
+    def _gather(self, slots: list[int], params: list[SamplingParams]) -> SamplingBatch:
+        dev, columns = self.device, self.columns
+        index = host_tensor(slots, torch.int64, dev)
+        num_greedy = sum(p.temperature == 0 for p in params)
         all_greedy = num_greedy == len(params)
         top_k = top_p = min_p = None
-        filtered = not all_greedy and any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
-        if filtered:
+        if not all_greedy and any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             if any(p.top_k > 0 for p in params):
-                top_k = host_tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64, device)
+                top_k = columns["top_k"][index]
             if any(p.top_p < 1 for p in params):
-                top_p = host_tensor([p.top_p for p in params], torch.float32, device)
+                top_p = columns["top_p"][index]
             if any(p.min_p > 0 for p in params):
-                min_p = host_tensor([p.min_p for p in params], torch.float32, device)
+                min_p = columns["min_p"][index]
         penalties = None
-        if any(p.needs_output_token_ids for p in params):
-            rows = [i for i, p in enumerate(params) if p.needs_output_token_ids]
-            penalties = Penalties.from_seqs(seqs, rows, vocab_size, device)
+        rows = [i for i, p in enumerate(params) if p.needs_output_token_ids]
+        if rows:
+            pslots = host_tensor([slots[i] for i in rows], torch.int64, dev)
+            table_rows = host_tensor([self.penalty_rows[slots[i]] for i in rows], torch.int64, dev)
+            penalties = Penalties(
+                host_tensor(rows, torch.int64, dev),
+                *(columns[name][pslots] for name in ("presence", "frequency", "repetition")),
+                table_rows,
+                self.counts,
+                self.prompt_seen,
+            )
         num_logprobs: list[int | None] | None = [p.logprobs for p in params]
         if num_logprobs.count(None) == len(params):
             num_logprobs = None
-        adjustments = None
-        if any(p.adjusts_logits for p in params):
-            rows = [i for i, p in enumerate(params) if p.adjusts_logits]
-            adjustments = LogitAdjustments.from_seqs(seqs, rows, vocab_size, device)
-        return cls(
-            host_tensor(temperatures, torch.float32, device),
+        return SamplingBatch(
+            columns["temperature"][index],
             top_k,
             top_p,
             min_p,
-            [s.generator for s in seqs],
+            [self.generators[slot] for slot in slots],
             all_greedy,
             num_greedy > 0,
             penalties,
             num_logprobs,
-            adjustments,
         )
 
 

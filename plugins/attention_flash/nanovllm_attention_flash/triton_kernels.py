@@ -650,30 +650,24 @@ def num_sms(device: torch.device) -> int:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _check_cache(
+def _cache_args(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    key_scales: torch.Tensor | None = None,
-    value_scales: torch.Tensor | None = None,
-) -> None:
+    key_scales: torch.Tensor | None,
+    value_scales: torch.Tensor | None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, ...]]:
+    """Checks the cache; returns the kernels' scale arguments (for a 16-bit cache, placeholders that the kernels
+    never read) and their stride arguments: the cache's block, row and head strides, the scales' block and head."""
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache.stride(-1) == 1, "the cache's head_dim must be contiguous"
     assert (key_scales is None) == (value_scales is None), "an FP8 cache needs key and value scales"
-    if key_scales is not None:
-        assert key_cache.dtype == torch.float8_e4m3fn, f"scales come with an e4m3 cache, not {key_cache.dtype}"
-        num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-        assert key_scales.shape == value_scales.shape == (num_blocks, num_kv_heads, block_size)
-        assert key_scales.stride() == value_scales.stride() and key_scales.stride(-1) == 1
-
-
-def _scale_args(
-    key_cache: torch.Tensor, key_scales: torch.Tensor | None, value_scales: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """The scale arguments of the attention kernels: the scale tensors and their block/head strides, or (for a
-    16-bit cache) placeholders that the kernel never reads."""
     if key_scales is None or value_scales is None:
-        return key_cache, key_cache, 0, 0
-    return key_scales, value_scales, key_scales.stride(0), key_scales.stride(1)
+        return (key_cache, key_cache), (*key_cache.stride()[:3], 0, 0)
+    assert key_cache.dtype == torch.float8_e4m3fn, f"scales come with an e4m3 cache, not {key_cache.dtype}"
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    assert key_scales.shape == value_scales.shape == (num_blocks, num_kv_heads, block_size)
+    assert key_scales.stride() == value_scales.stride() and key_scales.stride(-1) == 1
+    return (key_scales, value_scales), (*key_cache.stride()[:3], *key_scales.stride()[:2])
 
 
 def store_kv(
@@ -693,27 +687,21 @@ def store_kv(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _check_cache(key_cache, value_cache, key_scales, value_scales)
+    scales, strides = _cache_args(key_cache, value_cache, key_scales, value_scales)
     assert k.stride(-1) == 1 and v.stride(-1) == 1
-    k_scales, v_scales, stride_s_block, stride_s_head = _scale_args(key_cache, key_scales, value_scales)
     fp8 = key_scales is not None
     _kernels_for(k.device).store_kv[(num_tokens,)](
         k,
         v,
         key_cache.view(torch.uint8) if fp8 else key_cache,
         value_cache.view(torch.uint8) if fp8 else value_cache,
-        k_scales,
-        v_scales,
+        *scales,
         slot_mapping,
         k.stride(0),
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        stride_s_block,
-        stride_s_head,
+        *strides,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEADS_P2=triton.next_power_of_2(num_kv_heads),
@@ -753,8 +741,7 @@ def decode_attention(
     block_size = key_cache.shape[1]
     if num_seqs == 0:
         return
-    _check_cache(key_cache, value_cache, key_scales, value_scales)
-    k_scales, v_scales, stride_s_block, stride_s_head = _scale_args(key_cache, key_scales, value_scales)
+    scales, strides = _cache_args(key_cache, value_cache, key_scales, value_scales)
     assert q.stride(-1) == 1 and out.stride(-1) == 1
     assert block_size % config.block_n == 0, "decode tiles must not cross a cache block"
     group = num_heads // num_kv_heads
@@ -775,8 +762,7 @@ def decode_attention(
         q,
         key_cache,
         value_cache,
-        k_scales,
-        v_scales,
+        *scales,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -787,11 +773,7 @@ def decode_attention(
         num_splits,
         q.stride(0),
         q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        stride_s_block,
-        stride_s_head,
+        *strides,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -903,8 +885,7 @@ def prefill_attention(
     block_size = key_cache.shape[1]
     if num_seqs == 0 or num_tokens == 0:
         return
-    _check_cache(key_cache, value_cache, key_scales, value_scales)
-    k_scales, v_scales, stride_s_block, stride_s_head = _scale_args(key_cache, key_scales, value_scales)
+    scales, strides = _cache_args(key_cache, value_cache, key_scales, value_scales)
     assert q.stride(-1) == 1 and out.stride(-1) == 1
     assert block_size % config.block_n == 0, "prefill key tiles must not cross a cache block"
     kernels = _kernels_for(q.device)
@@ -916,8 +897,7 @@ def prefill_attention(
         q,
         k_arg,
         v_arg,
-        k_scales,
-        v_scales,
+        *scales,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -926,11 +906,7 @@ def prefill_attention(
         num_seqs,
         q.stride(0),
         q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        stride_s_block,
-        stride_s_head,
+        *strides,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
