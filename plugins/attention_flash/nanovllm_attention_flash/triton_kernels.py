@@ -426,84 +426,68 @@ def _prefill_kernel(
     table = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
     block_next = tl.load(table)  # the first tile's block (every sequence here has a key)
 
-    # keys every row of the block sees: [0, context + first row), whole tiles only
     unmasked_end = ((context + m_block * BLOCK_M) // BLOCK_N) * BLOCK_N
-    for start in range(0, unmasked_end, BLOCK_N):
-        block = block_next
-        # the next tile (here or the diagonal's first) starts at or before the block's first row: a key
-        block_next = tl.load(table + (start + BLOCK_N) // BLOCK_SIZE)
-        if USE_TMA:
-            row = block * BLOCK_SIZE + start % BLOCK_SIZE
-            k = KEY_CACHE.load([row, col])
+    for diagonal in tl.static_range(2):
+        if diagonal:
+            # the diagonal: causal mask and the end of the context. Row r sees keys <= min(its position,
+            # seq_len - 1) (rows past the chunk's end see the whole context, so no row is ever empty)
+            begin = unmasked_end
+            end = tl.minimum(context + (m_block + 1) * BLOCK_M, seq_len)
+            last_key = tl.minimum(context + offs_m, seq_len - 1)
         else:
-            tile = block.to(tl.int64) * stride_c_block + (start % BLOCK_SIZE) * stride_c_tok
-            k = tl.load(k_base + tile + tile_offs)
-        if KV_FP8:
-            scale_offs = block.to(tl.int64) * stride_s_block + start % BLOCK_SIZE + offs_n
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            s = s * tl.load(ks_base + scale_offs)[None, :]
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
-        p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        if USE_TMA:
-            v = VALUE_CACHE.load([row, col])
-        else:
-            v = tl.load(v_base + tile + tile_offs)
-        if KV_FP8:
-            v_scale = tl.load(vs_base + scale_offs)
-            if HALF_DOTS:
-                v = v.to(tl.float16)
-                p = p * (v_scale * 256.0)[None, :]
+            # keys every row of the block sees: [0, context + first row), whole tiles only
+            begin = 0
+            end = unmasked_end
+        for start in range(begin, end, BLOCK_N):
+            block = block_next
+            if diagonal:
+                block_next = tl.load(table + tl.minimum(start + BLOCK_N, seq_len - 1) // BLOCK_SIZE)
             else:
-                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    # the diagonal: causal mask and the end of the context. Row r sees keys <= min(its position, seq_len - 1)
-    # (rows past the chunk's end see the whole context, so no row is ever empty)
-    masked_end = tl.minimum(context + (m_block + 1) * BLOCK_M, seq_len)
-    last_key = tl.minimum(context + offs_m, seq_len - 1)
-    for start in range(unmasked_end, masked_end, BLOCK_N):
-        block = block_next
-        block_next = tl.load(table + tl.minimum(start + BLOCK_N, seq_len - 1) // BLOCK_SIZE)
-        keys = start + offs_n
-        # keys past seq_len are read but never used: K's scores are masked out below; V's rows are zeroed
-        # (p is 0 there, but the slots may hold NaN/Inf and 0 * NaN is NaN)
-        if USE_TMA:
-            row = block * BLOCK_SIZE + start % BLOCK_SIZE
-            k = KEY_CACHE.load([row, col])
-        else:
-            tile = block.to(tl.int64) * stride_c_block + (start % BLOCK_SIZE) * stride_c_tok
-            k = tl.load(k_base + tile + tile_offs)
-        if KV_FP8:  # the scales of keys past seq_len may be anything too: masked below, after the product
-            scale_offs = block.to(tl.int64) * stride_s_block + start % BLOCK_SIZE + offs_n
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            s = s * tl.load(ks_base + scale_offs)[None, :]
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s = tl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
-        p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        if USE_TMA:
-            v = VALUE_CACHE.load([row, col])
-        else:
-            v = tl.load(v_base + tile + tile_offs, mask=(keys < seq_len)[:, None], other=0.0)
-        if KV_FP8:
-            v_scale = tl.load(vs_base + scale_offs, mask=keys < seq_len, other=0.0)
-            if HALF_DOTS:
-                v = v.to(tl.float16)
-                p = p * (v_scale * 256.0)[None, :]
+                # the next tile (here or the diagonal's first) starts at or before the block's first row: a key
+                block_next = tl.load(table + (start + BLOCK_N) // BLOCK_SIZE)
+            # on the diagonal, keys past seq_len are read but never used: K's scores (and, FP8, the product with
+            # the scales, which may be anything there too) are masked out; V's rows are zeroed (p is 0 there, but
+            # the slots may hold NaN/Inf and 0 * NaN is NaN)
+            keys = start + offs_n
+            if USE_TMA:
+                row = block * BLOCK_SIZE + start % BLOCK_SIZE
+                k = KEY_CACHE.load([row, col])
             else:
-                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-        if USE_TMA:  # after the dequantisation: NaN * 0 is NaN
-            v = tl.where((keys < seq_len)[:, None], v, 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+                tile = block.to(tl.int64) * stride_c_block + (start % BLOCK_SIZE) * stride_c_tok
+                k = tl.load(k_base + tile + tile_offs)
+            if KV_FP8:
+                scale_offs = block.to(tl.int64) * stride_s_block + start % BLOCK_SIZE + offs_n
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+                s = s * tl.load(ks_base + scale_offs)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if diagonal:
+                s = tl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
+            p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+            if USE_TMA:
+                v = VALUE_CACHE.load([row, col])
+            elif diagonal:
+                v = tl.load(v_base + tile + tile_offs, mask=(keys < seq_len)[:, None], other=0.0)
+            else:
+                v = tl.load(v_base + tile + tile_offs)
+            if KV_FP8:
+                if diagonal:
+                    v_scale = tl.load(vs_base + scale_offs, mask=keys < seq_len, other=0.0)
+                else:
+                    v_scale = tl.load(vs_base + scale_offs)
+                if HALF_DOTS:
+                    v = v.to(tl.float16)
+                    p = p * (v_scale * 256.0)[None, :]
+                else:
+                    v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            if USE_TMA:
+                if diagonal:  # after the dequantisation: NaN * 0 is NaN
+                    v = tl.where((keys < seq_len)[:, None], v, 0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            m_i = m_new
 
     norm = tl.where(l_i > 0.0, l_i, 1.0)
     if HALF_DOTS:
