@@ -146,16 +146,11 @@ class SamplingBatch:
         return state.batch(seqs, state.add(seqs))
 
 
-# per-request scalars of SamplingState: name -> (dtype, value of SamplingParams p)
-_COLUMNS: dict[str, tuple[torch.dtype, Callable[[SamplingParams, int], float]]] = {
-    "temperature": (torch.float32, lambda p, vocab: p.temperature),
-    "top_k": (torch.int64, lambda p, vocab: p.top_k if p.top_k > 0 else vocab),
-    "top_p": (torch.float32, lambda p, vocab: p.top_p),
-    "min_p": (torch.float32, lambda p, vocab: p.min_p),
-    "presence": (torch.float32, lambda p, vocab: p.presence_penalty),
-    "frequency": (torch.float32, lambda p, vocab: p.frequency_penalty),
-    "repetition": (torch.float32, lambda p, vocab: p.repetition_penalty),
-}
+def _param_row(p: SamplingParams, vocab_size: int) -> list[float]:
+    """A request's row of :attr:`SamplingState.params`: temperature, top-k (the vocabulary size where off), top-p,
+    min-p, presence, frequency and repetition penalties (float32 holds every top-k exactly)."""
+    top_k = p.top_k if p.top_k > 0 else vocab_size
+    return [p.temperature, top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
 
 
 def _grown(table: torch.Tensor, rows: int) -> torch.Tensor:
@@ -165,6 +160,20 @@ def _grown(table: torch.Tensor, rows: int) -> torch.Tensor:
     grown = table.new_zeros((max(rows, 2 * table.size(0)), *table.shape[1:]))
     grown[: table.size(0)] = table
     return grown
+
+
+class _Rows:
+    """Row numbers of a table handed out and given back; ``high``: rows the table needs."""
+
+    def __init__(self) -> None:
+        self.free: list[int] = []
+        self.high = 0
+
+    def take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        self.high += 1
+        return self.high - 1
 
 
 class SamplingState:
@@ -178,13 +187,9 @@ class SamplingState:
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size, self.device = vocab_size, device
-        self.params: list[SamplingParams | None] = []  # per slot; None: free
-        self.generators: list[torch.Generator | None] = []
-        self.penalty_rows: list[int] = []  # per slot: its row of counts / prompt_seen, -1 without penalties
-        self.free: list[int] = []
-        self.free_penalty_rows: list[int] = []
-        self.num_penalty_rows = 0  # rows of counts / prompt_seen handed out (free ones included)
-        self.columns = {name: torch.zeros(0, dtype=dtype, device=device) for name, (dtype, _) in _COLUMNS.items()}
+        self.params = torch.zeros((0, 7), dtype=torch.float32, device=device)  # a row per slot (_param_row)
+        self.slots, self.penalty_rows = _Rows(), _Rows()
+        self.penalty_row_of: dict[int, int] = {}  # slot -> its row of counts and prompt_seen
         self.counts = torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
         self.prompt_seen = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
         # the last step's slots, batch and rows with logit adjustments
@@ -193,119 +198,83 @@ class SamplingState:
     def add(self, seqs: list[Sequence]) -> list[int]:
         """Give each sequence a slot and write its parameters (and, with penalties, its token counts so far)."""
         self._last = None
-        slots = []
-        for seq in seqs:
-            slot = self.free.pop() if self.free else len(self.params)
-            if slot == len(self.params):
-                self.params.append(None)
-                self.generators.append(None)
-                self.penalty_rows.append(-1)
-            self.params[slot], self.generators[slot] = seq.sampling_params, seq.generator
-            slots.append(slot)
-        index = host_tensor(slots, torch.int64, self.device)
-        for name, (dtype, value) in _COLUMNS.items():
-            column = self.columns[name] = _grown(self.columns[name], len(self.params))
-            values = [value(seq.sampling_params, self.vocab_size) for seq in seqs]
-            column[index] = host_tensor(values, dtype, self.device)
-        penalised = [(seq, slot) for seq, slot in zip(seqs, slots) if seq.sampling_params.needs_output_token_ids]
-        if penalised:
-            self._add_counts(penalised)
-        return slots
-
-    def _add_counts(self, penalised: list[tuple[Sequence, int]]) -> None:
+        dev = self.device
+        slots = [self.slots.take() for _ in seqs]
+        self.params = _grown(self.params, self.slots.high)
+        values = [x for seq in seqs for x in _param_row(seq.sampling_params, self.vocab_size)]
+        self.params[host_tensor(slots, torch.int64, dev)] = host_tensor(values, torch.float32, dev).view(-1, 7)
         rows, output_ids, output_lens, prompt_ids, prompt_lens = [], [], [], [], []
-        for seq, slot in penalised:
+        for seq, slot in zip(seqs, slots):
+            if not seq.sampling_params.needs_output_token_ids:
+                continue
             tokens, num_prompt = seq.token_ids, seq.num_prompt_tokens
             # a placeholder can only be the last token (one step in flight); the engine must not let it get here
             assert tokens[-1] != PLACEHOLDER_TOKEN, f"request {seq.request_id} uses penalties but a token is in flight"
-            if self.free_penalty_rows:
-                row = self.free_penalty_rows.pop()
-            else:
-                row, self.num_penalty_rows = self.num_penalty_rows, self.num_penalty_rows + 1
-            self.penalty_rows[slot] = row
-            rows.append(row)
+            rows.append(self.penalty_rows.take())
+            self.penalty_row_of[slot] = rows[-1]
             output_ids += tokens[num_prompt:]
             output_lens.append(len(tokens) - num_prompt)
             repeat = seq.sampling_params.repetition_penalty != 1
             prompt_ids += tokens[:num_prompt] if repeat else []
             prompt_lens.append(num_prompt if repeat else 0)
-        self.counts = _grown(self.counts, self.num_penalty_rows)
-        self.prompt_seen = _grown(self.prompt_seen, self.num_penalty_rows)
-        dev = self.device
-        index = host_tensor(rows, torch.int64, dev)
-        self.counts[index] = 0
-        self.prompt_seen[index] = False
-        out_rows = index.repeat_interleave(host_tensor(output_lens, torch.int64, dev), output_size=len(output_ids))
-        out_ids = host_tensor(output_ids, torch.int64, dev)
-        self.counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)
-        p_rows = index.repeat_interleave(host_tensor(prompt_lens, torch.int64, dev), output_size=len(prompt_ids))
-        self.prompt_seen[p_rows, host_tensor(prompt_ids, torch.int64, dev)] = True
+        if rows:
+            self.counts = _grown(self.counts, self.penalty_rows.high)
+            self.prompt_seen = _grown(self.prompt_seen, self.penalty_rows.high)
+            index = host_tensor(rows, torch.int64, dev)
+            self.counts[index] = 0
+            self.prompt_seen[index] = False
+            out_rows = index.repeat_interleave(host_tensor(output_lens, torch.int64, dev), output_size=len(output_ids))
+            out_ids = host_tensor(output_ids, torch.int64, dev)
+            self.counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)
+            p_rows = index.repeat_interleave(host_tensor(prompt_lens, torch.int64, dev), output_size=len(prompt_ids))
+            self.prompt_seen[p_rows, host_tensor(prompt_ids, torch.int64, dev)] = True
+        return slots
 
     def remove(self, slots: list[int]) -> None:
-        """Free the slots of requests that left."""
+        """Free the slots of requests that left (and the count tables once no request with penalties is left)."""
         self._last = None
-        for slot in slots:
-            self.params[slot] = self.generators[slot] = None
-            if self.penalty_rows[slot] >= 0:
-                self.free_penalty_rows.append(self.penalty_rows[slot])
-                self.penalty_rows[slot] = -1
-            self.free.append(slot)
-        if len(self.free_penalty_rows) == self.num_penalty_rows > 0:  # no request with penalties left: free them
+        self.slots.free += slots
+        self.penalty_rows.free += [self.penalty_row_of.pop(slot) for slot in slots if slot in self.penalty_row_of]
+        if not self.penalty_row_of and self.penalty_rows.high:
             self.counts, self.prompt_seen = self.counts[:0].clone(), self.prompt_seen[:0].clone()
-            self.free_penalty_rows.clear()
-            self.num_penalty_rows = 0
+            self.penalty_rows = _Rows()
 
     def batch(self, seqs: list[Sequence], slots: list[int]) -> SamplingBatch:
         """The step's sampling parameters: the rows ``slots`` of ``seqs`` (reused while the slots stay the same);
         the logit adjustments follow each sequence's output so far, so they are built for every step."""
         if self._last is None or self._last[0] != slots:
-            params: list[SamplingParams] = [self.params[slot] for slot in slots]  # type: ignore[misc]
-            adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
-            self._last = (slots, self._gather(slots, params), adjusted)
+            adjusted = [i for i, seq in enumerate(seqs) if seq.sampling_params.adjusts_logits]
+            self._last = (slots, self._gather(seqs, slots), adjusted)
         _, batch, adjusted = self._last
         if adjusted:
             adjustments = LogitAdjustments.from_seqs(seqs, adjusted, self.vocab_size, self.device)
             batch = dataclasses.replace(batch, adjustments=adjustments)
         return batch
 
-    def _gather(self, slots: list[int], params: list[SamplingParams]) -> SamplingBatch:
-        dev, columns = self.device, self.columns
-        index = host_tensor(slots, torch.int64, dev)
+    def _gather(self, seqs: list[Sequence], slots: list[int]) -> SamplingBatch:
+        params = [seq.sampling_params for seq in seqs]
+        dev = self.device
+        columns = self.params[host_tensor(slots, torch.int64, dev)].T.contiguous()  # [7, rows]
         num_greedy = sum(p.temperature == 0 for p in params)
         all_greedy = num_greedy == len(params)
         top_k = top_p = min_p = None
         if not all_greedy and any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-            if any(p.top_k > 0 for p in params):
-                top_k = columns["top_k"][index]
-            if any(p.top_p < 1 for p in params):
-                top_p = columns["top_p"][index]
-            if any(p.min_p > 0 for p in params):
-                min_p = columns["min_p"][index]
+            top_k = columns[1].long() if any(p.top_k > 0 for p in params) else None
+            top_p = columns[2] if any(p.top_p < 1 for p in params) else None
+            min_p = columns[3] if any(p.min_p > 0 for p in params) else None
         penalties = None
         rows = [i for i, p in enumerate(params) if p.needs_output_token_ids]
         if rows:
-            pslots = host_tensor([slots[i] for i in rows], torch.int64, dev)
-            table_rows = host_tensor([self.penalty_rows[slots[i]] for i in rows], torch.int64, dev)
-            penalties = Penalties(
-                host_tensor(rows, torch.int64, dev),
-                *(columns[name][pslots] for name in ("presence", "frequency", "repetition")),
-                table_rows,
-                self.counts,
-                self.prompt_seen,
-            )
+            index = host_tensor(rows, torch.int64, dev)
+            table_rows = host_tensor([self.penalty_row_of[slots[i]] for i in rows], torch.int64, dev)
+            presence, frequency, repetition = columns[4:][:, index]
+            penalties = Penalties(index, presence, frequency, repetition, table_rows, self.counts, self.prompt_seen)
         num_logprobs: list[int | None] | None = [p.logprobs for p in params]
         if num_logprobs.count(None) == len(params):
             num_logprobs = None
+        generators = [seq.generator for seq in seqs]
         return SamplingBatch(
-            columns["temperature"][index],
-            top_k,
-            top_p,
-            min_p,
-            [self.generators[slot] for slot in slots],
-            all_greedy,
-            num_greedy > 0,
-            penalties,
-            num_logprobs,
+            columns[0], top_k, top_p, min_p, generators, all_greedy, num_greedy > 0, penalties, num_logprobs
         )
 
 

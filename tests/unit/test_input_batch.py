@@ -40,13 +40,13 @@ def test_slots_and_penalty_rows_are_reused_after_a_request_finished():
     inputs = InputBatch(VOCAB, CPU)
     first = [Sequence([1], SamplingParams(presence_penalty=1.0)), Sequence([2], SamplingParams(temperature=0.5))]
     inputs.sampling_batch(first)
-    assert inputs.state.num_penalty_rows == 1 and inputs.state.counts.size(0) >= 1
+    assert inputs.state.penalty_rows.high == 1 and inputs.state.counts.size(0) >= 1
     for seq in first:
         seq.status = SequenceStatus.FINISHED
     second = [Sequence([3], SamplingParams(temperature=0.7, top_k=3))]
     batch = inputs.sampling_batch(second)
     assert set(inputs.slot_of) == {second[0].seq_id}
-    assert len(inputs.state.params) == 2, "a freed slot is taken again"
+    assert inputs.state.slots.high == 2, "a freed slot is taken again"
     assert inputs.state.counts.size(0) == 0, "no request with penalties is left: the count tables are freed"
     assert torch.equal(batch.temperatures, torch.tensor([0.7])) and batch.top_k.tolist() == [3]
 
