@@ -38,8 +38,6 @@ from nanovllm_core.layers.sampler import Sampler
 from nanovllm_core.loader import iter_safetensors
 from nanovllm_core.sequence import Sequence
 
-__all__ = ["ModelRunner", "PendingStep", "flatten_batch", "model_shape", "prepare_inputs", "to_model_inputs"]
-
 logger = logging.getLogger(__name__)
 
 

@@ -4,6 +4,7 @@ top-k, top-p, min-p, with per-request seeds; logprobs."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -98,17 +99,10 @@ class LogitAdjustments:
                 bias_rows += [i] * len(p.logit_bias)
                 bias_ids += p.logit_bias.keys()
                 bias_values += p.logit_bias.values()
-        banned = None
-        if banned_ids:
-            banned = (host_tensor(banned_rows, torch.int64, device), host_tensor(banned_ids, torch.int64, device))
-        bias = None
-        if bias_ids:
-            bias = (
-                host_tensor(bias_rows, torch.int64, device),
-                host_tensor(bias_ids, torch.int64, device),
-                host_tensor(bias_values, torch.float32, device),
-            )
-        return cls(host_tensor(rows, torch.int64, device), allowed, banned, bias)
+        ints = functools.partial(host_tensor, dtype=torch.int64, device=device)
+        banned = (ints(banned_rows), ints(banned_ids)) if banned_ids else None
+        bias = (ints(bias_rows), ints(bias_ids), host_tensor(bias_values, torch.float32, device)) if bias_ids else None
+        return cls(ints(rows), allowed, banned, bias)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The adjusted logits as a new float32 tensor (``logits`` is left as it is)."""
