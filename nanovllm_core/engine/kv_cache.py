@@ -39,24 +39,6 @@ def kv_block_bytes(runner: ModelRunner) -> int:
     return torch.Size(shape).numel() * dtype.itemsize * len(runner.attention_layers)
 
 
-def _num_blocks_from_memory(runner: ModelRunner) -> int:
-    config, device = runner.config, runner.device
-    if device.type == "cuda":
-        _profile_run(runner)
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        peak = torch.cuda.memory_stats(device)["allocated_bytes.all.peak"]
-        current = torch.cuda.memory_stats(device)["allocated_bytes.all.current"]
-        budget = total * config.gpu_memory_utilization - used - peak + current
-        if budget <= 0:
-            raise ConfigError(
-                f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no memory for the KV "
-                f"cache ({used / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB); raise it or use a smaller model"
-            )
-        return int(budget // kv_block_bytes(runner))
-    return int(config.cpu_kvcache_gib * 2**30 // kv_block_bytes(runner))
-
-
 def allocate_kv_cache(runner: ModelRunner) -> tuple[torch.Tensor, int]:
     """The KV cache of every layer (each ``Attention`` layer gets its slice) and its number of blocks."""
     config, device = runner.config, runner.device
@@ -76,7 +58,22 @@ def allocate_kv_cache(runner: ModelRunner) -> tuple[torch.Tensor, int]:
             f"the KV cache in kv_cache_dtype={kv_cache_dtype!r}: {reason}; backends that can here: "
             f"{', '.join(sorted(able)) or 'none'} (set plugins.attention), or use kv_cache_dtype='auto'"
         )
-    num_blocks = config.num_kvcache_blocks or _num_blocks_from_memory(runner)
+    num_blocks = config.num_kvcache_blocks
+    if not num_blocks and device.type == "cuda":  # what gpu_memory_utilization leaves after the activation peak
+        _profile_run(runner)
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        peak = torch.cuda.memory_stats(device)["allocated_bytes.all.peak"]
+        current = torch.cuda.memory_stats(device)["allocated_bytes.all.current"]
+        budget = total * config.gpu_memory_utilization - used - peak + current
+        if budget <= 0:
+            raise ConfigError(
+                f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no memory for the KV "
+                f"cache ({used / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB); raise it or use a smaller model"
+            )
+        num_blocks = int(budget // kv_block_bytes(runner))
+    elif not num_blocks:
+        num_blocks = int(config.cpu_kvcache_gib * 2**30 // kv_block_bytes(runner))
     if dist.is_initialized():  # every rank must hold the same number of blocks
         count = torch.tensor([num_blocks], dtype=torch.int64, device=device)
         all_reduce(count, op=dist.ReduceOp.MIN)  # a rank that failed to start is named, not a raw gloo error

@@ -107,9 +107,7 @@ class ModelRunner:
         # with track_gpu_time, per step: its start and end events and (sequences, query tokens, KV tokens attended)
         self._step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, tuple[int, int, int]]] = []
 
-    def kv_block_bytes(self) -> int:
-        """Bytes one KV-cache block takes over all layers, in the backend's layout for ``kv_cache_dtype``."""
-        return kv_block_bytes(self)
+    kv_block_bytes = kv_block_bytes
 
     @property
     def num_kv_heads_local(self) -> int:
