@@ -27,9 +27,9 @@ from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
 
 from nanovllm_core import EngineConfig, SamplingParams
 from nanovllm_core.engine.core import EngineCore
+from nanovllm_core.engine.input_batch import InputBatch
 from nanovllm_core.engine.model_runner import prepare_inputs
 from nanovllm_core.engine_client.step_loop import pack_outputs
-from nanovllm_core.layers.sampler import SamplingBatch
 
 
 def reference_ms() -> float:
@@ -50,12 +50,13 @@ class StubRunner:
     def __init__(self, block_size: int, num_seqs: int) -> None:
         self.block_size = block_size
         self.tokens = [random.Random(1).randint(1, 10000) for _ in range(num_seqs)]
+        self.input_batch = InputBatch(151936, torch.device("cpu"))
         self.seconds = 0.0
 
     def launch(self, batch, in_flight=None):
         t0 = time.perf_counter()
         inputs = prepare_inputs(batch, self.block_size, torch.device("cpu"))
-        SamplingBatch.from_seqs([batch.seqs[r] for r in inputs.sample_rows], 151936, torch.device("cpu"))
+        self.input_batch.sampling_batch([batch.seqs[r] for r in inputs.sample_rows])
         sampled = [self.tokens[i % len(self.tokens)] if batch.samples(i) else None for i in range(len(batch))]
         self.seconds += time.perf_counter() - t0
         return SimpleNamespace(batch=batch, tokens=lambda: sampled)

@@ -73,65 +73,6 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-class CudaGraphDecoder:
-    def __init__(
-        self,
-        model: nn.Module,
-        backend: AttentionBackend,
-        max_batch: int,
-        max_model_len: int,
-        block_size: int,
-        hidden_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        self.model = model
-        self.backend = backend
-        self.sizes = graph_batch_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
-        self.max_blocks = -(-max_model_len // block_size)
-        n = self.max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)
-        # every row is padding until a step copies its own in; a bucket of bs rows uses the first bs
-        self.batch = AttentionBatch.build(
-            query_start_loc=list(range(n + 1)),
-            seq_lens=[0] * n,
-            block_tables=torch.zeros((n, self.max_blocks), dtype=torch.int32, device=device),
-            slot_mapping=[-1] * n,
-            block_size=block_size,
-            device=device,
-            max_query_len=1,
-            max_seq_len=max_model_len,
-        )
-        self.num_replays = 0  # decode steps run from a graph (tests and benchmarks read it)
-        with torch.inference_mode():
-            buckets = [(bs, bs, backend.build_metadata(self.batch.head(bs))) for bs in reversed(self.sizes)]
-            self.graphs, self.pool = capture_graphs(
-                model, backend, buckets, self.input_ids, self.positions, self.hidden
-            )
-
-    def can_run(self, batch: AttentionBatch) -> bool:
-        return batch.max_query_len == 1 and batch.num_seqs <= self.max_batch
-
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        n = batch.num_seqs
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        static = self.batch
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        static.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        static.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
-        static.block_tables[:n, : batch.block_tables.size(1)].copy_(batch.block_tables, non_blocking=True)
-        if bs > n:
-            static.slot_mapping[n:bs].fill_(-1)
-            static.seq_lens[n:bs].zero_()
-        self.graphs[bs].replay()
-        self.num_replays += 1
-        return self.hidden[:n]
-
-
 def mixed_token_sizes(max_tokens: int) -> list[int]:
     """Token-count buckets of the mixed-step graphs: powers of two to 256, then every 128 up to ``max_tokens``."""
     sizes = [t for t in (16, 32, 64, 128, 256) if t < max_tokens] + list(range(384, max_tokens + 1, 128))
@@ -142,34 +83,52 @@ def mixed_token_sizes(max_tokens: int) -> list[int]:
 
 class MixedStepBuffers:
     """The static inputs of the mixed-step graphs: ``max_seqs`` sequence rows and ``max_tokens`` tokens, and how
-    a step is copied into them (device-agnostic: the CPU tests run the kernels on them in Triton's interpreter)."""
+    a step is copied into them (device-agnostic: the CPU tests run the kernels on them in Triton's interpreter).
 
-    def __init__(self, max_seqs: int, max_tokens: int, max_model_len: int, block_size: int, device: torch.device):
-        self.sizes = mixed_token_sizes(max_tokens)
+    ``decode``: the decode graphs' instead, one token per row, bucketed by batch size (``graph_batch_sizes``): a
+    bucket of ``bs`` rows uses the first ``bs``.
+    """
+
+    def __init__(
+        self,
+        max_seqs: int,
+        max_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        decode: bool = False,
+    ) -> None:
+        self.decode = decode
+        self.sizes = graph_batch_sizes(max_seqs) if decode else mixed_token_sizes(max_tokens)
         self.max_tokens = self.sizes[-1]
-        self.max_seqs = max_seqs
+        self.max_seqs = self.max_tokens if decode else max_seqs
         self.max_blocks = -(-max_model_len // block_size)
         n = self.max_tokens
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         # every row and token is padding until a step copies its own in: no sequence owns a token
         self.batch = AttentionBatch.build(
-            query_start_loc=[0] * (max_seqs + 1),
-            seq_lens=[0] * max_seqs,
-            block_tables=torch.zeros((max_seqs, self.max_blocks), dtype=torch.int32, device=device),
+            query_start_loc=list(range(n + 1)) if decode else [0] * (max_seqs + 1),
+            seq_lens=[0] * self.max_seqs,
+            block_tables=torch.zeros((self.max_seqs, self.max_blocks), dtype=torch.int32, device=device),
             slot_mapping=[-1] * n,
             block_size=block_size,
             device=device,
-            max_query_len=n,
+            max_query_len=1 if decode else n,
             max_seq_len=max_model_len,
         )
 
     def bucket(self, num_tokens: int) -> AttentionBatch:
-        """The static batch of the ``num_tokens`` bucket: every sequence row, the first ``num_tokens`` slots."""
+        """The static batch of the ``num_tokens`` bucket: every sequence row (decode: the first ``num_tokens``),
+        the first ``num_tokens`` slots."""
+        if self.decode:
+            return self.batch.head(num_tokens)
         slots = self.batch.slot_mapping[:num_tokens]
         return dataclasses.replace(self.batch, slot_mapping=slots, num_tokens=num_tokens, max_query_len=num_tokens)
 
     def can_run(self, batch: AttentionBatch) -> bool:
+        if self.decode:
+            return batch.max_query_len == 1 and batch.num_seqs <= self.max_seqs
         return (
             batch.max_query_len > 1
             and batch.num_tokens <= self.max_tokens
@@ -185,17 +144,23 @@ class MixedStepBuffers:
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         static.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+        static.seq_lens[:rows].copy_(batch.seq_lens, non_blocking=True)
+        static.block_tables[:rows, : batch.block_tables.size(1)].copy_(batch.block_tables, non_blocking=True)
+        if self.decode:  # rows past the step's in its bucket: no slot, no context
+            if size > n:
+                static.slot_mapping[n:size].fill_(-1)
+                static.seq_lens[n:size].zero_()
+            return size
         static.slot_mapping[n:size].fill_(-1)
         static.query_start_loc[: rows + 1].copy_(batch.query_start_loc, non_blocking=True)
         static.query_start_loc[rows + 1 :].fill_(n)
-        static.seq_lens[:rows].copy_(batch.seq_lens, non_blocking=True)
         static.seq_lens[rows:].zero_()
-        static.block_tables[:rows, : batch.block_tables.size(1)].copy_(batch.block_tables, non_blocking=True)
         return size
 
 
 class CudaGraphMixed(MixedStepBuffers):
-    """Steps with prompt tokens of up to ``max_tokens`` tokens over up to ``max_seqs`` sequences, from graphs."""
+    """Steps with prompt tokens of up to ``max_tokens`` tokens over up to ``max_seqs`` sequences, from graphs
+    (``decode``: pure-decode steps, see :class:`CudaGraphDecoder`)."""
 
     def __init__(
         self,
@@ -209,12 +174,14 @@ class CudaGraphMixed(MixedStepBuffers):
         dtype: torch.dtype,
         device: torch.device,
         pool: Any = None,
+        decode: bool = False,
     ) -> None:
-        super().__init__(max_seqs, max_tokens, max_model_len, block_size, device)
+        super().__init__(max_seqs, max_tokens, max_model_len, block_size, device, decode)
         self.hidden = torch.zeros((self.max_tokens, hidden_size), dtype=dtype, device=device)
         self.num_replays = 0  # steps run from a graph (tests and benchmarks read it)
+        build = backend.build_metadata if decode else backend.build_graph_metadata
         with torch.inference_mode():
-            buckets = [(t, t, backend.build_graph_metadata(self.bucket(t))) for t in reversed(self.sizes)]
+            buckets = [(t, t, build(self.bucket(t))) for t in reversed(self.sizes)]
             self.graphs, self.pool = capture_graphs(
                 model, backend, buckets, self.input_ids, self.positions, self.hidden, pool
             )
@@ -223,3 +190,46 @@ class CudaGraphMixed(MixedStepBuffers):
         self.graphs[self.load(input_ids, positions, batch)].replay()
         self.num_replays += 1
         return self.hidden[: batch.num_tokens]
+
+
+class CudaGraphDecoder(CudaGraphMixed):
+    """Pure-decode steps (one new token per sequence), one graph per batch size up to ``max_batch``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        max_batch: int,
+        max_model_len: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(model, backend, max_batch, max_batch, max_model_len, block_size, hidden_size, dtype, device,
+                         decode=True)  # fmt: skip
+        self.max_batch = self.max_seqs
+
+
+def capture_cuda_graphs(
+    model: nn.Module,
+    backend: AttentionBackend,
+    config: Any,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[CudaGraphDecoder | None, CudaGraphMixed | None]:
+    """The graphs ``config`` (an ``EngineConfig``) and the backend allow: decode steps on CUDA unless
+    ``enforce_eager``, and steps with prompt tokens up to ``cuda_graph_max_mixed_tokens`` where the backend
+    opts in (both share one memory pool)."""
+    if device.type != "cuda" or config.enforce_eager or not backend.supports_cuda_graph:
+        return None, None
+    shape = dict(max_model_len=config.max_model_len, block_size=config.kvcache_block_size, hidden_size=hidden_size,
+                 dtype=dtype, device=device)  # fmt: skip
+    graphs = CudaGraphDecoder(model, backend, max_batch=min(config.max_num_seqs, 512), **shape)
+    mixed_tokens = min(config.cuda_graph_max_mixed_tokens, config.max_num_batched_tokens)
+    if mixed_tokens <= 1 or not backend.supports_cuda_graph_mixed:
+        return graphs, None
+    mixed = CudaGraphMixed(model, backend, graphs.max_batch, mixed_tokens, pool=graphs.pool, **shape)
+    return graphs, mixed
+

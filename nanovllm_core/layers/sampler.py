@@ -3,6 +3,8 @@ top-k, top-p, min-p, with per-request seeds; logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -12,6 +14,7 @@ import torch
 from nanovllm_core.host_tensor import host_tensor
 from nanovllm_core.layers.fused import fused_enabled, temperature_race
 from nanovllm_core.layers.triton_jit import kernel_module
+from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence
 
 
@@ -21,62 +24,34 @@ class Penalties:
 
     ``repetition`` divides the positive logits and multiplies the others of every token in the prompt or the
     output; then ``frequency`` times a token's count in the output and ``presence`` (once) for a token in the
-    output are subtracted.
+    output are subtracted. The counts are rows ``table_rows`` of :class:`SamplingState`'s persistent tables.
     """
 
     rows: torch.Tensor  # int64 [m]: which rows of the batch
     presence: torch.Tensor  # float32 [m]
     frequency: torch.Tensor  # float32 [m]
     repetition: torch.Tensor  # float32 [m]
-    output_counts: torch.Tensor  # float32 [m, vocab]: occurrences of each token in the output
-    seen: torch.Tensor  # bool [m, vocab]: in the prompt or in the output
-
-    @classmethod
-    def from_seqs(cls, seqs: list[Sequence], rows: list[int], vocab_size: int, device: torch.device) -> Penalties:
-        """``rows``: the indices into ``seqs`` (and into the logits) of the sequences that use penalties."""
-        output_ids: list[int] = []
-        output_lens: list[int] = []
-        prompt_ids: list[int] = []
-        prompt_lens: list[int] = []
-        for row in rows:
-            seq = seqs[row]
-            tokens, num_prompt = seq.token_ids, seq.num_prompt_tokens
-            # a placeholder can only be the last token (one step in flight); the engine must not let it get here
-            assert tokens[-1] != PLACEHOLDER_TOKEN, f"request {seq.request_id} uses penalties but a token is in flight"
-            output_ids += tokens[num_prompt:]
-            output_lens.append(len(tokens) - num_prompt)
-            repeat = seq.sampling_params.repetition_penalty != 1
-            prompt_ids += tokens[:num_prompt] if repeat else []
-            prompt_lens.append(num_prompt if repeat else 0)
-        params = [seqs[row].sampling_params for row in rows]
-        m = len(rows)
-        index = torch.arange(m, device=device)
-        counts = torch.zeros((m, vocab_size), dtype=torch.float32, device=device)
-        out_rows = index.repeat_interleave(host_tensor(output_lens, torch.int64, device), output_size=len(output_ids))
-        out_ids = host_tensor(output_ids, torch.int64, device)
-        counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)
-        seen = counts > 0
-        p_rows = index.repeat_interleave(host_tensor(prompt_lens, torch.int64, device), output_size=len(prompt_ids))
-        seen[p_rows, host_tensor(prompt_ids, torch.int64, device)] = True
-        return cls(
-            host_tensor(rows, torch.int64, device),
-            host_tensor([p.presence_penalty for p in params], torch.float32, device),
-            host_tensor([p.frequency_penalty for p in params], torch.float32, device),
-            host_tensor([p.repetition_penalty for p in params], torch.float32, device),
-            counts,
-            seen,
-        )
+    table_rows: torch.Tensor  # int64 [m]: their rows of counts and prompt_seen
+    counts: torch.Tensor  # float32 [rows, vocab]: occurrences of each token in the output
+    prompt_seen: torch.Tensor  # bool [rows, vocab]: in the prompt (rows with a repetition penalty only)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The penalised logits as a new float32 tensor (``logits`` is left as it is)."""
         logits = logits.float()
         penalised = logits[self.rows]
+        output_counts = self.counts[self.table_rows]
+        seen = self.prompt_seen[self.table_rows] | (output_counts > 0)
         repetition = self.repetition.unsqueeze(1)
         repeated = torch.where(penalised > 0, penalised / repetition, penalised * repetition)
-        penalised = torch.where(self.seen, repeated, penalised)
-        penalised -= self.frequency.unsqueeze(1) * self.output_counts
-        penalised -= self.presence.unsqueeze(1) * (self.output_counts > 0)
+        penalised = torch.where(seen, repeated, penalised)
+        penalised -= self.frequency.unsqueeze(1) * output_counts
+        penalised -= self.presence.unsqueeze(1) * (output_counts > 0)
         return logits.index_copy(0, self.rows, penalised)
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """Count this step's sampled ``tokens`` (one per row of the batch) into the output counts, on the device."""
+        sampled = tokens[self.rows]
+        self.counts.index_put_((self.table_rows, sampled), torch.ones_like(sampled, dtype=torch.float32), True)
 
 
 @dataclass
@@ -124,17 +99,10 @@ class LogitAdjustments:
                 bias_rows += [i] * len(p.logit_bias)
                 bias_ids += p.logit_bias.keys()
                 bias_values += p.logit_bias.values()
-        banned = None
-        if banned_ids:
-            banned = (host_tensor(banned_rows, torch.int64, device), host_tensor(banned_ids, torch.int64, device))
-        bias = None
-        if bias_ids:
-            bias = (
-                host_tensor(bias_rows, torch.int64, device),
-                host_tensor(bias_ids, torch.int64, device),
-                host_tensor(bias_values, torch.float32, device),
-            )
-        return cls(host_tensor(rows, torch.int64, device), allowed, banned, bias)
+        ints = functools.partial(host_tensor, dtype=torch.int64, device=device)
+        banned = (ints(banned_rows), ints(banned_ids)) if banned_ids else None
+        bias = (ints(bias_rows), ints(bias_ids), host_tensor(bias_values, torch.float32, device)) if bias_ids else None
+        return cls(ints(rows), allowed, banned, bias)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The adjusted logits as a new float32 tensor (``logits`` is left as it is)."""
@@ -167,41 +135,140 @@ class SamplingBatch:
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
-        params = [s.sampling_params for s in seqs]
-        temperatures = [p.temperature for p in params]
-        num_greedy = temperatures.count(0)  # 0.0 == 0, so this counts both
+        """The batch of ``seqs`` alone (a one-off :class:`SamplingState`)."""
+        state = SamplingState(vocab_size, device)
+        return state.batch(seqs, state.add(seqs))
+
+
+def _param_row(p: SamplingParams, vocab_size: int) -> list[float]:
+    """A request's row of :attr:`SamplingState.params`: temperature, top-k (the vocabulary size where off), top-p,
+    min-p, presence, frequency and repetition penalties (float32 holds every top-k exactly)."""
+    top_k = p.top_k if p.top_k > 0 else vocab_size
+    return [p.temperature, top_k, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
+
+
+def _grown(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """``table`` with at least ``rows`` rows (doubling; new rows zero)."""
+    if table.size(0) >= rows:
+        return table
+    grown = table.new_zeros((max(rows, 2 * table.size(0)), *table.shape[1:]))
+    grown[: table.size(0)] = table
+    return grown
+
+
+class _Rows:
+    """Row numbers of a table handed out and given back; ``high``: rows the table needs."""
+
+    def __init__(self) -> None:
+        self.free: list[int] = []
+        self.high = 0
+
+    def take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        self.high += 1
+        return self.high - 1
+
+
+class SamplingState:
+    """Per-request sampling state in persistent tensors, one row (slot) per request (vLLM's ``InputBatch``).
+
+    A request's parameters are written once, when it joins (:meth:`add`); the output-token counts of a request
+    with penalties start from its tokens then and grow on the device by each step's sampled tokens
+    (:meth:`Penalties.record`); :meth:`remove` frees its slot. A step gathers its rows (:meth:`batch`) instead of
+    rebuilding tensors from the sequences; the count tables hold rows for requests with penalties only.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.params = torch.zeros((0, 7), dtype=torch.float32, device=device)  # a row per slot (_param_row)
+        self.slots, self.penalty_rows = _Rows(), _Rows()
+        self.penalty_row_of: dict[int, int] = {}  # slot -> its row of counts and prompt_seen
+        self.counts = torch.zeros((0, vocab_size), dtype=torch.float32, device=device)
+        self.prompt_seen = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
+        # the last step's slots, batch and rows with logit adjustments
+        self._last: tuple[list[int], SamplingBatch, list[int]] | None = None
+
+    def add(self, seqs: list[Sequence]) -> list[int]:
+        """Give each sequence a slot and write its parameters (and, with penalties, its token counts so far)."""
+        self._last = None
+        dev = self.device
+        slots = [self.slots.take() for _ in seqs]
+        self.params = _grown(self.params, self.slots.high)
+        values = [x for seq in seqs for x in _param_row(seq.sampling_params, self.vocab_size)]
+        self.params[host_tensor(slots, torch.int64, dev)] = host_tensor(values, torch.float32, dev).view(-1, 7)
+        rows, output_ids, output_lens, prompt_ids, prompt_lens = [], [], [], [], []
+        for seq, slot in zip(seqs, slots):
+            if not seq.sampling_params.needs_output_token_ids:
+                continue
+            tokens, num_prompt = seq.token_ids, seq.num_prompt_tokens
+            # a placeholder can only be the last token (one step in flight); the engine must not let it get here
+            assert tokens[-1] != PLACEHOLDER_TOKEN, f"request {seq.request_id} uses penalties but a token is in flight"
+            rows.append(self.penalty_rows.take())
+            self.penalty_row_of[slot] = rows[-1]
+            output_ids += tokens[num_prompt:]
+            output_lens.append(len(tokens) - num_prompt)
+            repeat = seq.sampling_params.repetition_penalty != 1
+            prompt_ids += tokens[:num_prompt] if repeat else []
+            prompt_lens.append(num_prompt if repeat else 0)
+        if rows:
+            self.counts = _grown(self.counts, self.penalty_rows.high)
+            self.prompt_seen = _grown(self.prompt_seen, self.penalty_rows.high)
+            index = host_tensor(rows, torch.int64, dev)
+            self.counts[index] = 0
+            self.prompt_seen[index] = False
+            out_rows = index.repeat_interleave(host_tensor(output_lens, torch.int64, dev), output_size=len(output_ids))
+            out_ids = host_tensor(output_ids, torch.int64, dev)
+            self.counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.float32), accumulate=True)
+            p_rows = index.repeat_interleave(host_tensor(prompt_lens, torch.int64, dev), output_size=len(prompt_ids))
+            self.prompt_seen[p_rows, host_tensor(prompt_ids, torch.int64, dev)] = True
+        return slots
+
+    def remove(self, slots: list[int]) -> None:
+        """Free the slots of requests that left (and the count tables once no request with penalties is left)."""
+        self._last = None
+        self.slots.free += slots
+        self.penalty_rows.free += [self.penalty_row_of.pop(slot) for slot in slots if slot in self.penalty_row_of]
+        if not self.penalty_row_of and self.penalty_rows.high:
+            self.counts, self.prompt_seen = self.counts[:0].clone(), self.prompt_seen[:0].clone()
+            self.penalty_rows = _Rows()
+
+    def batch(self, seqs: list[Sequence], slots: list[int]) -> SamplingBatch:
+        """The step's sampling parameters: the rows ``slots`` of ``seqs`` (reused while the slots stay the same);
+        the logit adjustments follow each sequence's output so far, so they are built for every step."""
+        if self._last is None or self._last[0] != slots:
+            adjusted = [i for i, seq in enumerate(seqs) if seq.sampling_params.adjusts_logits]
+            self._last = (slots, self._gather(seqs, slots), adjusted)
+        _, batch, adjusted = self._last
+        if adjusted:
+            adjustments = LogitAdjustments.from_seqs(seqs, adjusted, self.vocab_size, self.device)
+            batch = dataclasses.replace(batch, adjustments=adjustments)
+        return batch
+
+    def _gather(self, seqs: list[Sequence], slots: list[int]) -> SamplingBatch:
+        params = [seq.sampling_params for seq in seqs]
+        dev = self.device
+        columns = self.params[host_tensor(slots, torch.int64, dev)].T.contiguous()  # [7, rows]
+        num_greedy = sum(p.temperature == 0 for p in params)
         all_greedy = num_greedy == len(params)
         top_k = top_p = min_p = None
-        filtered = not all_greedy and any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params)
-        if filtered:
-            if any(p.top_k > 0 for p in params):
-                top_k = host_tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64, device)
-            if any(p.top_p < 1 for p in params):
-                top_p = host_tensor([p.top_p for p in params], torch.float32, device)
-            if any(p.min_p > 0 for p in params):
-                min_p = host_tensor([p.min_p for p in params], torch.float32, device)
+        if not all_greedy and any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            top_k = columns[1].long() if any(p.top_k > 0 for p in params) else None
+            top_p = columns[2] if any(p.top_p < 1 for p in params) else None
+            min_p = columns[3] if any(p.min_p > 0 for p in params) else None
         penalties = None
-        if any(p.needs_output_token_ids for p in params):
-            rows = [i for i, p in enumerate(params) if p.needs_output_token_ids]
-            penalties = Penalties.from_seqs(seqs, rows, vocab_size, device)
+        rows = [i for i, p in enumerate(params) if p.needs_output_token_ids]
+        if rows:
+            index = host_tensor(rows, torch.int64, dev)
+            table_rows = host_tensor([self.penalty_row_of[slots[i]] for i in rows], torch.int64, dev)
+            presence, frequency, repetition = columns[4:][:, index]
+            penalties = Penalties(index, presence, frequency, repetition, table_rows, self.counts, self.prompt_seen)
         num_logprobs: list[int | None] | None = [p.logprobs for p in params]
         if num_logprobs.count(None) == len(params):
             num_logprobs = None
-        adjustments = None
-        if any(p.adjusts_logits for p in params):
-            rows = [i for i, p in enumerate(params) if p.adjusts_logits]
-            adjustments = LogitAdjustments.from_seqs(seqs, rows, vocab_size, device)
-        return cls(
-            host_tensor(temperatures, torch.float32, device),
-            top_k,
-            top_p,
-            min_p,
-            [s.generator for s in seqs],
-            all_greedy,
-            num_greedy > 0,
-            penalties,
-            num_logprobs,
-            adjustments,
+        generators = [seq.generator for seq in seqs]
+        return SamplingBatch(
+            columns[0], top_k, top_p, min_p, generators, all_greedy, num_greedy > 0, penalties, num_logprobs
         )
 
 

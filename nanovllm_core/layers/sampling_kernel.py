@@ -23,7 +23,6 @@ Like the Triton attention plugin, the kernel bodies are plain functions wrapped 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import cache, lru_cache
 
 import torch
@@ -152,19 +151,12 @@ def _merge_kernel(PART_VALUE, PART_INDEX, OUT, num_splits, SPLITS_P2: tl.constex
     tl.store(OUT + row, index.to(tl.int64))
 
 
-@dataclass(frozen=True)
-class _KernelSet:
-    sample: object
-    merge: object
-
-
 @lru_cache(maxsize=2)
-def _kernel_set(interpret: bool) -> _KernelSet:
-    # the seed changes every launch and the split counts with the batch: do not compile a variant per value
-    return _KernelSet(
-        sample=wrap_kernel(_sample_kernel, interpret, do_not_specialize=["seed", "tiles_per_split", "num_splits"]),
-        merge=wrap_kernel(_merge_kernel, interpret, do_not_specialize=["num_splits"]),
-    )
+def _kernels(interpret: bool) -> tuple:
+    """The sampling and merge kernels, compiled (CUDA) or interpreted. The seed changes every launch and the
+    split counts with the batch: no variant is compiled per value."""
+    sample = wrap_kernel(_sample_kernel, interpret, do_not_specialize=["seed", "tiles_per_split", "num_splits"])
+    return sample, wrap_kernel(_merge_kernel, interpret, do_not_specialize=["num_splits"])
 
 
 @cache
@@ -211,12 +203,12 @@ def sample_temperature(
     splits = num_splits if num_splits is not None else _default_splits(rows, num_tiles, logits.device)
     tiles_per_split = triton.cdiv(num_tiles, max(1, min(splits, num_tiles)))
     splits = triton.cdiv(num_tiles, tiles_per_split)
-    kernels = _kernel_set(logits.device.type != "cuda")
+    sample, merge = _kernels(logits.device.type != "cuda")
     part_value = part_index = out  # unused with one split
     if splits > 1:
         part_value = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
         part_index = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
-    kernels.sample[(rows, splits)](
+    sample[(rows, splits)](
         logits,
         temperatures,
         out,
@@ -233,7 +225,7 @@ def sample_temperature(
         num_warps=8 if block >= 4096 else 4,
     )
     if splits > 1:
-        kernels.merge[(rows,)](part_value, part_index, out, splits, SPLITS_P2=triton.next_power_of_2(splits))
+        merge[(rows,)](part_value, part_index, out, splits, SPLITS_P2=triton.next_power_of_2(splits))
     return out
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from engine_helpers import GREEDY, MAX_NEW, PROMPTS
 
-import nanovllm_core.engine.model_runner as model_runner
+import nanovllm_core.engine.input_batch as input_batch
 from nanovllm_core import LLM, PLACEHOLDER_TOKEN, SamplingParams
 from nanovllm_core.testing import PARITY_PROMPTS
 
@@ -41,13 +41,13 @@ def sync_tp1(qwen3_path):
 
 def test_tp2_async_equals_tp1_sync(qwen3_path, sync_tp1, monkeypatch):
     broadcasts = []
-    original = model_runner.broadcast_from_first
+    original = input_batch.broadcast_from_first
 
     def counting(x):
         broadcasts.append(x.numel())
         return original(x)
 
-    monkeypatch.setattr(model_runner, "broadcast_from_first", counting)  # rank 0's side of the placeholder hand-off
+    monkeypatch.setattr(input_batch, "broadcast_from_first", counting)  # rank 0's side of the placeholder hand-off
     want = tokens(sync_tp1.generate(PROMPTS, GREEDY, use_tqdm=False))
     stop_ids = [seq[4] for seq in want[:3]]
     stopping = [

@@ -128,3 +128,25 @@ def test_mixed_step_buffers_pad_each_step_to_its_bucket():
     too_many = AttentionBatch.from_spans([[1]] * 6, [(0, 2)] * 6, BLOCK, device)
     too_long = AttentionBatch.from_spans([[1, 2, 3]], [(0, 41)], BLOCK, device)
     assert not any(buffers.can_run(b) for b in (decode, too_many, too_long))
+
+
+def test_decode_step_buffers_pad_the_rows_of_its_batch_size_bucket():
+    """The decode graphs' buffers (``decode=True``): one token per row, bucketed by batch size; the rows of the
+    bucket past the step's attend nothing and store nothing, whatever an earlier, larger step left."""
+    from nanovllm_core.engine.cuda_graph import MixedStepBuffers
+
+    buffers = MixedStepBuffers(max_seqs=20, max_tokens=20, max_model_len=100, block_size=BLOCK,
+                               device=torch.device("cpu"), decode=True)  # fmt: skip
+    assert buffers.sizes == [1, 2, 4, 8, 16, 20] and (buffers.max_seqs, buffers.max_tokens) == (20, 20)
+    big = AttentionBatch.from_spans([[1]] * 6, [(3, 4)] * 6, BLOCK, torch.device("cpu"))
+    assert buffers.can_run(big) and buffers.load(torch.arange(6), torch.arange(6), big) == 8
+    step = AttentionBatch.from_spans([[1], [2], [3]], [(4, 5), (0, 1), (9, 10)], BLOCK, torch.device("cpu"))
+    prefill = AttentionBatch.from_spans([[1]], [(0, 2)], BLOCK, torch.device("cpu"))
+    assert buffers.can_run(step) and not buffers.can_run(prefill)
+    assert buffers.load(torch.tensor([1, 2, 3]), torch.tensor([4, 0, 9]), step) == 4
+    static = buffers.bucket(4)
+    assert (static.num_seqs, static.num_tokens, static.max_query_len) == (4, 4, 1)
+    assert static.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert static.seq_lens.tolist() == [5, 1, 10, 0]
+    assert static.slot_mapping.tolist() == step.slot_mapping.tolist() + [-1]
+    assert buffers.input_ids[:3].tolist() == [1, 2, 3] and buffers.positions[:3].tolist() == [4, 0, 9]

@@ -277,10 +277,7 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonMetadata
     ) -> torch.Tensor:
         key_cache, value_cache, scales = self._cache_views(kv_cache)
-        if scales:
-            _kernels().store_kv_fp8(k, v, key_cache, value_cache, *scales.values(), metadata.batch.slot_mapping)
-        else:
-            _kernels().store_kv(k, v, key_cache, value_cache, metadata.batch.slot_mapping)
+        _kernels().store_kv(k, v, key_cache, value_cache, metadata.batch.slot_mapping, **scales)
         return self.attend(q, kv_cache, metadata)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonMetadata) -> torch.Tensor:

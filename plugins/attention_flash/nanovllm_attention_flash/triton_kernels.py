@@ -9,8 +9,8 @@ take those as ``key_scales``/``value_scales`` and dequantise on load.
 
 Kernels (all of them take device tensors and never synchronise with the host):
 
-- ``store_kv``: writes the step's new keys/values at ``slot_mapping`` (``-1`` = padding, skipped);
-  ``store_kv_fp8`` quantises them into an FP8 cache, one scale per (token, KV head).
+- ``store_kv``: writes the step's new keys/values at ``slot_mapping`` (``-1`` = padding, skipped), into an FP8
+  cache quantised with one scale per (token, KV head).
 - ``decode_attention``: flash-decoding for sequences with exactly one query token. One program handles every
   query head of one KV head (GQA: each KV tile is read once for the whole group) over one split of the context;
   a second kernel merges the splits through their log-sum-exp. With one split the first kernel writes the
@@ -50,42 +50,6 @@ def _store_kv_kernel(
     V,
     KEY_CACHE,
     VALUE_CACHE,
-    SLOTS,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_tok,
-    stride_v_head,
-    stride_c_block,
-    stride_c_tok,
-    stride_c_head,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEADS_P2: tl.constexpr,
-    DIM_P2: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):
-    """One program per token: copy its ``[num_kv_heads, head_dim]`` key and value rows into the cache."""
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(SLOTS + token)
-    if slot < 0:
-        return
-    block = slot // BLOCK_SIZE
-    row = slot % BLOCK_SIZE
-    offs_h = tl.arange(0, HEADS_P2)
-    offs_d = tl.arange(0, DIM_P2)
-    mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    dst = block * stride_c_block + row * stride_c_tok + offs_h[:, None] * stride_c_head + offs_d[None, :]
-    k = tl.load(K + token * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask)
-    tl.store(KEY_CACHE + dst, k, mask=mask)
-    v = tl.load(V + token * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
-    tl.store(VALUE_CACHE + dst, v, mask=mask)
-
-
-def _store_kv_fp8_kernel(
-    K,
-    V,
-    KEY_CACHE,
-    VALUE_CACHE,
     KEY_SCALES,
     VALUE_SCALES,
     SLOTS,
@@ -103,14 +67,16 @@ def _store_kv_fp8_kernel(
     HEADS_P2: tl.constexpr,
     DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
-    """One program per token: quantise its key and value rows to e4m3, one scale per KV head (``fp8_cache``):
-    ``scale = amax / 448``, ``value = rne(row / scale)``, both divisions IEEE-rounded (``div_rn``) as in PyTorch.
+    """One program per token: copy its ``[num_kv_heads, head_dim]`` key and value rows into the cache.
 
-    The row is rounded to the e4m3 grid in float32 (the exponent picks the grid step: ``2**(e - 3)``, at least
-    ``2**-9``, the subnormal step), then its e4m3 byte is assembled from the bits and stored through a byte view
-    of the cache (``KEY_CACHE``/``VALUE_CACHE`` are ``uint8``): no float-to-fp8 conversion, whose rounding
-    differs between Triton's interpreter (a carry into the exponent is lost) and the GPU (-0 becomes +0).
+    ``KV_FP8``: quantise them to e4m3 instead, one scale per KV head (``fp8_cache``): ``scale = amax / 448``,
+    ``value = rne(row / scale)``, both divisions IEEE-rounded (``div_rn``) as in PyTorch. The row is rounded to
+    the e4m3 grid in float32 (the exponent picks the grid step: ``2**(e - 3)``, at least ``2**-9``, the subnormal
+    step), then its e4m3 byte is assembled from the bits and stored through a byte view of the cache
+    (``KEY_CACHE``/``VALUE_CACHE`` are ``uint8``): no float-to-fp8 conversion, whose rounding differs between
+    Triton's interpreter (a carry into the exponent is lost) and the GPU (-0 becomes +0).
     """
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + token)
@@ -130,23 +96,26 @@ def _store_kv_fp8_kernel(
         else:
             src, cache, scales = V + token * stride_v_tok, VALUE_CACHE, VALUE_SCALES
             src += offs_h[:, None] * stride_v_head
-        x = tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale = tl.div_rn(tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max), 448.0)
-        y = tl.div_rn(x, tl.where(scale > 0.0, scale, 1.0)[:, None])
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        bits = y.to(tl.int32, bitcast=True)
-        step_exp = tl.maximum((bits >> 23) & 0xFF, 121) - 3  # biased exponent of the grid step
-        inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
-        step = (step_exp << 23).to(tl.float32, bitcast=True)
-        magnitude = tl.abs(((y * inv_step + 12582912.0) - 12582912.0) * step)  # 1.5 * 2**23: ties to even
-        # The e4m3 byte is built from the rounded value's bits, not by a conversion: Hopper's float-to-e4m3
-        # conversion writes a negative value rounded to zero as +0, a byte the reference quantization does not.
-        mag_bits = magnitude.to(tl.int32, bitcast=True)
-        exponent = (mag_bits >> 23) - 120  # e4m3's biased exponent (bias 7 against float32's 127)
-        code = tl.where(exponent > 0, (exponent << 3) | ((mag_bits >> 20) & 7), (magnitude * 512.0).to(tl.int32))
-        code = tl.where(magnitude != magnitude, 0x7F, code) | tl.where(bits < 0, 0x80, 0)  # NaN; the sign
-        tl.store(cache + dst, code.to(tl.uint8), mask=mask)
-        tl.store(scales + block * stride_s_block + offs_h * stride_s_head + row, scale, mask=head_mask)
+        if KV_FP8:
+            x = tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+            scale = tl.div_rn(tl.reduce(tl.abs(x), 1, tl.standard._elementwise_max), 448.0)
+            y = tl.div_rn(x, tl.where(scale > 0.0, scale, 1.0)[:, None])
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            bits = y.to(tl.int32, bitcast=True)
+            step_exp = tl.maximum((bits >> 23) & 0xFF, 121) - 3  # biased exponent of the grid step
+            inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
+            step = (step_exp << 23).to(tl.float32, bitcast=True)
+            magnitude = tl.abs(((y * inv_step + 12582912.0) - 12582912.0) * step)  # 1.5 * 2**23: ties to even
+            # The e4m3 byte is built from the rounded value's bits, not by a conversion: Hopper's float-to-e4m3
+            # conversion writes a negative value rounded to zero as +0, a byte the reference quantization does not.
+            mag_bits = magnitude.to(tl.int32, bitcast=True)
+            exponent = (mag_bits >> 23) - 120  # e4m3's biased exponent (bias 7 against float32's 127)
+            code = tl.where(exponent > 0, (exponent << 3) | ((mag_bits >> 20) & 7), (magnitude * 512.0).to(tl.int32))
+            code = tl.where(magnitude != magnitude, 0x7F, code) | tl.where(bits < 0, 0x80, 0)  # NaN; the sign
+            tl.store(cache + dst, code.to(tl.uint8), mask=mask)
+            tl.store(scales + block * stride_s_block + offs_h * stride_s_head + row, scale, mask=head_mask)
+        else:
+            tl.store(cache + dst, tl.load(src + offs_d[None, :], mask=mask), mask=mask)
 
 
 def _decode_split_kernel(
@@ -457,84 +426,68 @@ def _prefill_kernel(
     table = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
     block_next = tl.load(table)  # the first tile's block (every sequence here has a key)
 
-    # keys every row of the block sees: [0, context + first row), whole tiles only
     unmasked_end = ((context + m_block * BLOCK_M) // BLOCK_N) * BLOCK_N
-    for start in range(0, unmasked_end, BLOCK_N):
-        block = block_next
-        # the next tile (here or the diagonal's first) starts at or before the block's first row: a key
-        block_next = tl.load(table + (start + BLOCK_N) // BLOCK_SIZE)
-        if USE_TMA:
-            row = block * BLOCK_SIZE + start % BLOCK_SIZE
-            k = KEY_CACHE.load([row, col])
+    for diagonal in tl.static_range(2):
+        if diagonal:
+            # the diagonal: causal mask and the end of the context. Row r sees keys <= min(its position,
+            # seq_len - 1) (rows past the chunk's end see the whole context, so no row is ever empty)
+            begin = unmasked_end
+            end = tl.minimum(context + (m_block + 1) * BLOCK_M, seq_len)
+            last_key = tl.minimum(context + offs_m, seq_len - 1)
         else:
-            tile = block.to(tl.int64) * stride_c_block + (start % BLOCK_SIZE) * stride_c_tok
-            k = tl.load(k_base + tile + tile_offs)
-        if KV_FP8:
-            scale_offs = block.to(tl.int64) * stride_s_block + start % BLOCK_SIZE + offs_n
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            s = s * tl.load(ks_base + scale_offs)[None, :]
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
-        p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        if USE_TMA:
-            v = VALUE_CACHE.load([row, col])
-        else:
-            v = tl.load(v_base + tile + tile_offs)
-        if KV_FP8:
-            v_scale = tl.load(vs_base + scale_offs)
-            if HALF_DOTS:
-                v = v.to(tl.float16)
-                p = p * (v_scale * 256.0)[None, :]
+            # keys every row of the block sees: [0, context + first row), whole tiles only
+            begin = 0
+            end = unmasked_end
+        for start in range(begin, end, BLOCK_N):
+            block = block_next
+            if diagonal:
+                block_next = tl.load(table + tl.minimum(start + BLOCK_N, seq_len - 1) // BLOCK_SIZE)
             else:
-                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    # the diagonal: causal mask and the end of the context. Row r sees keys <= min(its position, seq_len - 1)
-    # (rows past the chunk's end see the whole context, so no row is ever empty)
-    masked_end = tl.minimum(context + (m_block + 1) * BLOCK_M, seq_len)
-    last_key = tl.minimum(context + offs_m, seq_len - 1)
-    for start in range(unmasked_end, masked_end, BLOCK_N):
-        block = block_next
-        block_next = tl.load(table + tl.minimum(start + BLOCK_N, seq_len - 1) // BLOCK_SIZE)
-        keys = start + offs_n
-        # keys past seq_len are read but never used: K's scores are masked out below; V's rows are zeroed
-        # (p is 0 there, but the slots may hold NaN/Inf and 0 * NaN is NaN)
-        if USE_TMA:
-            row = block * BLOCK_SIZE + start % BLOCK_SIZE
-            k = KEY_CACHE.load([row, col])
-        else:
-            tile = block.to(tl.int64) * stride_c_block + (start % BLOCK_SIZE) * stride_c_tok
-            k = tl.load(k_base + tile + tile_offs)
-        if KV_FP8:  # the scales of keys past seq_len may be anything too: masked below, after the product
-            scale_offs = block.to(tl.int64) * stride_s_block + start % BLOCK_SIZE + offs_n
-            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            s = s * tl.load(ks_base + scale_offs)[None, :]
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s = tl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
-        p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-        if USE_TMA:
-            v = VALUE_CACHE.load([row, col])
-        else:
-            v = tl.load(v_base + tile + tile_offs, mask=(keys < seq_len)[:, None], other=0.0)
-        if KV_FP8:
-            v_scale = tl.load(vs_base + scale_offs, mask=keys < seq_len, other=0.0)
-            if HALF_DOTS:
-                v = v.to(tl.float16)
-                p = p * (v_scale * 256.0)[None, :]
+                # the next tile (here or the diagonal's first) starts at or before the block's first row: a key
+                block_next = tl.load(table + (start + BLOCK_N) // BLOCK_SIZE)
+            # on the diagonal, keys past seq_len are read but never used: K's scores (and, FP8, the product with
+            # the scales, which may be anything there too) are masked out; V's rows are zeroed (p is 0 there, but
+            # the slots may hold NaN/Inf and 0 * NaN is NaN)
+            keys = start + offs_n
+            if USE_TMA:
+                row = block * BLOCK_SIZE + start % BLOCK_SIZE
+                k = KEY_CACHE.load([row, col])
             else:
-                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-        if USE_TMA:  # after the dequantisation: NaN * 0 is NaN
-            v = tl.where((keys < seq_len)[:, None], v, 0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+                tile = block.to(tl.int64) * stride_c_block + (start % BLOCK_SIZE) * stride_c_tok
+                k = tl.load(k_base + tile + tile_offs)
+            if KV_FP8:
+                scale_offs = block.to(tl.int64) * stride_s_block + start % BLOCK_SIZE + offs_n
+                s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+                s = s * tl.load(ks_base + scale_offs)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if diagonal:
+                s = tl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max) * scale_log2)
+            p = tl.exp2(tl.fma(s, scale_log2, -m_new[:, None]))
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+            if USE_TMA:
+                v = VALUE_CACHE.load([row, col])
+            elif diagonal:
+                v = tl.load(v_base + tile + tile_offs, mask=(keys < seq_len)[:, None], other=0.0)
+            else:
+                v = tl.load(v_base + tile + tile_offs)
+            if KV_FP8:
+                if diagonal:
+                    v_scale = tl.load(vs_base + scale_offs, mask=keys < seq_len, other=0.0)
+                else:
+                    v_scale = tl.load(vs_base + scale_offs)
+                if HALF_DOTS:
+                    v = v.to(tl.float16)
+                    p = p * (v_scale * 256.0)[None, :]
+                else:
+                    v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            if USE_TMA:
+                if diagonal:  # after the dequantisation: NaN * 0 is NaN
+                    v = tl.where((keys < seq_len)[:, None], v, 0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            m_i = m_new
 
     norm = tl.where(l_i > 0.0, l_i, 1.0)
     if HALF_DOTS:
@@ -552,7 +505,6 @@ def _prefill_kernel(
 @dataclass(frozen=True)
 class _KernelSet:
     store_kv: object
-    store_kv_fp8: object
     decode_split: object
     decode_merge: object
     prefill: object
@@ -565,7 +517,6 @@ def _kernel_set(interpret: bool) -> _KernelSet:
     # multiple of 16 would compile a variant (and `TritonAttentionBackend.warmup` could not foresee it)
     return _KernelSet(
         store_kv=wrap(_store_kv_kernel),
-        store_kv_fp8=wrap(_store_kv_fp8_kernel),
         decode_split=wrap(_decode_split_kernel, do_not_specialize=["num_splits", "stride_bt"]),
         decode_merge=wrap(_decode_merge_kernel, do_not_specialize=["num_splits"]),
         prefill=wrap(_prefill_kernel, do_not_specialize=["num_seqs", "stride_bt"]),
@@ -683,107 +634,66 @@ def num_sms(device: torch.device) -> int:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _check_cache(
+def _cache_args(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    key_scales: torch.Tensor | None = None,
-    value_scales: torch.Tensor | None = None,
-) -> None:
+    key_scales: torch.Tensor | None,
+    value_scales: torch.Tensor | None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[int, ...]]:
+    """Checks the cache; returns the kernels' scale arguments (for a 16-bit cache, placeholders that the kernels
+    never read) and their stride arguments: the cache's block, row and head strides, the scales' block and head."""
     assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
     assert key_cache.stride(-1) == 1, "the cache's head_dim must be contiguous"
     assert (key_scales is None) == (value_scales is None), "an FP8 cache needs key and value scales"
-    if key_scales is not None:
-        assert key_cache.dtype == torch.float8_e4m3fn, f"scales come with an e4m3 cache, not {key_cache.dtype}"
-        num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-        assert key_scales.shape == value_scales.shape == (num_blocks, num_kv_heads, block_size)
-        assert key_scales.stride() == value_scales.stride() and key_scales.stride(-1) == 1
+    if key_scales is None or value_scales is None:
+        return (key_cache, key_cache), (*key_cache.stride()[:3], 0, 0)
+    assert key_cache.dtype == torch.float8_e4m3fn, f"scales come with an e4m3 cache, not {key_cache.dtype}"
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    assert key_scales.shape == value_scales.shape == (num_blocks, num_kv_heads, block_size)
+    assert key_scales.stride() == value_scales.stride() and key_scales.stride(-1) == 1
+    return (key_scales, value_scales), (*key_cache.stride()[:3], *key_scales.stride()[:2])
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write ``k``/``v`` (``[num_tokens, num_kv_heads, head_dim]``, last dim contiguous) into
-    ``key_cache``/``value_cache`` (``[num_blocks, block_size, num_kv_heads, head_dim]``) at ``slot_mapping``
-    (int64, ``block * block_size + row``; ``-1`` = padding, not stored)."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    if num_tokens == 0:
-        return
-    _check_cache(key_cache, value_cache)
-    assert k.stride(-1) == 1 and v.stride(-1) == 1
-    kernels = _kernels_for(k.device)
-    kernels.store_kv[(num_tokens,)](
-        k,
-        v,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        HEADS_P2=triton.next_power_of_2(num_kv_heads),
-        DIM_P2=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=key_cache.shape[1],
-        num_warps=4,
-    )
-
-
-def store_kv_fp8(
     k: torch.Tensor,
     v: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    key_scales: torch.Tensor,
-    value_scales: torch.Tensor,
     slot_mapping: torch.Tensor,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> None:
-    """``store_kv`` into an FP8 cache: ``key_cache``/``value_cache`` ``[num_blocks, block_size, num_kv_heads,
-    head_dim]`` e4m3 and ``key_scales``/``value_scales`` ``[num_blocks, num_kv_heads, block_size]`` float32
-    (``fp8_cache.fp8_views``); each new row is quantised with its own scale."""
+    """Write ``k``/``v`` (``[num_tokens, num_kv_heads, head_dim]``, last dim contiguous) into
+    ``key_cache``/``value_cache`` (``[num_blocks, block_size, num_kv_heads, head_dim]``) at ``slot_mapping``
+    (int64, ``block * block_size + row``; ``-1`` = padding, not stored). With ``key_scales``/``value_scales``
+    (``[num_blocks, num_kv_heads, block_size]`` float32, ``fp8_cache.fp8_views``) the cache is e4m3 and each new
+    row is quantised with its own scale."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _check_cache(key_cache, value_cache, key_scales, value_scales)
+    scales, strides = _cache_args(key_cache, value_cache, key_scales, value_scales)
     assert k.stride(-1) == 1 and v.stride(-1) == 1
-    _kernels_for(k.device).store_kv_fp8[(num_tokens,)](
+    fp8 = key_scales is not None
+    _kernels_for(k.device).store_kv[(num_tokens,)](
         k,
         v,
-        key_cache.view(torch.uint8),
-        value_cache.view(torch.uint8),
-        key_scales,
-        value_scales,
+        key_cache.view(torch.uint8) if fp8 else key_cache,
+        value_cache.view(torch.uint8) if fp8 else value_cache,
+        *scales,
         slot_mapping,
         k.stride(0),
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        key_scales.stride(0),
-        key_scales.stride(1),
+        *strides,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEADS_P2=triton.next_power_of_2(num_kv_heads),
         DIM_P2=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=key_cache.shape[1],
+        KV_FP8=fp8,
         num_warps=4,
     )
-
-
-def _scale_args(
-    key_cache: torch.Tensor, key_scales: torch.Tensor | None, value_scales: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """The scale arguments of the attention kernels: the scale tensors and their block/head strides, or (for a
-    16-bit cache) placeholders that the kernel never reads."""
-    if key_scales is None or value_scales is None:
-        return key_cache, key_cache, 0, 0
-    return key_scales, value_scales, key_scales.stride(0), key_scales.stride(1)
 
 
 def decode_attention(
@@ -808,15 +718,14 @@ def decode_attention(
     Sequences with another query length are left untouched. The launch grid depends only on ``num_seqs``,
     the head counts and ``num_splits``, never on device data, so a CUDA graph can capture it; the split
     workspace has a static size too. ``key_scales``/``value_scales``: the scales of an FP8 cache
-    (``store_kv_fp8``).
+    (``store_kv``).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
     if num_seqs == 0:
         return
-    _check_cache(key_cache, value_cache, key_scales, value_scales)
-    k_scales, v_scales, stride_s_block, stride_s_head = _scale_args(key_cache, key_scales, value_scales)
+    scales, strides = _cache_args(key_cache, value_cache, key_scales, value_scales)
     assert q.stride(-1) == 1 and out.stride(-1) == 1
     assert block_size % config.block_n == 0, "decode tiles must not cross a cache block"
     group = num_heads // num_kv_heads
@@ -837,8 +746,7 @@ def decode_attention(
         q,
         key_cache,
         value_cache,
-        k_scales,
-        v_scales,
+        *scales,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -849,11 +757,7 @@ def decode_attention(
         num_splits,
         q.stride(0),
         q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        stride_s_block,
-        stride_s_head,
+        *strides,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -958,15 +862,14 @@ def prefill_attention(
     The new tokens' keys/values must already be in the cache (``store_kv``). ``skip_single`` leaves the
     sequences with one query token untouched (the decode kernel handles them). ``warmup``: only compile the
     kernel for these arguments (Triton's ``warmup``; compiled kernels only), launching nothing.
-    ``key_scales``/``value_scales``: the scales of an FP8 cache (``store_kv_fp8``).
+    ``key_scales``/``value_scales``: the scales of an FP8 cache (``store_kv``).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
     if num_seqs == 0 or num_tokens == 0:
         return
-    _check_cache(key_cache, value_cache, key_scales, value_scales)
-    k_scales, v_scales, stride_s_block, stride_s_head = _scale_args(key_cache, key_scales, value_scales)
+    scales, strides = _cache_args(key_cache, value_cache, key_scales, value_scales)
     assert q.stride(-1) == 1 and out.stride(-1) == 1
     assert block_size % config.block_n == 0, "prefill key tiles must not cross a cache block"
     kernels = _kernels_for(q.device)
@@ -978,8 +881,7 @@ def prefill_attention(
         q,
         k_arg,
         v_arg,
-        k_scales,
-        v_scales,
+        *scales,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -988,11 +890,7 @@ def prefill_attention(
         num_seqs,
         q.stride(0),
         q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        stride_s_block,
-        stride_s_head,
+        *strides,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),

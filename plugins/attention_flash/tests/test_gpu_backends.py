@@ -184,7 +184,7 @@ def test_fp8_store_kernel_matches_torch_bit_for_bit(c) -> None:
     ours = case.kv_cache.clone()
     views = fp8_views(ours, bs, kvh, d)
     slots = case.batch.slot_mapping
-    tk.store_kv_fp8(case.k, case.v, views.values[0], views.values[1], views.scales[0], views.scales[1], slots)
+    tk.store_kv(case.k, case.v, views.values[0], views.values[1], slots, views.scales[0], views.scales[1])
     expected = case.prestored().kv_cache
     on_cpu = case.kv_cache.cpu()
     store_fp8(case.k.cpu(), case.v.cpu(), fp8_views(on_cpu, bs, kvh, d), slots.cpu())
@@ -208,7 +208,7 @@ def test_fp8_store_kernel_rounds_like_the_exact_reference(dtype: torch.dtype) ->
         cache = torch.zeros((2, 4 * 128 * 8 * (128 + 4)), dtype=torch.uint8, device="cuda")
         views = fp8_views(cache, 128, 8, 128)
         if store == "triton":
-            tk.store_kv_fp8(k, v, views.values[0], views.values[1], views.scales[0], views.scales[1], slots)
+            tk.store_kv(k, v, views.values[0], views.values[1], slots, views.scales[0], views.scales[1])
         else:
             store_fp8(k, v, views, slots)
         values = views.values.flatten(1, 2).float().cpu()

@@ -136,8 +136,8 @@ def test_prefill_tma_variant_compiles_for_sm90() -> None:
 
 
 def test_store_kernel_compiles_for_sm90() -> None:
-    ptx = compile_ptx(tk._store_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P2=8, DIM_P2=128, BLOCK_SIZE=256),
-                      4, 1)
+    ptx = compile_ptx(tk._store_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P2=8, DIM_P2=128, BLOCK_SIZE=256,
+                                                KV_FP8=False), 4, 1)
     assert count(r"st\.global\S*\.v4", ptx) >= 2
 
 
@@ -165,10 +165,10 @@ CP_ASYNC_ANY = r"cp\.async\.c[ag]\.shared\.global"
 
 
 def test_fp8_store_kernel_compiles_for_sm90() -> None:
-    """The store writes bytes it assembles itself (the caches are byte views, ``store_kv_fp8``): no hardware
+    """The store writes bytes it assembles itself (an FP8 cache is passed as byte views, ``store_kv``): no hardware
     float-to-e4m3 conversion, which writes -0 as +0 on an H200."""
-    ptx = compile_ptx(tk._store_kv_fp8_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P2=8, DIM_P2=128,
-                                                     BLOCK_SIZE=256), 4, 1, fp8=True,
+    ptx = compile_ptx(tk._store_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P2=8, DIM_P2=128,
+                                                BLOCK_SIZE=256, KV_FP8=True), 4, 1, fp8=True,
                       byte_caches=True)  # fmt: skip
     assert count(CVT_TO_E4M3, ptx) == 0, "the e4m3 bytes are built from the bits, not converted"
     assert count(r"div\.rn\.f32", ptx) > 0, "scale and scaled values use IEEE division, as PyTorch does"

@@ -108,7 +108,7 @@ def test_fp8_store_kernel_is_bit_exact() -> None:
     slots = torch.tensor([17, -1, 63, 0, 5, 40, -1])
     ours = torch.zeros(fp8_cache_shape(4, 16, 3, 64), dtype=torch.uint8)
     views = fp8_views(ours, 16, 3, 64)
-    tk.store_kv_fp8(k, v, views.values[0], views.values[1], views.scales[0], views.scales[1], slots)
+    tk.store_kv(k, v, views.values[0], views.values[1], slots, views.scales[0], views.scales[1])
     expected = torch.zeros_like(ours)
     store_fp8(k, v, fp8_views(expected, 16, 3, 64), slots)
     assert torch.equal(ours, expected)
@@ -125,7 +125,7 @@ def test_fp8_store_kernel_writes_every_e4m3_code() -> None:
     k = rows.view(6, 1, 64)
     cache = torch.zeros(fp8_cache_shape(1, 16, 1, 64), dtype=torch.uint8)
     views = fp8_views(cache, 16, 1, 64)
-    tk.store_kv_fp8(k, k, views.values[0], views.values[1], views.scales[0], views.scales[1], torch.arange(6))
+    tk.store_kv(k, k, views.values[0], views.values[1], torch.arange(6), views.scales[0], views.scales[1])
     stored = views.values[0][0, :6, 0].contiguous().view(torch.uint8)[:, 1:].reshape(-1)[: codes.numel()]
     assert torch.equal(stored, codes), (stored != codes).nonzero().flatten().tolist()
     assert torch.equal(views.scales[0][0, 0, :6], torch.ones(6))
@@ -138,7 +138,7 @@ def test_fp8_store_kernel_rounds_like_the_exact_reference() -> None:
     k, v = rows.view(2, 32, 2, 64)
     cache = torch.zeros(fp8_cache_shape(2, 16, 2, 64), dtype=torch.uint8)
     views = fp8_views(cache, 16, 2, 64)
-    tk.store_kv_fp8(k, v, views.values[0], views.values[1], views.scales[0], views.scales[1], torch.arange(32))
+    tk.store_kv(k, v, views.values[0], views.values[1], torch.arange(32), views.scales[0], views.scales[1])
     ref_values, ref_scales, ties = e4m3_reference(rows.view(2, 32, 2, 64))
     assert ties.any()
     values = views.values.flatten(1, 2).float()  # [2, 32 tokens, 2 heads, 64]
