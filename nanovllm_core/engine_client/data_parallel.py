@@ -543,6 +543,11 @@ class DataParallelClient(EngineClient):
         return self._failure
 
     @property
+    def router(self) -> Router:
+        """What places new requests (its ``policy`` may be changed between calls)."""
+        return self._router
+
+    @property
     def loads(self) -> list[int]:
         """Each replica's outstanding work in tokens, as routing sees it."""
         with self._state_lock:

@@ -90,9 +90,14 @@ class ReplicaActor:
     def __init__(self, config: EngineConfig, gpu_fraction: float | None = None) -> None:
         if gpu_fraction is not None and gpu_fraction < 1 and resolve_device(config.device).type == "cuda":
             config = _gpu_share(config, gpu_fraction)
-        # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs; on CPU its one reserved core gets one torch thread
-        self.client = InProcessClient(build_replica_engine({}, 1, config))
         self.incarnation = uuid.uuid4().hex
+        self.start_error: BaseException | None = None  # raised by ready(): Ray reports it with its type and text
+        try:
+            # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs; on CPU its one reserved core gets one torch thread
+            self.client = InProcessClient(build_replica_engine({}, 1, config))
+        except Exception as exc:  # noqa: BLE001
+            self.start_error = exc
+            return
         self._cond = threading.Condition()
         self._early: dict[int, list[Command]] = {}  # batches that arrived before one sent earlier
         self._next_seq = 0
@@ -102,9 +107,12 @@ class ReplicaActor:
         self.client.start(self._emit, lambda exc: self._put(("failed", exc)))
 
     def ready(self) -> tuple[str, EngineConfig, int, str, list[str]]:
-        """(incarnation, the engine's resolved config, process id, node IP, GPU ids)."""
+        """(incarnation, the engine's resolved config, process id, node IP, GPU ids); raises the engine's error if
+        it could not be built."""
         import ray
 
+        if self.start_error is not None:
+            raise self.start_error
         gpus = [str(g) for g in ray.get_gpu_ids()]
         return self.incarnation, self.client.config, os.getpid(), ray.util.get_node_ip_address(), gpus
 
@@ -222,7 +230,8 @@ class RayReplica:
 
     def _await_restart(self, gone: Callable[[BaseException], None]) -> bool:
         """Wait for Ray to restart the actor; False (after calling ``gone``) when it will not come back."""
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
+        import ray
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
 
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         while not self._stopping:
@@ -231,8 +240,9 @@ class RayReplica:
                 return True
             except ActorUnavailableError:  # not reachable yet
                 time.sleep(0.2)
-            except (ActorDiedError, GetTimeoutError) as exc:
+            except (ActorDiedError, GetTimeoutError, RayTaskError) as exc:  # RayTaskError: its engine failed to build
                 self.gone = True
+                ray.kill(self.actor, no_restart=True)
                 gone(exc)
                 return False
         return False
@@ -242,13 +252,20 @@ class RayReplica:
         return not (self.gone or self.killed or self.ended.is_set())
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
 def _cause(exc: BaseException) -> str:
-    """The first line of a Ray error, or of the exception inside it (an actor's constructor raised)."""
-    inner = getattr(exc, "cause", None) or exc
-    while getattr(inner, "cause", None) is not None and inner is not inner.cause:
+    """Why a replica died or failed to start, in one line: the exception its engine raised, else Ray's first
+    sentence about the actor (its process died, its node is gone)."""
+    inner = exc
+    while getattr(inner, "cause", None) is not None and inner.cause is not inner:
         inner = inner.cause
-    text = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {text[0]}" if text else type(inner).__name__
+    if inner is exc and type(exc).__module__.startswith("ray."):
+        return f"its Ray actor is gone ({type(exc).__name__}: {_first_line(exc).split('. ')[0]})"
+    return f"{type(inner).__name__}: {_first_line(inner)}"
 
 
 # --- the client ---------------------------------------------------------------------------------------------
@@ -272,7 +289,11 @@ class RayDataParallelClient(DataParallelClient):
     def _plan(self, config: EngineConfig) -> list[ReplicaPlacement]:
         ray = self._ray
         if not ray.is_initialized():
-            ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=True)
+            try:
+                ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=True)
+            except (ConnectionError, ValueError, RuntimeError) as exc:
+                where = f"the Ray cluster at ray_address={config.ray_address!r}" if config.ray_address else "Ray"
+                raise ConfigError(f"cannot start or join {where}: {_first_line(exc)}") from None
             self._started_ray = True
         elif config.ray_address is not None:
             logger.info("Ray is connected already in this process: ray_address=%s is not used", config.ray_address)
@@ -333,14 +354,18 @@ class RayDataParallelClient(DataParallelClient):
 
     @staticmethod
     def _wait_started(replica: RayReplica) -> None:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         try:
             replica.wait_ready()
-        except RayActorError as exc:
-            raise RuntimeError(
-                f"data-parallel replica {replica.index} (Ray actor) failed to start: {_cause(exc)}"
-            ) from exc
+        except (RayActorError, RayTaskError) as exc:
+            cause = getattr(exc, "cause", None)
+            message = f"data-parallel replica {replica.index} (Ray actor) failed to start: {_cause(exc)}"
+            try:  # the engine's own error type (a ConfigError stays one)
+                renamed = type(cause)(message) if isinstance(cause, Exception) else RuntimeError(message)
+            except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+                renamed = RuntimeError(message)
+            raise renamed from exc
 
     # --- push ------------------------------------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ what that replica's prefix cache holds, bounded per replica and forgotten least 
 goes to the replica that matches the most of its leading chunks unless that replica is overloaded (its load more
 than ``balance_abs_tokens`` above the least loaded one's and more than ``balance_rel`` times it); then, and when
 nothing matches, to the least loaded replica. Loads are outstanding tokens, kept by the client in :attr:`loads`.
+``policy`` ``"least_loaded"`` leaves the prefixes out, and ``"round_robin"`` the loads as well (to compare with:
+benchmarks/routing.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+POLICIES = ("cache_aware", "least_loaded", "round_robin")
 CHARS_PER_TOKEN = 4  # a text prompt's chunks: about as many characters as a chunk of tokens takes
 
 
@@ -26,7 +29,7 @@ class Router:
         num_replicas: int,
         chunk_tokens: int = 16,
         *,
-        affinity: bool = True,
+        policy: str = "cache_aware",
         balance_abs_tokens: int = 4096,
         balance_rel: float = 1.5,
         max_chunks_per_replica: int = 1 << 16,
@@ -35,9 +38,12 @@ class Router:
             raise ValueError(
                 f"a router needs num_replicas >= 1 and chunk_tokens >= 1, not {num_replicas} and {chunk_tokens}"
             )
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy {policy!r} is unknown; choose from {', '.join(POLICIES)}")
         self.loads = [0] * num_replicas
         self.chunk_tokens = chunk_tokens
-        self.affinity = affinity
+        self.policy = policy
+        self._turn = 0  # round robin: the replica after the last one chosen
         self.balance_abs_tokens = balance_abs_tokens
         self.balance_rel = balance_rel
         self.max_chunks = max_chunks_per_replica
@@ -74,8 +80,12 @@ class Router:
         candidates = [r for r in range(len(loads)) if up is None or up[r]]
         if not candidates:
             raise RuntimeError("no data-parallel replica is serving: every one is down")
+        if self.policy == "round_robin":
+            chosen = next((r for r in candidates if r >= self._turn), candidates[0])
+            self._turn = chosen + 1
+            return chosen
         least = min(candidates, key=loads.__getitem__)
-        hashes = self.chunk_hashes(prompt) if self.affinity else []
+        hashes = self.chunk_hashes(prompt) if self.policy == "cache_aware" else []
         chosen, matched = least, 0
         for r in candidates:
             m = self.matched_chunks(r, hashes) if hashes else 0

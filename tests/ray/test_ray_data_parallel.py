@@ -20,6 +20,7 @@ from ray.util.state import list_actors  # noqa: E402
 
 from nanovllm_core import LLM, EngineConfig, SamplingParams  # noqa: E402
 from nanovllm_core.engine_client.ray_client import RayDataParallelClient  # noqa: E402
+from nanovllm_core.errors import UnknownPluginError  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine_helpers import GREEDY, PROMPTS, make_prompts, pid_running  # noqa: E402
@@ -158,14 +159,27 @@ def test_shutdown_leaves_no_actor_placement_group_or_process(dp, cluster):
     assert time.monotonic() - start < 15
     assert not ray.is_initialized()  # this client started the connection: it shut it down
     assert wait_for(lambda: not [p for p in pids if pid_running(p)], 10)
+    assert_nothing_left(cluster)
+    with pytest.raises(RuntimeError, match="the engine was shut down"):
+        dp.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+def assert_nothing_left(cluster) -> None:
+    """No actor alive (or restarting) in the cluster, and every placement group removed."""
     ray.init(address=cluster.address)
     try:
         assert wait_for(lambda: not list_actors(filters=[("state", "!=", "DEAD")]), 10)
         assert {pg["state"] for pg in ray.util.placement_group_table().values()} <= {"REMOVED"}
     finally:
         ray.shutdown()
-    with pytest.raises(RuntimeError, match="the engine was shut down"):
-        dp.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+def test_a_replica_that_cannot_start_is_named_and_nothing_is_left(qwen3_path, cluster):
+    with pytest.raises(UnknownPluginError, match=r"replica \d \(Ray actor\) failed to start: .*no scheduler named 'x'"):
+        LLM(str(qwen3_path), data_parallel_size=2, data_parallel_backend="ray", ray_address=cluster.address,
+            plugins={"scheduler": "x"}, **ENGINE)  # fmt: skip
+    assert not ray.is_initialized()
+    assert_nothing_left(cluster)
 
 
 def test_a_replica_killed_mid_stream_fails_its_streams_only(qwen3_path, cluster, single):

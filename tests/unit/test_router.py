@@ -63,11 +63,17 @@ def test_the_longest_matching_prefix_wins_and_forget_drops_a_replica():
     assert router.route(longer) == 1
 
 
-def test_without_affinity_it_is_least_loaded_only():
-    router = Router(2, affinity=False)
+def test_the_policies_to_compare_with():
+    router = Router(2, policy="least_loaded")
     router.route(prompt(1, 0))
     router.loads[0] = 1
-    assert router.route(prompt(1, 0)) == 1
+    assert router.route(prompt(1, 0)) == 1  # the prefix is on 0: only loads count
+    turns = Router(3, policy="round_robin")
+    turns.loads[:] = [0, 100, 0]
+    assert [turns.route(prompt(1, i)) for i in range(4)] == [0, 1, 2, 0]
+    assert turns.route([1], up=[False, True, False]) == 1 and turns.route([1], up=[True, False, True]) == 2
+    with pytest.raises(ValueError, match="routing policy 'random' is unknown; choose from cache_aware, least_loaded"):
+        Router(2, policy="random")
 
 
 def test_cache_is_bounded_least_recently_used_first():
