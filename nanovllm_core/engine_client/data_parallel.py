@@ -2,9 +2,11 @@
 behind one :class:`~nanovllm_core.engine_client.base.EngineClient`.
 
 :class:`DataParallelClient` holds the replicas (each an :class:`~nanovllm_core.engine_client.step_loop.EngineProcess`)
-and serves ``LLM`` (pull) and ``AsyncLLM`` (push) as one engine would. It routes each ``add`` to the replica
-with the least outstanding work, each ``abort`` to the replica that owns the request, answers ``stats`` from every
-replica's stats, and sends ``stop`` to all.
+and serves ``LLM`` (pull) and ``AsyncLLM`` (push) as one engine would. It routes each ``add`` through its
+:class:`~nanovllm_core.engine_client.router.Router` (the replica holding the prompt's prefix, else the one with the
+least outstanding work), each ``abort`` to the replica that owns the request, answers ``stats`` from every
+replica's stats, and sends ``stop`` to all. :class:`~nanovllm_core.engine_client.ray_client.RayDataParallelClient`
+is this client with Ray actors for replicas.
 
 Replica ``r`` of ``N`` with ``tensor_parallel_size`` ``T`` runs on GPUs ``r*T .. (r+1)*T - 1`` (of the GPUs this
 process sees): its process sets ``CUDA_VISIBLE_DEVICES`` to them before CUDA starts, so inside it they are
@@ -224,13 +226,13 @@ class DataParallelClient(EngineClient):
 
     Commands: ``add`` goes to the replica with the least outstanding work (prompt tokens not yet computed plus
     output tokens not yet produced, summed over its requests: what it still has to do; several adds submitted
-    together are placed largest first), ``abort`` to the replica that owns the request, ``stats`` to every
-    replica (answered with :func:`combine_stats` of their answers; ``replica_stats`` answers the list), ``stop``
-    to all. Adds carry their request id (AsyncLLM's do): an add without one is not tracked, so it cannot be
-    aborted through this client. Outputs pass through unchanged. ``emit`` is called from each replica's reader (one
-    thread per replica, or the event loop with ``start(..., loop=loop)``); its account sums the replicas'
-    accounts. When a replica fails or dies, ``fail`` is called once with an error naming it and the other
-    replicas are stopped.
+    together are placed largest first) unless another replica holds its prompt's prefix (:attr:`router`), ``abort``
+    to the replica that owns the request, ``stats`` to every replica (answered with :func:`combine_stats` of their
+    answers; ``replica_stats`` answers the list), ``stop`` to all. Adds carry their request id (AsyncLLM's do): an
+    add without one is not tracked, so it cannot be aborted through this client. Outputs pass through unchanged.
+    ``emit`` is called from each replica's reader (one thread per replica, or the event loop with ``start(...,
+    loop=loop)``); its account sums the replicas' accounts. When a replica fails or dies, ``fail`` is called once
+    with an error naming it and the other replicas are stopped.
     """
 
     def __init__(self, config: EngineConfig) -> None:

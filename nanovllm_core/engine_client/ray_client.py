@@ -132,9 +132,9 @@ class ReplicaActor:
         the loop has ended (after a ``stop``) and everything was handed over."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while not self._messages and self.client.alive and time.monotonic() < deadline:
+            while not self._messages and (self.client.alive or self._closed) and time.monotonic() < deadline:
                 # after a stop the loop ends without a word: look again soon
-                self._cond.wait(0.02 if self._stopping else deadline - time.monotonic())
+                self._cond.wait(0.02 if self._stopping and not self._closed else deadline - time.monotonic())
             messages, self._messages = self._messages, []
             if messages or self.client.alive or self._closed:
                 return messages

@@ -182,6 +182,28 @@ def test_a_replica_that_cannot_start_is_named_and_nothing_is_left(qwen3_path, cl
     assert_nothing_left(cluster)
 
 
+def test_a_replica_without_restarts_left_leaves_the_others_serving(qwen3_path, cluster, single):
+    llm = LLM(str(qwen3_path), data_parallel_size=2, data_parallel_backend="ray", ray_address=cluster.address,
+              ray_max_restarts=0, **ENGINE)  # fmt: skip
+    try:
+        client = llm.engine_client
+        want = token_ids(single.generate(MIXED, GREEDY, use_tqdm=False))
+        assert token_ids(llm.generate(MIXED, GREEDY, use_tqdm=False)) == want
+        kill_replica(client, 0)
+        assert wait_for(lambda: client.replicas_up == [False, True], 30)
+        assert token_ids(llm.generate(MIXED, GREEDY, use_tqdm=False)) == want  # replica 1 alone
+        stats = llm.replica_stats()
+        assert stats[0] is None and stats[1].num_finished_requests >= len(MIXED)
+        assert llm.stats().num_kv_blocks == ENGINE["num_kvcache_blocks"]  # the one serving
+        kill_replica(client, 1)
+        assert wait_for(lambda: client.failure is not None, 30)
+        with pytest.raises(RuntimeError, match="every data-parallel replica is gone"):
+            llm.generate(MIXED, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert_nothing_left(cluster)
+
+
 def test_a_replica_killed_mid_stream_fails_its_streams_only(qwen3_path, cluster, single):
     from nanovllm_core.serving.async_llm import AsyncLLM
 
