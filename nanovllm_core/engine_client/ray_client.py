@@ -401,11 +401,14 @@ class RayDataParallelClient(DataParallelClient):
         orphans += [
             ((None, "add", o.args), _Note("add", rid, o, new_owner=True)) for rid, o in mine if rid not in waiting
         ]
-        self._reroute(r, orphans, error)
+        aborted = {n.command[2][0] for n in pending if n.kind == "abort" and n.command is not None and n.command[2]}
+        self._reroute(r, orphans, error, aborted)
 
-    def _reroute(self, r: int, orphans: list[tuple[Command | None, _Note]], error: str) -> None:
+    def _reroute(
+        self, r: int, orphans: list[tuple[Command | None, _Note]], error: str, aborted: frozenset | set = frozenset()
+    ) -> None:
         """Commands meant for the down replica ``r``: adds of requests without a token shown go to another replica,
-        the other requests finish with ``error``; aborts are answered (their request fails over or fails), stats
+        the other requests finish with ``error`` (those being ``aborted`` as aborted); aborts are answered, stats
         skip the replica, anything else is answered with ``error``."""
         results: list[Result] = []
         outputs: list[RequestOutput] = []
@@ -422,6 +425,9 @@ class RayDataParallelClient(DataParallelClient):
                 if note.kind == "add" and note.owned is not None and self._owners.get(note.request_id) is note.owned:
                     del self._owners[note.request_id]
                     self._loads[note.owned.replica] -= note.owned.remaining
+                    if note.request_id in aborted:  # the caller let it go: it ends here, as an abort would
+                        outputs.append(_failed_output(note.request_id, note.owned.args, None))
+                        continue
                     if others and note.owned.produced == 0:
                         resend.append(command)
                         continue
@@ -523,14 +529,16 @@ class RayDataParallelClient(DataParallelClient):
             return list(self._up)
 
 
-def _failed_output(request_id: str | None, args: tuple, error: str) -> RequestOutput:
+def _failed_output(request_id: str | None, args: tuple, error: str | None) -> RequestOutput:
+    """The final output of a request its dead replica took with it: failed with ``error``, or aborted (None)."""
     params = args[1] if len(args) > 1 else None
     n = params.n if isinstance(params, SamplingParams) else 1
+    reason = "error" if error is not None else "abort"
     return RequestOutput(
         request_id=request_id or "",
         prompt=None,
         prompt_token_ids=[],
-        outputs=[CompletionOutput(i, "", [], "error") for i in range(n)],
+        outputs=[CompletionOutput(i, "", [], reason) for i in range(n)],
         finished=True,
         error=error,
     )
