@@ -172,12 +172,17 @@ class EngineConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _fractional_gpus_without_tensor_parallelism(self) -> EngineConfig:
-        gpus = self.ray_num_gpus_per_replica
-        if gpus is not None and gpus < 1 and self.tensor_parallel_size > 1:
+    def _gpus_for_the_tensor_parallel_ranks(self) -> EngineConfig:
+        gpus, tp = self.ray_num_gpus_per_replica, self.tensor_parallel_size
+        if gpus is not None and gpus < 1 and tp > 1:
             raise ValueError(
                 f"ray_num_gpus_per_replica={gpus} shares a GPU between replicas; it needs tensor_parallel_size 1, "
-                f"not {self.tensor_parallel_size} (use a whole number of GPUs, at least tensor_parallel_size)"
+                f"not {tp} (use a whole number of GPUs, at least tensor_parallel_size)"
+            )
+        if gpus is not None and gpus < tp:
+            raise ValueError(
+                f"ray_num_gpus_per_replica={gpus} is fewer GPUs than tensor_parallel_size={tp} needs; allowed: at "
+                f"least {tp}, or a fraction below 1 with tensor_parallel_size 1"
             )
         return self
 

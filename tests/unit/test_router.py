@@ -91,6 +91,8 @@ def test_ray_settings_and_their_errors(monkeypatch):
         EngineConfig.load(overrides={"model": "m", "data_parallel_backend": "dask"})
     with pytest.raises(ConfigError, match="needs tensor_parallel_size 1"):
         EngineConfig.load(overrides={"model": "m", "ray_num_gpus_per_replica": 0.5, "tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match="fewer GPUs than tensor_parallel_size=4 needs; allowed: at least 4"):
+        EngineConfig.load(overrides={"model": "m", "ray_num_gpus_per_replica": 2, "tensor_parallel_size": 4})
     assert EngineConfig.load(overrides={"model": "m", "ray_num_gpus_per_replica": 2}).ray_num_gpus_per_replica == 2
 
     from nanovllm_core.cli import _cli_overrides, build_parser
