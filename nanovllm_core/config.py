@@ -123,6 +123,26 @@ class EngineConfig(BaseModel):
         description="Engine replicas, each a process of its own on `tensor_parallel_size` GPUs of its own (on CPU: "
         "a process each), requests balanced by load; needs data_parallel_size x tensor_parallel_size GPUs.",
     )
+    data_parallel_backend: Literal["mp", "ray"] = Field(
+        "mp",
+        description="How data-parallel replicas run: `mp`, processes on this host; `ray`, Ray actors anywhere in a Ray "
+        "cluster (needs `pip install nanovllm-core[ray]`; docs/scaling.md).",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="With data_parallel_backend `ray`: the cluster to join (`ray.init(address=...)`, e.g. `auto` or "
+        "`HOST:6379`); unset starts a local Ray runtime (or uses this process's Ray connection).",
+    )
+    ray_num_gpus_per_replica: float | None = Field(
+        None,
+        gt=0,
+        description="With data_parallel_backend `ray` on GPUs: GPUs each replica actor reserves; defaults to "
+        "tensor_parallel_size. A fraction (0.5) puts several replicas on one GPU, each taking that share of "
+        "gpu_memory_utilization.",
+    )
+    ray_max_restarts: int = Field(
+        3, ge=0, description="With data_parallel_backend `ray`: how often Ray restarts a replica actor that died."
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -150,6 +170,21 @@ class EngineConfig(BaseModel):
         if value < 16 or value > 256 or value & (value - 1):
             raise ValueError("must be a power of two from 16 to 256 (16, 32, 64, 128 or 256)")
         return value
+
+    @model_validator(mode="after")
+    def _gpus_for_the_tensor_parallel_ranks(self) -> EngineConfig:
+        gpus, tp = self.ray_num_gpus_per_replica, self.tensor_parallel_size
+        if gpus is not None and gpus < 1 and tp > 1:
+            raise ValueError(
+                f"ray_num_gpus_per_replica={gpus} shares a GPU between replicas; it needs tensor_parallel_size 1, "
+                f"not {tp} (use a whole number of GPUs, at least tensor_parallel_size)"
+            )
+        if gpus is not None and gpus < tp:
+            raise ValueError(
+                f"ray_num_gpus_per_replica={gpus} is fewer GPUs than tensor_parallel_size={tp} needs; allowed: at "
+                f"least {tp}, or a fraction below 1 with tensor_parallel_size 1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _consistent_limits(self) -> EngineConfig:

@@ -2,9 +2,11 @@
 behind one :class:`~nanovllm_core.engine_client.base.EngineClient`.
 
 :class:`DataParallelClient` holds the replicas (each an :class:`~nanovllm_core.engine_client.step_loop.EngineProcess`)
-and serves ``LLM`` (pull) and ``AsyncLLM`` (push) as one engine would. It routes each ``add`` to the replica
-with the least outstanding work, each ``abort`` to the replica that owns the request, answers ``stats`` from every
-replica's stats, and sends ``stop`` to all.
+and serves ``LLM`` (pull) and ``AsyncLLM`` (push) as one engine would. It routes each ``add`` through its
+:class:`~nanovllm_core.engine_client.router.Router` (the replica holding the prompt's prefix, else the one with the
+least outstanding work), each ``abort`` to the replica that owns the request, answers ``stats`` from every
+replica's stats, and sends ``stop`` to all. :class:`~nanovllm_core.engine_client.ray_client.RayDataParallelClient`
+is this client with Ray actors for replicas.
 
 Replica ``r`` of ``N`` with ``tensor_parallel_size`` ``T`` runs on GPUs ``r*T .. (r+1)*T - 1`` (of the GPUs this
 process sees): its process sets ``CUDA_VISIBLE_DEVICES`` to them before CUDA starts, so inside it they are
@@ -34,6 +36,7 @@ from nanovllm_core.engine.core import EngineStats
 from nanovllm_core.engine.llm_engine import LLMEngine, resolve_device
 from nanovllm_core.engine.parallel import PORT_ENV, launched_by_torchrun
 from nanovllm_core.engine_client.base import Command, EngineClient, LoopAccount, Result
+from nanovllm_core.engine_client.router import Router
 from nanovllm_core.engine_client.step_loop import EngineProcess
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.outputs import RequestOutput
@@ -162,6 +165,7 @@ class _Owned:
     remaining: int  # prompt (until its first output) + output tokens not produced yet
     kind: str  # its output_kind: what its outputs say about progress
     produced: int = 0
+    args: tuple = ()  # the add's (prompt, params, request id): sent again if its replica dies before a token shows
 
 
 @dataclass(slots=True)
@@ -173,6 +177,7 @@ class _Note:
     owned: _Owned | None = None  # an add: its record (new_owner: this add created it)
     new_owner: bool = False
     gather: _Gather | None = None
+    command: Command | None = None  # what was sent (answered elsewhere if its replica dies first)
 
 
 class _Gather:
@@ -186,6 +191,7 @@ class _Gather:
         self.combine = combine
 
     def put(self, replica: int, result: Any, error: BaseException | None) -> bool:
+        """One replica's answer (None and no error: a replica that is down); True once every replica answered."""
         self.parts[replica] = result
         if error is not None and self.error is None:
             self.error = error
@@ -195,7 +201,12 @@ class _Gather:
     def result(self) -> Result:
         if self.error is not None:
             return (self.call_id, None, self.error)
-        return (self.call_id, combine_stats(self.parts) if self.combine else list(self.parts), None)
+        if not self.combine:
+            return (self.call_id, list(self.parts), None)
+        present = [p for p in self.parts if p is not None]
+        if not present:
+            return (self.call_id, None, RuntimeError("no data-parallel replica is serving: every one is down"))
+        return (self.call_id, combine_stats(present), None)
 
 
 def _cost(args: tuple) -> tuple[int, int, str]:
@@ -215,13 +226,13 @@ class DataParallelClient(EngineClient):
 
     Commands: ``add`` goes to the replica with the least outstanding work (prompt tokens not yet computed plus
     output tokens not yet produced, summed over its requests: what it still has to do; several adds submitted
-    together are placed largest first), ``abort`` to the replica that owns the request, ``stats`` to every
-    replica (answered with :func:`combine_stats` of their answers; ``replica_stats`` answers the list), ``stop``
-    to all. Adds carry their request id (AsyncLLM's do): an add without one is not tracked, so it cannot be
-    aborted through this client. Outputs pass through unchanged. ``emit`` is called from each replica's reader (one
-    thread per replica, or the event loop with ``start(..., loop=loop)``); its account sums the replicas'
-    accounts. When a replica fails or dies, ``fail`` is called once with an error naming it and the other
-    replicas are stopped.
+    together are placed largest first) unless another replica holds its prompt's prefix (:attr:`router`), ``abort``
+    to the replica that owns the request, ``stats`` to every replica (answered with :func:`combine_stats` of their
+    answers; ``replica_stats`` answers the list), ``stop`` to all. Adds carry their request id (AsyncLLM's do): an
+    add without one is not tracked, so it cannot be aborted through this client. Outputs pass through unchanged.
+    ``emit`` is called from each replica's reader (one thread per replica, or the event loop with ``start(...,
+    loop=loop)``); its account sums the replicas' accounts. When a replica fails or dies, ``fail`` is called once
+    with an error naming it and the other replicas are stopped.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -232,7 +243,7 @@ class DataParallelClient(EngineClient):
                 "with python (tensor_parallel_size still works within each replica)"
             )
         self.data_parallel_size = config.data_parallel_size
-        self.placements = plan_replicas(config)
+        self.placements = self._plan(config)
         self.replicas = self._start_replicas(config)
         self.config: EngineConfig = self.replicas[0].config.model_copy()
         self.config.data_parallel_size = self.data_parallel_size
@@ -240,7 +251,9 @@ class DataParallelClient(EngineClient):
         self._state_lock = threading.Lock()  # routing state; never held while sending
         self._send_locks = [threading.Lock() for _ in range(n)]  # one sender per replica: notes in send order
         self._notes: list[deque[_Note]] = [deque() for _ in range(n)]
-        self._loads = [0] * n
+        self._router = Router(n, self.config.kvcache_block_size)  # the prefix cache's granularity
+        self._loads = self._router.loads  # the one list: kept here, read by the router
+        self._up = [True] * n  # replicas that take requests (a Ray replica is down while it restarts)
         self._owners: dict[str, _Owned] = {}
         self._accounts = [LoopAccount() for _ in range(n)]
         self._stop_sent = [False] * n
@@ -249,6 +262,9 @@ class DataParallelClient(EngineClient):
         self._failure: BaseException | None = None
         self._emit: Callable[..., None] | None = None
         self._fail: Callable[[BaseException], None] | None = None
+
+    def _plan(self, config: EngineConfig) -> list[ReplicaPlacement]:
+        return plan_replicas(config)
 
     def _start_replicas(self, config: EngineConfig) -> list[EngineProcess]:
         """Start every replica at once (each loads its weights and warms up in parallel); on any failure stop the
@@ -321,31 +337,43 @@ class DataParallelClient(EngineClient):
                     notes[r].append(note)
                 elif kind == "abort":
                     owned = self._owners.get(args[0]) if args else None
-                    r = owned.replica if owned is not None else 0  # unknown or finished: any replica says so
+                    # unknown or finished: any replica says so
+                    r = owned.replica if owned is not None else self._least_loaded()
                     batches[r].append(command)
-                    notes[r].append(_Note("abort"))
+                    notes[r].append(_Note("abort", command=command))
                 elif kind in ("stats", "replica_stats"):
                     gather = _Gather(call_id, n, combine=kind == "stats")
                     for r in range(n):
+                        if not self._up[r]:
+                            gather.put(r, None, None)
+                            continue
                         batches[r].append((call_id, "stats", ()))
-                        notes[r].append(_Note("stats", gather=gather))
+                        notes[r].append(_Note("stats", gather=gather, command=(call_id, "stats", ())))
                 elif kind == "stop":
                     self._stopped = True
                     for r in range(n):
-                        batches[r].append(command)
+                        if self._up[r]:
+                            batches[r].append(command)
                 else:  # one replica answers with the step loop's own error
-                    batches[0].append(command)
-                    notes[0].append(_Note(kind))
+                    r = self._least_loaded()
+                    batches[r].append(command)
+                    notes[r].append(_Note(kind, command=command))
         for r in range(n):
             if batches[r]:
                 self._send(r, batches[r], notes[r])
+
+    def _least_loaded(self) -> int:
+        """The replica that takes requests with the least outstanding work (0 when none is up)."""
+        up = [r for r in range(len(self._loads)) if self._up[r]]
+        return min(up, key=self._loads.__getitem__) if up else 0
 
     def _place_adds(self, commands: list[Command]) -> list[Any]:
         """For each command, ``(replica, note)`` if it is an add (else None); updates the owners and loads.
 
         A request id already owned (or repeated in the batch) goes to its owner, which rejects it as in use. New
-        requests are placed largest first, each on the replica with the least outstanding work (a greedy
-        longest-processing-time schedule: the batch's replicas end close together)."""
+        requests are placed largest first, each by the :class:`Router`: on the replica with the least outstanding
+        work (a greedy longest-processing-time schedule: the batch's replicas end close together) unless another one
+        holds its prompt's prefix and is not overloaded."""
         targets: list[Any] = [None] * len(commands)
         fresh: dict[str, int] = {}
         for i, (_, kind, args) in enumerate(commands):
@@ -356,22 +384,21 @@ class DataParallelClient(EngineClient):
         loads = self._loads
         for i in sorted(costs, key=lambda i: -(costs[i][0] + costs[i][1])):
             prompt_tokens, budget, kind = costs[i]
-            r = min(range(len(loads)), key=loads.__getitem__)
-            owned = _Owned(r, budget, prompt_tokens + budget, kind)
+            r = self._router.route(commands[i][2][0], self._up)
+            owned = _Owned(r, budget, prompt_tokens + budget, kind, args=commands[i][2])
             loads[r] += owned.remaining
             self._owners[commands[i][2][2]] = owned
-            targets[i] = (r, _Note("add", commands[i][2][2], owned, new_owner=True))
+            targets[i] = (r, _Note("add", commands[i][2][2], owned, new_owner=True, command=commands[i]))
         for i, (_, kind, args) in enumerate(commands):
             if kind == "add" and targets[i] is None:
                 request_id = args[2] if len(args) > 2 else None
                 owned = self._owners.get(request_id) if isinstance(request_id, str) else None
                 if owned is None:  # no id (the replica rejects it): the least loaded replica says so
-                    r = min(range(len(loads)), key=loads.__getitem__)
-                    targets[i] = (r, _Note("add", None))
+                    targets[i] = (self._least_loaded(), _Note("add", None, command=commands[i]))
                 else:
                     prompt_tokens, budget, output_kind = _cost(args)
-                    dup = _Owned(owned.replica, budget, prompt_tokens + budget, output_kind)
-                    targets[i] = (owned.replica, _Note("add", request_id, dup))
+                    dup = _Owned(owned.replica, budget, prompt_tokens + budget, output_kind, args=args)
+                    targets[i] = (owned.replica, _Note("add", request_id, dup, command=commands[i]))
         return targets
 
     def _send(self, r: int, batch: list[Command], notes: list[_Note]) -> None:
@@ -379,16 +406,25 @@ class DataParallelClient(EngineClient):
             if self._stop_sent[r]:
                 self._forget(notes)
                 raise RuntimeError(f"data-parallel replica {r} was stopped")
-            self._notes[r].extend(notes)  # before the send: the answers may come back at once
-            try:
-                self.replicas[r].submit(batch)
-            except BaseException:  # nothing was sent (a command that does not pickle) or the replica is gone
-                for _ in notes:
-                    self._notes[r].pop()
-                self._forget(notes)
-                raise
-            if any(kind == "stop" for _, kind, _ in batch):
-                self._stop_sent[r] = True
+            down = not self._up[r]  # it went down after the routing chose it
+            if not down:
+                self._notes[r].extend(notes)  # before the send: the answers may come back at once
+                try:
+                    self.replicas[r].submit(batch)
+                except BaseException:  # nothing was sent (a command that does not pickle) or the replica is gone
+                    for _ in notes:
+                        self._notes[r].pop()
+                    self._forget(notes)
+                    raise
+                if any(kind == "stop" for _, kind, _ in batch):
+                    self._stop_sent[r] = True
+        if down:
+            self._replica_down(r, notes)
+
+    def _replica_down(self, r: int, notes: list[_Note]) -> None:
+        """Commands routed to replica ``r`` before it went down (not here: a replica that dies stops them all)."""
+        self._forget(notes)
+        raise RuntimeError(f"data-parallel replica {r} is down")
 
     def _forget(self, notes: list[_Note]) -> None:
         """Undo the routing of adds that were not sent."""
@@ -507,6 +543,11 @@ class DataParallelClient(EngineClient):
     def failure(self) -> BaseException | None:
         """Why the engine stopped serving (a replica failed or died), or None."""
         return self._failure
+
+    @property
+    def router(self) -> Router:
+        """What places new requests (its ``policy`` may be changed between calls)."""
+        return self._router
 
     @property
     def loads(self) -> list[int]:
