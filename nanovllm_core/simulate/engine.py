@@ -8,6 +8,9 @@ the host schedules it once step N-1's tokens are read, and it starts on the GPU 
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,52 +62,72 @@ def _import_class(spec: str) -> type[Scheduler]:
     return cls
 
 
-class _AnyRequest(dict):
-    """Token times of untimed requests: recorded nowhere."""
-
-    def __missing__(self, key: str) -> RequestTimes:
-        return RequestTimes(TraceRequest(0.0, [], 0))
+@contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """The replay allocates many short-lived lists and tuples (every step's batch), which reference counting frees;
+    the engine core and the shipped policies leave no garbage cycles while stepping, so the cycle collector's passes
+    over them are wasted time (a few percent). A policy that does make cycles holds them until the run ends."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class _Step:
-    __slots__ = ("batch", "sampled", "end", "sim")
+    """A launched step: the tokens it samples, when the GPU finishes it, and who receives a token then."""
 
-    def __init__(self, batch: SchedulerOutput, sampled: list[int | None], end: float, sim: SimulatedEngine) -> None:
-        self.batch, self.sampled, self.end, self.sim = batch, sampled, end, sim
+    __slots__ = ("batch", "sampled", "end", "sim", "receivers")
+
+    def __init__(
+        self, batch: SchedulerOutput, sampled: list[int | None], end: float, sim: SimulatedEngine,
+        receivers: list[list[float]],
+    ) -> None:
+        self.batch, self.sampled, self.end, self.sim, self.receivers = batch, sampled, end, sim, receivers
 
     def tokens(self) -> list[int | None]:
-        times, end = self.sim.times, self.end
-        for seq, token in zip(self.batch.seqs, self.sampled):
-            if token is not None:
-                times[seq.request_id].token_times.append(end)
-        self.sim.read_until = max(self.sim.read_until, end)
+        end = self.end
+        for token_times in self.receivers:
+            token_times.append(end)
+        if end > self.sim.read_until:
+            self.sim.read_until = end
         return self.sampled
 
 
 class _CostRunner:
-    """Launches a step on no device: the tokens are fixed, the step's GPU interval comes from the cost model."""
+    """Launches a step on no device: the tokens are fixed, the step's GPU interval comes from the cost model.
+
+    It runs for every sequence of every step, so it is a few list comprehensions, no per-token objects."""
 
     def __init__(self, sim: SimulatedEngine) -> None:
         self.sim = sim
 
     def launch(self, batch: SchedulerOutput, in_flight: Any | None = None) -> _Step:
         sim = self.sim
-        seqs_n, query, kv, pairs = len(batch.seqs), 0, 0, 0.0
-        sampled: list[int | None] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            query += n
-            kv += start + n
-            if n > 1:
-                pairs += n * (start + (n + 1) / 2)
-            sampled.append(EMITTED_TOKEN if start + n == seq.num_tokens else None)
-        duration = sim.calibration.step_ms(seqs_n, query, kv, pairs) / 1e3
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        starts = [seq.num_computed_tokens for seq in seqs]
+        query = sum(counts)
+        pairs = 0.0
+        if query > len(seqs):  # some prompt chunk: its causal attention's query-key pairs
+            pairs = sum(n * (start + (n + 1) / 2) for start, n in zip(starts, counts) if n > 1)
+        # a token for each sequence whose chunk reaches its last token (decodes, and prompts' last chunks)
+        sampled = [
+            EMITTED_TOKEN if start + n == len(seq.token_ids) else None for seq, start, n in zip(seqs, starts, counts)
+        ]
+        duration = sim.calibration.step_ms(len(seqs), query, sum(starts) + query, pairs) / 1e3
         begin = max(sim.now, sim.gpu_free)
         sim.gpu_free = begin + duration
         sim.gpu_busy += duration
         if sim.record_batches:
-            sim.batches.append([(seq.request_id, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)])
-        return _Step(batch, sampled, sim.gpu_free, sim)
+            sim.batches.append(list(zip([seq.request_id for seq in seqs], counts)))
+        token_times = sim.token_times
+        receivers = (
+            [token_times[seq.request_id] for seq, token in zip(seqs, sampled) if token is not None]
+            if token_times is not None else []
+        )
+        return _Step(batch, sampled, sim.gpu_free, sim, receivers)
 
 
 class SimulatedEngine:
@@ -168,13 +191,17 @@ class SimulatedEngine:
         self.gpu_busy = 0.0
         self.read_until = 0.0
         self.times: dict[str, RequestTimes] = {}
+        # request id -> its RequestTimes.token_times, where a step's tokens land; None while untimed (warm-up)
+        self.token_times: dict[str, list[float]] | None = {}
         self.steps = 0
         # (time, KV-cache use, running, waiting, preemptions so far) after each step
         self.timeline: list[tuple[float, float, int, int, int]] = []
 
     def _add(self, req: TraceRequest) -> None:
+        # only the final output, and no text: nothing reads either
         params = SamplingParams(
-            temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True, output_kind="final", priority=req.priority or 0
+            temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True, output_kind="final", detokenize=False,
+            priority=req.priority or 0,
         )
         self.core.add_request(req.prompt, params, req.request_id)
 
@@ -183,10 +210,10 @@ class SimulatedEngine:
         a server that served them before; then start the clock and the counters from zero."""
         for i, prompt in enumerate(prompts):
             self.core.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), f"warm-{i}")
-        saved, self.times = self.times, _AnyRequest()
+        saved, self.token_times = self.token_times, None
         while self.core.has_unfinished_requests():
             self.core.step()
-        self.times = saved
+        self.token_times = saved
         self.now = self.gpu_free = self.gpu_busy = self.read_until = 0.0
         self.batches.clear()
         self.scheduler.num_preemptions = 0
@@ -202,33 +229,37 @@ class SimulatedEngine:
                 req.request_id = str(i)
         if len({r.request_id for r in pending}) != len(pending):
             raise ConfigError("the trace repeats a request id")
-        for req in pending:
-            self.times[req.request_id] = RequestTimes(req, admitted=req.arrival + intake)
+        timed = [RequestTimes(req, admitted=req.arrival + intake) for req in pending]
+        assert self.token_times is not None
+        for t in timed:
+            self.times[t.request.request_id] = t
+            self.token_times[t.request.request_id] = t.token_times
         core, bm, scheduler = self.core, self.block_manager, self.scheduler
-        nxt = 0
-        while nxt < len(pending) or core.has_unfinished_requests():
-            if not core.has_unfinished_requests():
-                self.now = max(self.now, self.times[pending[nxt].request_id].admitted)
-            while nxt < len(pending) and self.times[pending[nxt].request_id].admitted <= self.now:
-                self._add(pending[nxt])
-                self.times[pending[nxt].request_id].admitted_step = self.steps
-                nxt += 1
-            core.step()
-            self.steps += 1
-            if self.steps > max_steps:
-                raise RuntimeError(f"{self.scheduler_name}: more than {max_steps} steps (starvation or a livelock)")
-            # the host waited for the tokens it read, then spends its per-step time; without async scheduling it
-            # waited for this step too
-            self.now = max(self.now, self.read_until) + host_gap
-            if not core.async_scheduling:
-                self.now = max(self.now, self.gpu_free)
-            self.timeline.append(
-                (
-                    self.now,
-                    1.0 - bm.num_free_blocks / bm.num_blocks,
-                    scheduler.num_running,
-                    scheduler.num_waiting,
-                    scheduler.num_preemptions,
+        with _cyclic_gc_paused():
+            nxt = 0
+            while nxt < len(timed) or core.has_unfinished_requests():
+                if not core.has_unfinished_requests():
+                    self.now = max(self.now, timed[nxt].admitted)
+                while nxt < len(timed) and timed[nxt].admitted <= self.now:
+                    self._add(timed[nxt].request)
+                    timed[nxt].admitted_step = self.steps
+                    nxt += 1
+                core.step()
+                self.steps += 1
+                if self.steps > max_steps:
+                    raise RuntimeError(f"{self.scheduler_name}: more than {max_steps} steps (starvation or a livelock)")
+                # the host waited for the tokens it read, then spends its per-step time; without async scheduling it
+                # waited for this step too
+                self.now = max(self.now, self.read_until) + host_gap
+                if not core.async_scheduling:
+                    self.now = max(self.now, self.gpu_free)
+                self.timeline.append(
+                    (
+                        self.now,
+                        1.0 - bm.num_free_blocks / bm.num_blocks,
+                        scheduler.num_running,
+                        scheduler.num_waiting,
+                        scheduler.num_preemptions,
+                    )
                 )
-            )
-        return [self.times[r.request_id] for r in pending]
+        return timed

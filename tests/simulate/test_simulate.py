@@ -3,6 +3,7 @@ the model it was fitted on, and the same scheduling decisions as the real engine
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 
@@ -81,6 +82,16 @@ def test_async_scheduling_overlaps_the_host_with_the_gpu():
     off = SimulatedEngine(cal, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, async_scheduling=False)
     off.run([TraceRequest(r.arrival, r.prompt, r.max_tokens) for r in requests])
     assert on.now < off.now
+
+
+def test_the_cycle_collector_is_back_on_after_a_run_even_a_failed_one():
+    assert gc.isenabled()
+    simulate()
+    assert gc.isenabled()
+    engine = SimulatedEngine(small_calibration(), max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512)
+    with pytest.raises(RuntimeError, match="more than 3 steps"):
+        engine.run(trace(10, 2, float("inf")), max_steps=3)
+    assert gc.isenabled()
 
 
 class ClassZeroFirst(FifoScheduler):
