@@ -80,12 +80,19 @@ def test_vllm_prompt_dicts(engine, greedy):
 
 
 def test_the_front_end_decodes_the_text_and_the_engine_sends_ids(engine, monkeypatch):
-    """Without stop strings the engine gets ``detokenize=False`` and the stream decodes the text; with them the
-    engine decodes (it matches them). Either way the pieces add up to each sample's whole decode (n=2, sampled,
-    random byte-level ids: characters split across tokens)."""
-    sent = []
-    add = engine.add_request
+    """The engine sends token ids only, with stop strings or without (the front-end's output processor decodes and
+    matches them); the pieces add up to each sample's whole decode (n=2, sampled, random byte-level ids: characters
+    split across tokens)."""
+    sent, engine_texts = [], []
+    add, step = engine.add_request, engine.step
     monkeypatch.setattr(engine, "add_request", lambda ids, params, rid: (sent.append(params), add(ids, params, rid)))
+
+    def recording_step():
+        outputs = step()
+        engine_texts.extend(c.text for out in outputs for c in out.outputs)
+        return outputs
+
+    monkeypatch.setattr(engine, "step", recording_step)
     prompt = [(37 * i) % 380 + 3 for i in range(30)]
     decode = engine.tokenizer.decode
 
@@ -104,7 +111,8 @@ def test_the_front_end_decodes_the_text_and_the_engine_sends_ids(engine, monkeyp
         return results
 
     front_end, in_engine = run(engine, body)
-    assert [p.detokenize for p in sent] == [False, True]
+    assert [p.stop_strings for p in sent] == [[], ["never-in-output"]]
+    assert engine_texts and not any(engine_texts)  # the engine decoded nothing
     for pieces in (front_end, in_engine):
         for text, ids in pieces.values():
             assert len(ids) == 40 and text == decode(ids, skip_special_tokens=True)
