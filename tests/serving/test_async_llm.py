@@ -135,6 +135,30 @@ def test_abort_frees_blocks_and_ends_the_stream(engine):
     assert sum(len(o.outputs[0].token_ids) for o in rest) < 400
 
 
+def test_a_stop_string_ends_the_stream_and_aborts_the_request_in_the_engine(engine, greedy):
+    """The front-end matches the stop string, ends the stream with it and aborts the request in the engine, which
+    would otherwise run on to max_tokens; the text and tokens are the offline ones up to the match."""
+    text, ids = greedy("Hello", 60)
+    stop = text[10:13]
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, stop=[stop])
+
+    async def body(llm):
+        outs = [out async for out in llm.generate("Hello", params)]
+        for _ in range(100):  # the abort was queued when the stream ended
+            stats = await llm.stats()
+            if all_free(stats):
+                break
+        return outs, stats
+
+    outs, stats = run(engine, body)
+    last = outs[-1].outputs[0]
+    got_ids = [t for o in outs for t in o.outputs[0].token_ids]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    assert "".join(o.outputs[0].text for o in outs) == text[: text.find(stop)]
+    assert got_ids == ids[: len(got_ids)] and len(got_ids) < 60
+    assert all_free(stats)  # well before max_tokens: the engine aborted it
+
+
 def test_leaving_generate_early_aborts(engine):
     async def body(llm):
         async for _ in llm.generate("Hello", LONG):
