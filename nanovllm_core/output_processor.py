@@ -175,12 +175,13 @@ class OutputProcessor:
             state = self.requests.get(request_id)
             if state is None:
                 continue
+            core_finished = raw.finished
             out = self.process(state, raw)
             if out is None:
                 continue
             if out.finished:
                 del self.requests[request_id]
-                if not raw.finished:
+                if not core_finished:
                     to_abort.append(request_id)
                     self._stopped.add(request_id)
                 done.append(out)
@@ -196,10 +197,10 @@ class OutputProcessor:
         return RequestState(params, prompt, prompt_token_ids)
 
     def process(self, state: RequestState, raw: RequestOutput) -> RequestOutput | None:
-        """The user's output for the core's output ``raw`` of this request, or None when there is nothing new for
-        the user (tokens the core produced after a stop string matched)."""
+        """The user's output for the core's output ``raw`` of this request (``raw`` itself, filled in), or None when
+        there is nothing new for the user (tokens the core produced after a stop string matched)."""
         params = state.params
-        changed: list[int] = []
+        changed: list[CompletionOutput] = []
         for c in raw.outputs:
             sample = state.samples[c.index]
             if sample.finish_reason is not None:
@@ -207,13 +208,13 @@ class OutputProcessor:
             if state.accumulates:
                 self._append(sample, params, c)
             else:
-                sample.token_ids = list(c.token_ids)
+                sample.token_ids = c.token_ids
                 sample.logprobs = c.logprobs
             if sample.finish_reason is None and c.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = c.finish_reason, c.stop_reason
             if sample.finish_reason is not None:
                 state.num_finished += 1
-            changed.append(c.index)
+            changed.append(c)
         if not changed and not raw.finished:
             return None
         finished = state.finished
@@ -222,35 +223,38 @@ class OutputProcessor:
         if raw.prompt_logprobs is not None:
             for position in raw.prompt_logprobs:
                 self._decode_logprobs(position)
-        indices = changed if params.output_kind == "delta" and not finished else range(len(state.samples))
+        if params.output_kind == "delta" and not finished:
+            raw.outputs = [self._fill(state, c, False) for c in changed]
+        else:
+            given = {c.index: c for c in changed}
+            every = range(len(state.samples))
+            raw.outputs = [self._fill(state, given.get(i) or CompletionOutput(i, "", []), finished) for i in every]
+        if raw.prompt is None:
+            raw.prompt = state.prompt  # the engine got token ids; the caller gave text
+        if not raw.prompt_token_ids and state.prompt_token_ids:
+            raw.prompt_token_ids = state.prompt_token_ids  # not sent back by an engine process
         metrics = raw.metrics
-        if finished and metrics is not None and metrics.finished_time is None:
+        if finished and not raw.finished and metrics is not None and metrics.finished_time is None:
             metrics.finished_time = metrics.last_token_time  # finished here, by a stop string
-        return RequestOutput(
-            request_id=raw.request_id,
-            prompt=raw.prompt if raw.prompt is not None else state.prompt,
-            prompt_token_ids=raw.prompt_token_ids or state.prompt_token_ids or [],
-            outputs=[self._completion(state, i, finished) for i in indices],
-            finished=finished,
-            num_cached_tokens=raw.num_cached_tokens,
-            error=raw.error,
-            metrics=metrics,
-            prompt_logprobs=raw.prompt_logprobs,
-            embedding=raw.embedding,
-        )
+        raw.finished = finished
+        return raw
 
     def _append(self, sample: _Sample, params: SamplingParams, c: CompletionOutput) -> None:
-        """Add the core's new tokens one at a time, matching stop strings on the text as it grows."""
+        """Add the core's new tokens, one at a time where stop strings are matched on the text as it grows."""
         logprobs = c.logprobs
-        check = bool(params.stop_strings) and params.detokenize
         ids = sample.token_ids
+        if not (params.stop_strings and params.detokenize):
+            ids += c.token_ids
+            if sample.logprobs is not None and logprobs is not None:
+                sample.logprobs += logprobs
+            return
         last = len(c.token_ids) - 1
         for k, token_id in enumerate(c.token_ids):
             ids.append(token_id)
             if sample.logprobs is not None and logprobs is not None and k < len(logprobs):
                 sample.logprobs.append(logprobs[k])
             # the core finished the sample on an EOS or stop token: that token ends it, whatever its text
-            if check and not (k == last and c.finish_reason == "stop"):
+            if not (k == last and c.finish_reason == "stop"):
                 stop = self._stop_string(sample, params)
                 if stop is not None:
                     sample.finish_reason, sample.stop_reason = "stop", stop
@@ -278,9 +282,10 @@ class OutputProcessor:
                 sample.stream = IncrementalDetokenizer(self._decode, 0, skip)
         return sample.stream
 
-    def _completion(self, state: RequestState, index: int, request_finished: bool) -> CompletionOutput:
+    def _fill(self, state: RequestState, c: CompletionOutput, request_finished: bool) -> CompletionOutput:
+        """``c`` (a core's completion, or a new one) as the user's: text, token ids and logprobs of the output kind."""
         params = state.params
-        sample = state.samples[index]
+        sample = state.samples[c.index]
         if not params.detokenize or self._decode is None:
             text = ""
         elif sample.finish_reason is not None:
@@ -293,13 +298,12 @@ class OutputProcessor:
                 # hold back what could still turn out to be the start of a stop string
                 text = text[: max(sample.sent_text, len(text) - max(map(len, params.stop_strings)) + 1)]
         token_ids, logprobs = sample.token_ids, sample.logprobs
+        delta = params.output_kind == "delta"
         if logprobs is not None:
-            for position in logprobs[sample.sent_tokens if params.output_kind == "delta" else 0 :]:
+            for position in logprobs[sample.sent_tokens if delta else 0 :]:
                 self._decode_logprobs(position)
-            cumulative = sum(p[t].logprob for p, t in zip(logprobs, token_ids) if p and t in p)
-        else:
-            cumulative = None
-        if params.output_kind == "delta":  # only what was not sent yet
+            c.cumulative_logprob = sum(p[t].logprob for p, t in zip(logprobs, token_ids) if p and t in p)
+        if delta:  # only what was not sent yet
             sent = sample.sent_tokens
             token_ids = token_ids[sent:]
             text = text[sample.sent_text :]
@@ -308,11 +312,13 @@ class OutputProcessor:
             if not request_finished:
                 sample.sent_text += len(text)
                 sample.sent_tokens += len(token_ids)
-        else:
+        elif state.accumulates:  # the sample's own lists go on growing
             token_ids = list(token_ids)
             if logprobs is not None:
                 logprobs = list(logprobs)
-        return CompletionOutput(index, text, token_ids, sample.finish_reason, sample.stop_reason, cumulative, logprobs)
+        c.text, c.token_ids, c.logprobs = text, token_ids, logprobs
+        c.finish_reason, c.stop_reason = sample.finish_reason, sample.stop_reason
+        return c
 
     def _final_text(self, sample: _Sample, params: SamplingParams) -> str:
         assert self._decode is not None

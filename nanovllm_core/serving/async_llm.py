@@ -393,10 +393,11 @@ class AsyncLLM:
             stream = self._streams.get(raw.request_id)
             if stream is None:
                 continue
+            core_finished = raw.finished
             out = stream.process(raw) if stream.eager else raw
             if out is None:
                 continue
-            if out.finished and not raw.finished:  # a stop string: the engine still runs it
+            if out.finished and not core_finished:  # a stop string: the engine still runs it
                 self.abort_nowait(out.request_id)
             self._observe(stream, out, now)
             stream.put(out)
