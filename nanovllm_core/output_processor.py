@@ -27,6 +27,16 @@ def _fast_backend(tokenizer: Any) -> Any:
     return backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
 
 
+def _decode_stream_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer a :class:`DecodeStream` decodes with, or None (no fast backend, or a ``tokenizers`` older
+    than 0.21, which has no ``DecodeStream``)."""
+    try:
+        from tokenizers.decoders import DecodeStream  # noqa: F401
+    except ImportError:
+        return None
+    return _fast_backend(tokenizer)
+
+
 def decoder_of(tokenizer: Any) -> Decode:
     """``decode(token_ids, skip_special_tokens)`` for ``tokenizer``: straight to the Rust decoder where that gives the
     same result (``transformers``' own ``decode`` first walks the id list in Python, which costs more than the decode
@@ -142,7 +152,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._decode = decoder_of(tokenizer) if tokenizer is not None else None
-        self._backend = _fast_backend(tokenizer) if tokenizer is not None else None
+        self._backend = _decode_stream_backend(tokenizer) if tokenizer is not None else None
         self._token_text: dict[int, str] = {}
         self.requests: dict[str, RequestState] = {}
         # requests a stop string finished here while the core still runs them: their outputs are dropped until the

@@ -414,8 +414,9 @@ class LLMEngine(EngineCore):
             return super().step()
         with self._lock:
             outputs, stopped = processor.process_outputs(super().step())
-            for request_id in stopped:
-                processor.process_outputs([super().abort_request(request_id)])  # type: ignore[list-item]
+            for request_id in stopped:  # the core's answer only clears the processor's record of the stop
+                aborted = super().abort_request(request_id)
+                processor.process_outputs([aborted] if aborted is not None else [])
             return outputs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
