@@ -190,6 +190,8 @@ class AsyncLLM:
         # only reads the tokenizer's state.
         self._tokenizer_pool: ThreadPoolExecutor | None = None
         self._streams: dict[str, RequestStream] = {}
+        # requests a stop string ended whose engine metrics come with the abort's output: their front-end arrival
+        self._awaiting_metrics: dict[str, float] = {}
         self._num_queued = 0  # accepted requests without any output yet (waiting or in their first prefill)
         self._ids = itertools.count()
         self._call_ids = itertools.count()
@@ -392,6 +394,9 @@ class AsyncLLM:
         for raw in outputs:
             stream = self._streams.get(raw.request_id)
             if stream is None:
+                arrival = self._awaiting_metrics.pop(raw.request_id, None) if raw.finished else None
+                if arrival is not None and raw.metrics is not None and self.observer is not None:
+                    self.observer.stages(arrival, raw.metrics)
                 continue
             core_finished = raw.finished
             out = stream.process(raw) if stream.eager else raw
@@ -399,6 +404,8 @@ class AsyncLLM:
                 continue
             if out.finished and not core_finished:  # a stop string: the engine still runs it
                 self.abort_nowait(out.request_id)
+                if out.metrics is None:  # (an engine process sends them with finished outputs only)
+                    self._awaiting_metrics[out.request_id] = stream.arrival
             self._observe(stream, out, now)
             stream.put(out)
             if out.finished:
