@@ -3,7 +3,8 @@
 One step: the scheduler picks the work -> the engine checks it -> the runner launches it -> the previous
 step's tokens are read (async scheduling) -> the scheduler's ``postprocess`` advances the launched sequences
 with placeholder tokens -> without async scheduling, this step's tokens are read now. Reading tokens writes
-them over the placeholders, decides stops (EOS, stop tokens, stop strings) and builds the outputs. The
+them over the placeholders, decides stops (EOS, stop tokens) and builds the outputs: token ids, logprob ids and
+values, finish reasons; no text (the front-end's ``OutputProcessor`` decodes it and matches stop strings). The
 length limit is known in advance, so a sequence that reaches it finishes when its step is launched and its
 output is returned once its last token has been read. Synchronous stepping is the same path with nothing left
 in flight between steps.
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.detokenizer import IncrementalDetokenizer, decoder_of
 from nanovllm_core.errors import InvalidRequestError, SchedulerError
 from nanovllm_core.interfaces import Scheduler, SchedulerOutput
 from nanovllm_core.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
@@ -115,9 +115,7 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(token_ids))
         self.num_finished = 0
         self.embedding: list[float] | None = None  # params.embed: set when the prompt's step is read
-        self.streams: list[IncrementalDetokenizer] | None = None
         self.sent_tokens = [0] * params.n  # delta outputs: how much of each sample was returned
-        self.sent_text = [0] * params.n
         self.logprobs: list[list[PositionLogprobs]] | None = None
         if params.logprobs is not None:
             self.logprobs = [[] for _ in self.seqs]
@@ -155,8 +153,7 @@ class EngineCore:
         self.block_manager = scheduler.block_manager
         self.step_runner = runner
         self.scheduler_name = scheduler_name
-        self.tokenizer = tokenizer
-        self._decode = decoder_of(tokenizer) if tokenizer is not None else None
+        self.tokenizer = tokenizer  # encodes text prompts and bad words; the core decodes nothing
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.async_scheduling = async_scheduling
@@ -219,12 +216,7 @@ class EngineCore:
                 f"max_tokens tokens) but the cache holds {bm.num_blocks}; lower max_tokens or give the cache more "
                 "blocks (num_kvcache_blocks, gpu_memory_utilization)"
             )
-        request = Request(request_id, text, token_ids, params, hold_siblings=self.config.enable_prefix_caching)
-        if params.output_kind != "final" and params.detokenize:
-            request.streams = [
-                IncrementalDetokenizer(self._decode, len(token_ids), params.skip_special_tokens) for _ in request.seqs
-            ]
-        return request
+        return Request(request_id, text, token_ids, params, hold_siblings=self.config.enable_prefix_caching)
 
     def add_request(
         self,
@@ -430,7 +422,7 @@ class EngineCore:
                 request.embedding = embeddings[row]
             params = request.params
             reason = None
-            if (token in eos and not params.ignore_eos) or params.stop_token_ids or params.stop_strings:
+            if (token in eos and not params.ignore_eos) or params.stop_token_ids:
                 reason = self._token_stop(seq)
             if seq.status is SequenceStatus.FINISHED:  # reached its length limit when launched: its last token
                 if reason is not None:
@@ -485,58 +477,31 @@ class EngineCore:
             self._num_sync_requests -= 1
 
     def _token_stop(self, seq: Sequence) -> str | None:
-        """``"stop"`` when the last token is an EOS, a stop token or completes a stop string, else None."""
+        """``"stop"`` when the last token is an EOS or a stop token, else None (stop strings: the front-end's)."""
         params = seq.sampling_params
         if seq.num_completion_tokens < params.min_tokens:
-            return None  # EOS and stop tokens were masked; stop strings wait too (vLLM's)
+            return None  # EOS and stop tokens were masked
         token = seq.token_ids[-1]
         if token in self.eos_token_ids and not params.ignore_eos:
             return "stop"
         if params.stop_token_ids and token in params.stop_token_ids:
             seq.stop_reason = token
             return "stop"
-        if params.stop_strings and self._decode is not None:
-            # Only the newest tokens can complete a stop string that was not there a step ago, so decode a tail
-            # long enough to hold the longest one (every token decodes to at least one character, except pieces
-            # of a multi-byte character: hence the margin) instead of the whole completion each step.
-            window = max(map(len, params.stop_strings)) + 8
-            tail = seq.token_ids[max(seq.num_prompt_tokens, len(seq.token_ids) - window) :]
-            text = self._decode(tail, params.skip_special_tokens)
-            # min_tokens left the text before this token unchecked: only a stop string this token completes counts
-            checked = len(self._decode(tail[:-1], params.skip_special_tokens)) if params.min_tokens else 0
-            for stop in params.stop_strings:
-                if text.find(stop, max(0, checked - len(stop) + 1)) >= 0:
-                    seq.stop_reason = stop
-                    return "stop"
         return None
 
     # --- outputs --------------------------------------------------------------------------------------
 
-    def _position_logprobs(self, entry: Any) -> PositionLogprobs | None:
-        """A runner's logprobs of one position (token id, logprob, rank, top ids and logprobs) as vLLM's dict."""
+    @staticmethod
+    def _position_logprobs(entry: Any) -> PositionLogprobs | None:
+        """A runner's logprobs of one position (token id, logprob, rank, top ids and logprobs) as vLLM's dict, its
+        tokens not decoded (the front-end does)."""
         if entry is None:
             return None
-        decode = self._decode_token
-        result = {entry.token_id: Logprob(entry.logprob, entry.rank, decode(entry.token_id))}
+        result = {entry.token_id: Logprob(entry.logprob, entry.rank)}
         for rank, (token_id, logprob) in enumerate(zip(entry.top_ids, entry.top_logprobs), start=1):
             if token_id not in result:
-                result[token_id] = Logprob(logprob, rank, decode(token_id))
+                result[token_id] = Logprob(logprob, rank)
         return result
-
-    def _decode_token(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
-
-    def _final_text(self, seq: Sequence) -> str:
-        if self._decode is None:
-            return ""
-        params = seq.sampling_params
-        text = self._decode(seq.completion_token_ids, params.skip_special_tokens)
-        if isinstance(seq.stop_reason, str):
-            # the stop string that ended it; with min_tokens the same string may also stand earlier in the text
-            cut = text.rfind(seq.stop_reason) if params.min_tokens else text.find(seq.stop_reason)
-            if cut >= 0:
-                text = text[: cut + len(seq.stop_reason)] if params.include_stop_str_in_output else text[:cut]
-        return text
 
     def _output(self, request: Request, indices: Any, final: bool) -> RequestOutput:
         params = request.params
@@ -544,37 +509,17 @@ class EngineCore:
         completions = []
         for i in indices:
             seq = request.seqs[i]
-            if not params.detokenize:
-                text = ""
-            elif seq.is_finished:
-                text = self._final_text(seq)
-            else:
-                stream = request.streams[i]  # type: ignore[index]
-                stream.update(seq.token_ids)
-                text = stream.text
-                if params.stop_strings and not params.include_stop_str_in_output:
-                    # hold back what could still turn out to be the start of a stop string
-                    text = text[: max(request.sent_text[i], len(text) - max(map(len, params.stop_strings)) + 1)]
             logprobs = request.logprobs[i] if request.logprobs is not None else None
             if delta:  # only what was not sent yet (slices of what is new, not copies of everything)
                 sent = request.sent_tokens[i]
                 token_ids = seq.token_ids[seq.num_prompt_tokens + sent :]
-                text = text[request.sent_text[i] :]
                 if logprobs is not None:
                     logprobs = logprobs[sent:]
                 if not final:
-                    request.sent_text[i] += len(text)
                     request.sent_tokens[i] += len(token_ids)
             else:
                 token_ids = seq.completion_token_ids
-            cumulative = None
-            if logprobs is not None and request.logprobs is not None:
-                cumulative = sum(
-                    p[t].logprob for p, t in zip(request.logprobs[i], seq.completion_token_ids) if p and t in p
-                )
-            completions.append(
-                CompletionOutput(i, text, token_ids, seq.finish_reason, seq.stop_reason, cumulative, logprobs)
-            )
+            completions.append(CompletionOutput(i, "", token_ids, seq.finish_reason, seq.stop_reason, None, logprobs))
         first = request.seqs[0]
         return RequestOutput(
             request_id=request.request_id,

@@ -29,13 +29,15 @@ from nanovllm_core.errors import ConfigError, ModelLoadError
 from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler, SchedulerOutput
 from nanovllm_core.loader import load_hf_config
+from nanovllm_core.output_processor import OutputProcessor, engine_params
+from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.plugins import (
     PluginRegistry,
     get_registry,
     installed_architecture,
     none_installed_hint,
 )
-from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.sampling_params import SamplingParams, with_priority
 
 logger = logging.getLogger(__name__)
 
@@ -210,8 +212,11 @@ def read_eos_token_ids(hf_config: Any, model: str, tokenizer: Any) -> set[int]:
 class LLMEngine(EngineCore):
     """The engine: ``add_request`` then ``step`` until ``has_unfinished_requests()`` is false.
 
-    Loads the config, the plugins, the tokenizer and the model; :class:`EngineCore` owns the requests and steps.
-    A context manager: ``with LLMEngine(...) as engine:`` shuts it down on exit.
+    Loads the config, the plugins, the tokenizer and the model; :class:`EngineCore` owns the requests and steps,
+    and the front-end's :class:`OutputProcessor` makes their outputs' text (``add_request``, ``step`` and
+    ``abort_request`` here go through it, unless a step loop serves a front-end with an output processor of its
+    own: token ids out, the text made where the outputs arrive). A context manager: ``with LLMEngine(...) as
+    engine:`` shuts it down on exit.
     """
 
     def __init__(
@@ -254,6 +259,8 @@ class LLMEngine(EngineCore):
         validate_plugin_options(cfg.plugins, scheduler_cls, block_manager_cls, backend_cls)  # before weights load
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.eos_token_ids = read_eos_token_ids(self.hf_config, cfg.model, self.tokenizer)
+        # None while a step loop serves a front-end that makes the text itself (engine_client.step_loop)
+        self.output_processor: OutputProcessor | None = OutputProcessor(self.tokenizer)
         # a generation_config folder without the file fails here, early; LLM.get_default_sampling_params reads this
         defaults = self._sampling_defaults = sampling_defaults(cfg)
         if defaults:
@@ -383,6 +390,43 @@ class LLMEngine(EngineCore):
             self.device = local_device("cuda", 0)
         self.tp_group = TensorParallelGroup(spec, tp)
         weakref.finalize(self, self.tp_group.close)
+
+    # --- requests, through the output processor ---------------------------------------------------------
+
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+        priority: int | None = None,
+    ) -> str:  # fmt: skip
+        """Queue one request and return its id (:meth:`EngineCore.add_request`)."""
+        processor = self.output_processor
+        if processor is None:
+            return super().add_request(prompt, sampling_params, request_id, priority)
+        params = with_priority(sampling_params, priority)
+        with self._lock:
+            request_id = super().add_request(prompt, engine_params(params), request_id)
+            processor.add(request_id, params)
+            return request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step (:meth:`EngineCore.step`); requests that a stop string finished are aborted in the core."""
+        processor = self.output_processor
+        if processor is None:
+            return super().step()
+        with self._lock:
+            outputs, stopped = processor.process_outputs(super().step())
+            for request_id in stopped:  # the core's answer only clears the processor's record of the stop
+                aborted = super().abort_request(request_id)
+                processor.process_outputs([aborted] if aborted is not None else [])
+            return outputs
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks. Returns its output so far, or None if unknown."""
+        with self._lock:
+            raw = super().abort_request(request_id)
+            if raw is None or self.output_processor is None:
+                return raw
+            outputs = self.output_processor.process_outputs([raw])[0]
+            return outputs[0] if outputs else raw
 
     def stats(self) -> EngineStats:
         stats = super().stats()

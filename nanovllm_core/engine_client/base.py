@@ -24,6 +24,7 @@ from nanovllm_core.engine.core import EngineStats, Prompt, tokenize_prompt
 from nanovllm_core.engine.llm_engine import load_tokenizer, read_eos_token_ids
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.loader import load_hf_config
+from nanovllm_core.output_processor import OutputProcessor, engine_params
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, with_priority
 
@@ -233,7 +234,8 @@ class _Inbox:
 
 
 class _Puller:
-    """The pull surface of a push client: commands out, answers and outputs collected from an :class:`_Inbox`."""
+    """The pull surface of a push client: commands out, answers and outputs collected from an :class:`_Inbox`, made
+    into the user's by an :class:`OutputProcessor` (text, stop strings: a match aborts the request in the engine)."""
 
     def __init__(self, client: EngineClient) -> None:
         self.client = client
@@ -243,7 +245,8 @@ class _Puller:
         self.call_ids = itertools.count()
         self.request_counter = itertools.count()
         self.results: dict[int, tuple[Any, BaseException | None]] = {}
-        self.requests: dict[str, tuple[str | None, list[int] | None]] = {}  # (text, token ids) to put back
+        self.requests: set[str] = set()  # added here, final output not returned by step() yet
+        self.processor = OutputProcessor(client.tokenizer)
         self.ready: list[RequestOutput] = []  # outputs not yet returned by step()
 
     def check_open(self) -> None:
@@ -252,36 +255,35 @@ class _Puller:
         if self.closed:
             raise RuntimeError(SHUT_DOWN)
 
-    def prepare(self, prompt: Any, params: Any) -> tuple[list[int], tuple[str | None, list[int] | None]]:
-        """The token ids to send for a prompt, and (text, token ids) to put back into its outputs. Text is
+    def prepare(self, request_id: str, prompt: Any, params: SamplingParams | None) -> list[int]:
+        """The token ids to send for a prompt; the request is known to the output processor from here on. Text is
         tokenized here, so that routing knows its length and only plain data crosses to the engines; what depends
         on the engine (length, vocabulary, KV cache) the engine checks."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
         if type(prompt) is list and set(map(type, prompt)) <= {int}:  # plain token ids: cheaper than the full check
-            return prompt, (None, list(prompt))
-        text, token_ids = tokenize_prompt(self.client.tokenizer, prompt)
-        return token_ids, (text, token_ids)
+            text, token_ids = None, prompt
+        else:
+            text, token_ids = tokenize_prompt(self.client.tokenizer, prompt)
+        self.processor.add(request_id, params, text, list(token_ids))
+        return token_ids
 
-    @staticmethod
-    def restore(out: RequestOutput, shown: tuple[str | None, list[int] | None]) -> None:
-        text, token_ids = shown
-        if out.prompt is None:
-            out.prompt = text
-        if not out.prompt_token_ids and token_ids:
-            out.prompt_token_ids = token_ids
+    def forget(self, request_id: str) -> None:
+        self.requests.discard(request_id)
+        self.processor.forget(request_id)
 
     def pump(self, block: bool, timeout: float | None = None) -> None:
-        """Take what arrived: results kept by call id, outputs of known requests queued for step()."""
+        """Take what arrived: results kept by call id, outputs of known requests made the user's and queued for
+        step(); requests a stop string finished are aborted in the engines."""
         results, outputs = self.inbox.take(block, timeout)
         for call_id, result, exc in results:
             if call_id is not None:
                 self.results[call_id] = (result, exc)
-        for out in outputs:
-            shown = self.requests.get(out.request_id)
-            if shown is not None:
-                self.restore(out, shown)
-                self.ready.append(out)
+        if outputs:
+            outputs, stopped = self.processor.process_outputs(outputs)
+            self.ready += outputs
+            if stopped:
+                self.client.submit([(None, "abort", (request_id,)) for request_id in stopped])
 
     def call(self, kind: str, args: tuple) -> Any:
         with self.lock:
@@ -308,14 +310,14 @@ class _Puller:
                 try:
                     if request_id in self.requests:
                         raise InvalidRequestError(f"request id {request_id!r} is already in use")
-                    sent, self.requests[request_id] = self.prepare(prompt, params)
+                    sent = self.prepare(request_id, prompt, params)
                 except InvalidRequestError as exc:
                     answers.append((request_id, exc))
                     continue
+                self.requests.add(request_id)
                 call_id = next(self.call_ids)
                 answers.append((request_id, None))
-                commands.append((call_id, "add", (sent, params if params is not None else SamplingParams(),
-                                                  request_id)))  # fmt: skip
+                commands.append((call_id, "add", (sent, engine_params(params or SamplingParams()), request_id)))
             waiting = {command[0]: command[2][2] for command in commands}
             try:
                 self.client.submit(commands)
@@ -323,7 +325,7 @@ class _Puller:
                     self.pump(block=True)
             except BaseException:
                 for request_id in waiting.values():
-                    self.requests.pop(request_id, None)
+                    self.forget(request_id)
                 raise
             errors = {}
             for call_id, request_id in waiting.items():
@@ -331,7 +333,7 @@ class _Puller:
                 if exc is not None:
                     if not isinstance(exc, InvalidRequestError):
                         raise exc
-                    del self.requests[request_id]
+                    self.forget(request_id)
                     errors[request_id] = exc
             return [(r, errors.get(r, e)) for r, e in answers]
 
@@ -344,7 +346,7 @@ class _Puller:
             ready, self.ready = self.ready, []
             for out in ready:
                 if out.finished:
-                    self.requests.pop(out.request_id, None)
+                    self.requests.discard(out.request_id)
             return ready
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -358,7 +360,7 @@ class _Puller:
                     break
                 self.pump(block=True)
             self.ready.remove(final)
-            del self.requests[request_id]
+            self.forget(request_id)
             return final
 
     def abort_all(self, request_ids: list[str]) -> None:
@@ -379,4 +381,4 @@ class _Puller:
                 gone = set(request_ids)
                 self.ready = [o for o in self.ready if o.request_id not in gone]
                 for request_id in gone:
-                    self.requests.pop(request_id, None)
+                    self.forget(request_id)

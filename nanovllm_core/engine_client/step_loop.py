@@ -84,8 +84,12 @@ def unpack_outputs(rows: list[list | tuple]) -> list[RequestOutput]:
 
 
 def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Command]], emit: Emit) -> None:
-    """Run until a ``stop`` command; ``next_commands(block)`` waits for commands only when ``block``."""
+    """Run until a ``stop`` command; ``next_commands(block)`` waits for commands only when ``block``.
+
+    The engine hands over its core's outputs (token ids): the front-end they go to makes the text with its own
+    OutputProcessor, away from the loop every running request waits on."""
     account = LoopAccount()
+    engine.output_processor = None
 
     def hand_over(results: list[Result], outputs: list[RequestOutput]) -> None:
         start = time.perf_counter()

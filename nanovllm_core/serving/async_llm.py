@@ -24,12 +24,12 @@ from typing import Any, Protocol, TypeVar
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import Prompt, unwrap_prompt
-from nanovllm_core.engine.detokenizer import Decode, IncrementalDetokenizer, decoder_of
 from nanovllm_core.engine.llm_engine import LLMEngine, load_tokenizer, resolve_config
 from nanovllm_core.engine_client.base import EngineClient, LoopAccount
 from nanovllm_core.engine_client.factory import make_engine_client
 from nanovllm_core.engine_client.step_loop import InProcessClient
 from nanovllm_core.errors import InvalidRequestError, NanoVLLMError
+from nanovllm_core.output_processor import OutputProcessor, RequestState, engine_params
 from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, with_priority
 from nanovllm_core.tokenization import encode_text
@@ -94,49 +94,26 @@ def merge_deltas(items: list[RequestOutput]) -> RequestOutput:
     return merged
 
 
-class StreamText:
-    """The text of a request's samples, decoded in the front-end from the token ids: the engine then sends ids
-    only (``detokenize=False``) and its step loop, which every running request's step waits on, skips the work.
-    Pieces are decoded as the consumer reads them (merged outputs: once per read); a finished sample gets the
-    rest of its whole decode, exactly as the engine's own delta outputs do."""
-
-    def __init__(self, decode: Decode, n: int, skip_special_tokens: bool) -> None:
-        self.decode = decode
-        self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[list[int]] = [[] for _ in range(n)]
-        self.streams = [IncrementalDetokenizer(decode, 0, skip_special_tokens) for _ in range(n)]
-        self.sent = [0] * n
-
-    def fill(self, out: RequestOutput) -> None:
-        for c in out.outputs:
-            i = c.index
-            ids = self.token_ids[i]
-            ids += c.token_ids
-            if c.finish_reason is not None:
-                text = self.decode(ids, self.skip_special_tokens) if ids else ""
-            else:
-                stream = self.streams[i]
-                stream.update(ids)
-                text = stream.text
-            c.text = text[self.sent[i] :]
-            self.sent[i] = len(text)
-
-
 class RequestStream:
     """The outputs of one request, as an async iterator; ends after the finished output (or raises).
 
     Outputs that arrive while the consumer is busy wait in a list and are merged into one when it reads: the
-    consumer's per-item work (an SSE chunk) is paid per read, not per step."""
+    consumer's per-item work (an SSE chunk) is paid per read, not per step. The engine sends token ids only; the
+    output processor makes the text as the consumer reads (once per read), or, for a request with stop strings,
+    as each output arrives (``eager``: a match must abort the request in the engine at once)."""
 
     def __init__(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         prompt: str | None = None,
-        text: StreamText | None = None,
+        processor: OutputProcessor | None = None,
+        state: RequestState | None = None,
     ) -> None:
         self.request_id = request_id
-        self.text = text  # decodes the outputs' text here (the engine sends token ids only)
+        self.processor = processor
+        self.state = state
+        self.eager = state is not None and bool(state.params.stop_strings) and state.params.detokenize
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
         self.prompt = prompt
@@ -162,22 +139,30 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    def process(self, out: RequestOutput) -> RequestOutput | None:
+        """The user's output for the engine's (None: nothing new for the user)."""
+        if self.processor is None or self.state is None:
+            return out
+        return self.processor.process(self.state, out)
+
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        if not self._pending and self._error is None:
-            await self._ready.wait()
-        self._ready.clear()
-        if self._error is not None:
-            self.finished = True
-            self._pending = []
-            raise self._error
-        items, self._pending = self._pending, []
-        item = merge_deltas(items)
-        if self.text is not None:
-            self.text.fill(item)
-        self.finished = item.finished
-        return item
+        while True:
+            if self.finished:
+                raise StopAsyncIteration
+            if not self._pending and self._error is None:
+                await self._ready.wait()
+            self._ready.clear()
+            if self._error is not None:
+                self.finished = True
+                self._pending = []
+                raise self._error
+            items, self._pending = self._pending, []
+            item = merge_deltas(items)
+            if not self.eager:
+                item = self.process(item)  # type: ignore[assignment]
+            if item is not None:
+                self.finished = item.finished
+                return item
 
 
 class AsyncLLM:
@@ -196,14 +181,17 @@ class AsyncLLM:
         self.config: EngineConfig = self.core.config
         self.observer = observer
         self.max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
-        # a tokenizer of its own: the event loop and the tokenizer's thread encode while the step loop decodes
+        # a tokenizer of its own: the event loop and the tokenizer's thread encode, and the output processor
+        # decodes, while the step loop runs the engine
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
-        self._decode = decoder_of(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
         # One thread, made on first use: long texts are tokenized one at a time, as in vLLM's front-end. Short ones
         # are still tokenized on the event loop meanwhile: without truncation or padding (never set here) encoding
         # only reads the tokenizer's state.
         self._tokenizer_pool: ThreadPoolExecutor | None = None
         self._streams: dict[str, RequestStream] = {}
+        # requests a stop string ended whose engine metrics come with the abort's output: their front-end arrival
+        self._awaiting_metrics: dict[str, float] = {}
         self._num_queued = 0  # accepted requests without any output yet (waiting or in their first prefill)
         self._ids = itertools.count()
         self._call_ids = itertools.count()
@@ -319,17 +307,14 @@ class AsyncLLM:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text = None
-        if params.detokenize and not params.stop_strings:  # stop strings are matched on the engine's text
-            text = StreamText(self._decode, params.n, params.skip_special_tokens)
-            params = dataclasses.replace(params, output_kind="delta", detokenize=False)
-        else:
-            params = dataclasses.replace(params, output_kind="delta")
-        stream = RequestStream(request_id, token_ids, prompt if isinstance(prompt, str) else None, text)
+        params = dataclasses.replace(params, output_kind="delta")
+        text = prompt if isinstance(prompt, str) else None
+        state = self.output_processor.new_request(params, text, token_ids)
+        stream = RequestStream(request_id, token_ids, text, self.output_processor, state)
         self._streams[request_id] = stream
         self._num_queued += 1
         try:
-            await self._call("add", (token_ids, params, request_id))
+            await self._call("add", (token_ids, engine_params(params), request_id))
         except BaseException:
             if self._streams.pop(request_id, None) is stream:
                 self._num_queued -= 1
@@ -406,14 +391,21 @@ class AsyncLLM:
                     future.set_exception(exc)
                 else:
                     future.set_result(result)
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
+        for raw in outputs:
+            stream = self._streams.get(raw.request_id)
             if stream is None:
+                arrival = self._awaiting_metrics.pop(raw.request_id, None) if raw.finished else None
+                if arrival is not None and raw.metrics is not None and self.observer is not None:
+                    self.observer.stages(arrival, raw.metrics)
                 continue
-            if out.prompt is None:
-                out.prompt = stream.prompt  # the engine got token ids; the caller gave text
-            if not out.prompt_token_ids:
-                out.prompt_token_ids = stream.prompt_token_ids  # not sent back by an engine process
+            core_finished = raw.finished
+            out = stream.process(raw) if stream.eager else raw
+            if out is None:
+                continue
+            if out.finished and not core_finished:  # a stop string: the engine still runs it
+                self.abort_nowait(out.request_id)
+                if out.metrics is None:  # (an engine process sends them with finished outputs only)
+                    self._awaiting_metrics[out.request_id] = stream.arrival
             self._observe(stream, out, now)
             stream.put(out)
             if out.finished:

@@ -106,6 +106,38 @@ def test_outputs_equal_one_engine_token_for_token_and_the_load_is_split(dp, sing
     )
 
 
+def test_text_stop_strings_logprobs_and_n_equal_one_engine_and_stopped_requests_leave_the_replicas(dp, single):
+    """The front-end's output processor makes the text over the replicas' token ids: stop strings (the request is
+    aborted in its replica, which would otherwise run on to max_tokens), logprob dicts' tokens, n samples."""
+    text = single.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    # stop strings of whole characters, each first found where it is taken from
+    at = [i for i in range(2, len(text) - 3) if "\ufffd" not in text[i : i + 3] and text.find(text[i : i + 3]) == i]
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    params = [
+        dataclasses.replace(long, stop=[text[at[1] : at[1] + 3]], logprobs=2),
+        dataclasses.replace(long, stop=[text[at[0] : at[0] + 3]], include_stop_str_in_output=True),
+        SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=12, ignore_eos=True),
+    ]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+
+    def seen(outs):
+        return [[(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+
+    want = single.generate(prompts, params, use_tqdm=False)
+    got = dp.generate(prompts, params, use_tqdm=False)
+    assert seen(got) == seen(want)
+    # logprob values differ in the last bits with the batch a replica computes them in: compared apart
+    got_lp, want_lp = got[0].outputs[0], want[0].outputs[0]
+    assert got_lp.cumulative_logprob == pytest.approx(want_lp.cumulative_logprob, abs=1e-3)
+    assert [{t: (lp.rank, lp.decoded_token) for t, lp in p.items()} for p in got_lp.logprobs] == [
+        {t: (lp.rank, lp.decoded_token) for t, lp in p.items()} for p in want_lp.logprobs
+    ]
+    assert [c.finish_reason for c in got[0].outputs + got[1].outputs] == ["stop", "stop"]
+    assert got[1].outputs[0].text == text[: at[0] + 3] and got[0].outputs[0].text == text[: at[1]]
+    assert all(lp.decoded_token is not None for p in got[0].outputs[0].logprobs for lp in p.values())
+    assert_idle(dp.stats())  # the aborts went to the replicas before this call did
+
+
 def test_bad_prompts_get_error_outputs_and_the_others_complete(dp, single):
     prompts = ["", [1, 10**7], [5] * 300, "Hello world!", {"text": "x"}, PROMPTS[1], PROMPTS[2]]
     params = [GREEDY] * len(prompts)

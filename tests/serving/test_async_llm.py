@@ -80,12 +80,19 @@ def test_vllm_prompt_dicts(engine, greedy):
 
 
 def test_the_front_end_decodes_the_text_and_the_engine_sends_ids(engine, monkeypatch):
-    """Without stop strings the engine gets ``detokenize=False`` and the stream decodes the text; with them the
-    engine decodes (it matches them). Either way the pieces add up to each sample's whole decode (n=2, sampled,
-    random byte-level ids: characters split across tokens)."""
-    sent = []
-    add = engine.add_request
+    """The engine sends token ids only, with stop strings or without (the front-end's output processor decodes and
+    matches them); the pieces add up to each sample's whole decode (n=2, sampled, random byte-level ids: characters
+    split across tokens)."""
+    sent, engine_texts = [], []
+    add, step = engine.add_request, engine.step
     monkeypatch.setattr(engine, "add_request", lambda ids, params, rid: (sent.append(params), add(ids, params, rid)))
+
+    def recording_step():
+        outputs = step()
+        engine_texts.extend(c.text for out in outputs for c in out.outputs)
+        return outputs
+
+    monkeypatch.setattr(engine, "step", recording_step)
     prompt = [(37 * i) % 380 + 3 for i in range(30)]
     decode = engine.tokenizer.decode
 
@@ -104,7 +111,8 @@ def test_the_front_end_decodes_the_text_and_the_engine_sends_ids(engine, monkeyp
         return results
 
     front_end, in_engine = run(engine, body)
-    assert [p.detokenize for p in sent] == [False, True]
+    assert [p.stop_strings for p in sent] == [[], ["never-in-output"]]
+    assert engine_texts and not any(engine_texts)  # the engine decoded nothing
     for pieces in (front_end, in_engine):
         for text, ids in pieces.values():
             assert len(ids) == 40 and text == decode(ids, skip_special_tokens=True)
@@ -125,6 +133,30 @@ def test_abort_frees_blocks_and_ends_the_stream(engine):
     assert all_free(stats)
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
     assert sum(len(o.outputs[0].token_ids) for o in rest) < 400
+
+
+def test_a_stop_string_ends_the_stream_and_aborts_the_request_in_the_engine(engine, greedy):
+    """The front-end matches the stop string, ends the stream with it and aborts the request in the engine, which
+    would otherwise run on to max_tokens; the text and tokens are the offline ones up to the match."""
+    text, ids = greedy("Hello", 60)
+    stop = text[10:13]
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, stop=[stop])
+
+    async def body(llm):
+        outs = [out async for out in llm.generate("Hello", params)]
+        for _ in range(100):  # the abort was queued when the stream ended
+            stats = await llm.stats()
+            if all_free(stats):
+                break
+        return outs, stats
+
+    outs, stats = run(engine, body)
+    last = outs[-1].outputs[0]
+    got_ids = [t for o in outs for t in o.outputs[0].token_ids]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    assert "".join(o.outputs[0].text for o in outs) == text[: text.find(stop)]
+    assert got_ids == ids[: len(got_ids)] and len(got_ids) < 60
+    assert all_free(stats)  # well before max_tokens: the engine aborted it
 
 
 def test_leaving_generate_early_aborts(engine):

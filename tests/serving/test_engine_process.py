@@ -52,6 +52,28 @@ def test_outputs_aborts_and_errors_across_the_pipe(process_server, greedy):
     assert llm.account.steps > 0 and llm.account.step_seconds > 0
 
 
+def test_a_stop_string_across_the_pipe_aborts_in_the_engine_and_reports_its_stages(process_server, greedy, monkeypatch):
+    """The front-end matches the stop string on the token ids the engine process sends, aborts the request there, and
+    reports its stages with the engine metrics that come back with the abort."""
+    llm = process_server.engine
+    text = greedy("Hello", 60)[0]
+    at = next(i for i in range(2, 50) if "\ufffd" not in text[i : i + 3] and text.find(text[i : i + 3]) == i)
+    stop = text[at : at + 3]
+    stages = []
+    monkeypatch.setattr(llm.observer, "stages", lambda arrival, metrics: stages.append(metrics))
+
+    async def body():
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, stop=[stop])
+        outs = [out async for out in llm.generate("Hello", params)]
+        return outs, await llm.stats()  # sent after the abort: the engine has let the request go
+
+    outs, stats = process_server.call(body())
+    assert "".join(o.outputs[0].text for o in outs) == text[:at]
+    assert (outs[-1].outputs[0].finish_reason, outs[-1].outputs[0].stop_reason) == ("stop", stop)
+    assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert len(stages) == 1 and stages[0].first_token_time is not None
+
+
 def test_http_on_an_engine_process(process_server, greedy):
     body = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     out = httpx.post(process_server.url + "/v1/completions", json=body, timeout=60).json()

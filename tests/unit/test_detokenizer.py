@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from nanovllm_core.engine.detokenizer import IncrementalDetokenizer, decoder_of
+from nanovllm_core.output_processor import IncrementalDetokenizer, decoder_of
 from nanovllm_core.testing.checkpoints import build_tokenizer
 
 

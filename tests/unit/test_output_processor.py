@@ -1,0 +1,116 @@
+"""OutputProcessor on hand-made engine-core outputs: stop strings (a match finishes the sample, asks for the request's
+abort once every sample is done, and drops what the core produced after it), output kinds, and the two incremental
+detokenizers giving the same text."""
+
+from __future__ import annotations
+
+import random
+
+from nanovllm_core.output_processor import (
+    DecodeStream,
+    IncrementalDetokenizer,
+    OutputProcessor,
+    decoder_of,
+    engine_params,
+)
+from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.testing.checkpoints import build_tokenizer
+
+TOKENIZER = build_tokenizer()
+
+
+def ids_of(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False)
+
+
+def raw(request_id: str, pieces: dict[int, list[int]], finish: dict[int, str] | None = None) -> RequestOutput:
+    """An engine-core output: token ids per sample index, no text; finished when every sample has a reason."""
+    finish = finish or {}
+    outputs = [CompletionOutput(i, "", ids, finish.get(i)) for i, ids in pieces.items()]
+    return RequestOutput(request_id, None, [1, 2], outputs, finished=bool(finish) and len(finish) == len(pieces))
+
+
+def feed(processor: OutputProcessor, request_id: str, token_ids: list[int], index: int = 0) -> list:
+    """One core output per token (as the core sends deltas); the user's outputs and the ids to abort, per step."""
+    return [processor.process_outputs([raw(request_id, {index: [t]})]) for t in token_ids]
+
+
+def test_decode_stream_and_incremental_detokenizer_give_the_same_text():
+    rng = random.Random(0)
+    words = ids_of("the quick brown fox jumps over the lazy dog, then naïve café résumé ☃ again")
+    decode = decoder_of(TOKENIZER)
+    for _ in range(20):
+        # words, byte pieces (characters split across tokens) and ids the tokenizer does not know
+        ids = [rng.choice([rng.choice(words), rng.randrange(384), rng.randrange(384, 2000)]) for _ in range(120)]
+        python, rust = IncrementalDetokenizer(decode, 0, True), DecodeStream(TOKENIZER.backend_tokenizer, True)
+        for end in range(1, len(ids) + 1):
+            python.update(ids[:end])
+            rust.update(ids[:end])
+            assert rust.text == python.text
+
+
+def test_a_stop_string_finishes_the_request_and_drops_what_follows():
+    processor = OutputProcessor(TOKENIZER)
+    params = SamplingParams(max_tokens=50, stop=["fox"])
+    assert engine_params(params).output_kind == "delta"  # the core sends every token to match them here
+    processor.add("r", params)
+    ids = ids_of("the quick brown fox jumps over")
+    steps = feed(processor, "r", ids)
+    finished = [i for i, (outs, _) in enumerate(steps) if outs]
+    assert len(finished) == 1  # output_kind "final": one output, when the stop string matched
+    outs, to_abort = steps[finished[0]]
+    assert to_abort == ["r"]
+    out = outs[0].outputs[0]
+    assert out.text == "the quick brown " and (out.finish_reason, out.stop_reason) == ("stop", "fox")
+    assert TOKENIZER.decode(out.token_ids).endswith("fox") and out.token_ids == ids[: len(out.token_ids)]
+    assert all(outs == [] and aborts == [] for outs, aborts in steps[finished[0] + 1 :])
+    # the core's answer to the abort ends the request there; an id used again afterwards is a new request
+    assert processor.process_outputs([raw("r", {0: []}, {0: "abort"})]) == ([], [])
+    processor.add("r", SamplingParams(max_tokens=1))
+    outs, _ = processor.process_outputs([raw("r", {0: ids[:1]}, {0: "length"})])
+    assert outs[0].outputs[0].token_ids == ids[:1] and outs[0].outputs[0].finish_reason == "length"
+
+
+def test_streamed_text_holds_back_a_possible_stop_string_and_can_include_it():
+    processor = OutputProcessor(TOKENIZER)
+    for include in (False, True):
+        params = SamplingParams(
+            max_tokens=50, stop=["lazy dog"], output_kind="delta", include_stop_str_in_output=include
+        )
+        processor.add(f"r{include}", params)
+        steps = feed(processor, f"r{include}", ids_of("over the lazy dog again"))
+        pieces = [outs[0].outputs[0] for outs, _ in steps if outs]
+        text = "".join(p.text for p in pieces)
+        assert text == ("over the lazy dog" if include else "over the ")
+        assert pieces[-1].finish_reason == "stop"
+
+
+def test_with_n_samples_the_request_is_aborted_once_every_sample_is_done():
+    processor = OutputProcessor(TOKENIZER)
+    processor.add("r", SamplingParams(n=2, max_tokens=50, stop=["brown"], output_kind="delta"))
+    stopping, going = ids_of("a brown cat"), ids_of("a white cat and more")
+    aborts = []
+    for a, b in zip(stopping, going):
+        outs, to_abort = processor.process_outputs([raw("r", {0: [a], 1: [b]})])
+        aborts += to_abort
+        assert all(c.finish_reason is None or c.index == 0 for o in outs for c in o.outputs)
+    assert aborts == []  # sample 1 still runs
+    outs, to_abort = processor.process_outputs([raw("r", {0: [7], 1: [going[-1]]}, {0: "length", 1: "stop"})])
+    assert to_abort == [] and outs[0].finished  # the core finished it: nothing to abort
+    assert [c.finish_reason for c in outs[0].outputs] == ["stop", "stop"] and outs[0].outputs[0].stop_reason == "brown"
+
+
+def test_logprob_tokens_are_decoded_and_cumulative_outputs_hold_everything():
+    processor = OutputProcessor(TOKENIZER)
+    processor.add("r", SamplingParams(max_tokens=3, logprobs=1, output_kind="cumulative"))
+    assert engine_params(processor.requests["r"].params).output_kind == "delta"
+    ids = ids_of("the fox")
+    seen = []
+    for k, t in enumerate(ids):
+        position = {t: Logprob(-0.5, 1)}
+        out = RequestOutput("r", None, [1], [CompletionOutput(0, "", [t], None, None, None, [position])], False)
+        seen.append(processor.process_outputs([out])[0][0].outputs[0])
+        assert seen[-1].token_ids == ids[: k + 1]
+    assert seen[-1].logprobs[0][ids[0]].decoded_token == TOKENIZER.decode([ids[0]])
+    assert seen[-1].cumulative_logprob == -0.5 * len(ids)
