@@ -179,7 +179,7 @@ class EngineConfig(BaseModel):
                 f"ray_num_gpus_per_replica={gpus} shares a GPU between replicas; it needs tensor_parallel_size 1, "
                 f"not {tp} (use a whole number of GPUs, at least tensor_parallel_size)"
             )
-        if gpus is not None and gpus < tp:
+        if gpus is not None and 1 <= gpus < tp:
             raise ValueError(
                 f"ray_num_gpus_per_replica={gpus} is fewer GPUs than tensor_parallel_size={tp} needs; allowed: at "
                 f"least {tp}, or a fraction below 1 with tensor_parallel_size 1"

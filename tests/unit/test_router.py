@@ -94,6 +94,8 @@ def test_ray_settings_and_their_errors(monkeypatch):
     with pytest.raises(ConfigError, match="fewer GPUs than tensor_parallel_size=4 needs; allowed: at least 4"):
         EngineConfig.load(overrides={"model": "m", "ray_num_gpus_per_replica": 2, "tensor_parallel_size": 4})
     assert EngineConfig.load(overrides={"model": "m", "ray_num_gpus_per_replica": 2}).ray_num_gpus_per_replica == 2
+    # two replicas sharing one GPU
+    assert EngineConfig.load(overrides={"model": "m", "ray_num_gpus_per_replica": 0.5}).ray_num_gpus_per_replica == 0.5
 
     from nanovllm_core.cli import _cli_overrides, build_parser
 
