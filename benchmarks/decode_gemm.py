@@ -197,7 +197,7 @@ def print_table(report: dict[str, Any]) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--rows", default="1,16,64,128,256,512", help="comma-separated batch sizes (rows)")
@@ -209,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--results-dir", default="results", help="without --json: RESULTS_DIR/kernels/ (default results)"
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         rows = [int(r) for r in args.rows.split(",") if r.strip()]
