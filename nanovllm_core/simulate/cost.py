@@ -198,11 +198,10 @@ def fit_records(
     columns = [torch.ones_like(s), s, k, q - s]
     fit_pairs = graph_max_tokens is not None
     x = torch.stack(columns + [prompt.double(), pairs] if fit_pairs else columns, dim=1)
-    coef_t = torch.linalg.lstsq(x[line], y[line].unsqueeze(1), driver="gelsd").solution.squeeze(1)
+    coef_t = _least_squares(x[line], y[line])
     if fit_pairs and float(coef_t[-1]) <= 0:  # no measurable attention cost: price it at the GEMM rate instead
         fit_pairs, x = False, x[:, :-1]
-        coef_t = torch.linalg.lstsq(x[line], (y - pair_ms * pairs)[line].unsqueeze(1), driver="gelsd").solution
-        coef_t = coef_t.squeeze(1)
+        coef_t = _least_squares(x[line], (y - pair_ms * pairs)[line])
     coef = dict(zip(FEATURES, (float(c) for c in coef_t[: len(FEATURES)])))
     coef["per_prompt_pair"] = float(coef_t[-1]) if fit_pairs else pair_ms
     if graph_max_tokens is not None:
@@ -223,6 +222,14 @@ def fit_records(
         "prompt_tokens_per_prompt_step": [int((q - s)[prompt].min()), int((q - s)[prompt].max())],
     }
     return coef, quality
+
+
+def _least_squares(x: Any, y: Any) -> Any:
+    """``x @ coef ~ y``, each column scaled to a unit maximum first (pairs run to millions, the intercept is 1)."""
+    import torch
+
+    scale = x.abs().amax(dim=0).clamp(min=1e-12)
+    return torch.linalg.lstsq(x / scale, y.unsqueeze(1), driver="gelsd").solution.squeeze(1) / scale
 
 
 def _fit_eager(base: Any, tokens: Any, y: Any) -> tuple[float, float]:
