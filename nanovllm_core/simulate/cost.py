@@ -2,16 +2,19 @@
 
 A step is described as the model runner records it (``ModelRunner.step_records``): its sequences ``S``, its query
 tokens ``Q`` and the KV tokens its attention reads ``K`` (each sequence's context, new tokens included). Prompt
-chunks add ``Q - S`` tokens over one a sequence. The model is linear::
+chunks add ``Q - S`` tokens over one a sequence, and ``pairs`` query-key pairs of causal prompt attention. A
+step replayed from a CUDA graph (every decode step, and a step with prompt tokens of up to
+``graph_max_tokens``) costs::
 
     ms = fixed + per_seq * S + per_kv_token * K + per_prompt_token * (Q - S) + per_prompt_pair * pairs
 
-``fixed`` (weights read, launches), ``per_seq`` (GEMM rows, sampling) and ``per_kv_token`` (decode attention's KV
-read) come from the decode steps; ``per_prompt_token`` from the steps with prompt tokens, by least squares over
-every record at once. ``pairs`` (query-key pairs of causal prompt attention, which grows with the square of a
-prompt) cannot be fitted from ``nanovllm bench`` records, whose prompt steps are a few steps of many short prompts;
-its cost is the attention's matmul FLOPs at the GEMM rate the same bench run measured, so long prompts are an
-extrapolation from the model's shape, not a fit.
+A larger step with prompt tokens runs eagerly: its GPU time is its kernels' time plus ``eager_per_prompt_token``
+a prompt token, and no less than ``eager_floor`` (the host's time to launch its kernels one by one, which the GPU
+waits for). All terms are fitted by least squares: the line over the decode steps and the graph-replayed prompt
+steps, the eager terms over the steps above the graph. Without graph-replayed prompt steps in the records (a
+``nanovllm bench`` run of short prompts only) the line is fitted over every step, the eager terms are zero and
+``per_prompt_pair`` is the attention's matmul FLOPs at the GEMM rate the bench run measured: the first format's
+model, which its calibrations keep.
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from nanovllm_core.config import EngineConfig
 from nanovllm_core.errors import ConfigError
 
-FORMAT = "nanovllm-step-cost/1"
+FORMAT = "nanovllm-step-cost/2"
+READABLE_FORMATS = ("nanovllm-step-cost/1", FORMAT)  # /1: no eager terms, no graph_max_tokens (both read as none)
 FEATURES = ("fixed", "per_seq", "per_kv_token", "per_prompt_token")
+GRAPH_LIMIT = "cuda_graph_max_mixed_tokens"  # the engine setting above which a prompt step runs eagerly
+MIN_GRAPH_PROMPT_STEPS = 5  # fewer graph-replayed prompt steps than this: the first format's fit
 SHIPPED_DIR = "calibrations"
 
 
@@ -34,7 +41,7 @@ SHIPPED_DIR = "calibrations"
 class Calibration:
     """A fitted step-time model, its provenance and the engine facts the simulation needs (KV-cache blocks)."""
 
-    coefficients_ms: dict[str, float]  # FEATURES -> ms, plus per_prompt_pair
+    coefficients_ms: dict[str, float]  # FEATURES -> ms, plus per_prompt_pair, eager_per_prompt_token, eager_floor
     gpu: str = "unknown"
     model: str = "unknown"
     shape: dict[str, int] = field(default_factory=dict)
@@ -44,6 +51,7 @@ class Calibration:
     tensor_parallel_size: int = 1
     num_kvcache_blocks: int = 4096
     kvcache_block_size: int = 256
+    graph_max_tokens: int | None = None  # steps with prompt tokens above this run eagerly; None: priced alike
     host_gap_ms: float = 0.0  # the GPU's idle time between two steps (host work not hidden by async scheduling)
     frontend: dict[str, Any] = field(default_factory=lambda: {"intake_ms": 0.0, "delivery_ms": 0.0})
     commit: str = "unknown"
@@ -55,22 +63,27 @@ class Calibration:
 
     def step_ms(self, seqs: int, query_tokens: int, kv_tokens: int, prompt_pairs: float = 0.0) -> float:
         c = self.coefficients_ms
-        return (
+        ms = (
             c["fixed"]
             + c["per_seq"] * seqs
             + c["per_kv_token"] * kv_tokens
             + c["per_prompt_token"] * (query_tokens - seqs)
             + c.get("per_prompt_pair", 0.0) * prompt_pairs
+            + c.get("per_prompt_step", 0.0) * (query_tokens > seqs)
         )
+        if self.graph_max_tokens is not None and query_tokens > max(seqs, self.graph_max_tokens):
+            ms = max(c.get("eager_floor", 0.0), ms + c.get("eager_per_prompt_token", 0.0) * (query_tokens - seqs))
+        return ms
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str) -> Calibration:
-        if data.get("format") != FORMAT:
+        if data.get("format") not in READABLE_FORMATS:
             raise ConfigError(
-                f"{where}: not a step-cost calibration (format {data.get('format')!r}, expected {FORMAT!r})"
+                f"{where}: not a step-cost calibration (format {data.get('format')!r}, expected one of "
+                f"{', '.join(READABLE_FORMATS)})"
             )
         missing = [f for f in FEATURES if f not in data.get("coefficients_ms", {})]
         if missing:
@@ -106,9 +119,68 @@ def load_calibration(name_or_path: str) -> Calibration:
     return Calibration.from_dict(data, where)
 
 
-def fit_records(records: list[tuple[int, int, int, float]]) -> tuple[dict[str, float], dict[str, Any]]:
-    """Least squares of the linear step model's four fitted coefficients over ``(S, Q, K, ms)`` records; the
-    coefficients (ms) and the fit's quality: r2 over all records and over the decode steps alone."""
+def record_pairs(s: Any, q: Any, k: Any) -> Any:
+    """Causal prompt attention's query-key pairs of records ``(S, Q, K)`` (tensors), which do not say how a step's
+    tokens split among its sequences: a pure prefill (``K == Q``) as ``S`` equal prompts (exact for one), any other
+    step with prompt tokens as one chunk of ``Q - S + 1`` tokens from the start of its prompt (a lower bound)."""
+    import torch
+
+    chunk = q - s + 1
+    pairs = torch.where(k == q, q * q / (2 * s) + q / 2, chunk * (chunk + 1) / 2)
+    return torch.where(q > s, pairs, torch.zeros_like(q))
+
+
+def predict_records(coef: dict[str, float], graph_max_tokens: int | None, records: Any) -> Any:
+    """:meth:`Calibration.step_ms` of each ``(S, Q, K, ...)`` row of a tensor, pairs as :func:`record_pairs`."""
+    import torch
+
+    s, q, k = records[:, 0], records[:, 1], records[:, 2]
+    ms = (
+        coef["fixed"]
+        + coef["per_seq"] * s
+        + coef["per_kv_token"] * k
+        + coef["per_prompt_token"] * (q - s)
+        + coef.get("per_prompt_pair", 0.0) * record_pairs(s, q, k)
+        + coef.get("per_prompt_step", 0.0) * (q > s).double()
+    )
+    if graph_max_tokens is None:
+        return ms
+    eager = (q > s) & (q > graph_max_tokens)
+    priced = torch.clamp(ms + coef.get("eager_per_prompt_token", 0.0) * (q - s), min=coef.get("eager_floor", 0.0))
+    return torch.where(eager, priced, ms)
+
+
+def fit_quality(coef: dict[str, float], graph_max_tokens: int | None, records: list[tuple]) -> dict[str, Any]:
+    """r2 and mean absolute error (%) of the model over all records, the decode steps and the prompt steps."""
+    import torch
+
+    data = torch.tensor(records, dtype=torch.float64)
+    y, predicted = data[:, 3], predict_records(coef, graph_max_tokens, data)
+    prompt = data[:, 1] > data[:, 0]
+
+    def r2(mask: torch.Tensor) -> float | None:
+        spread = float(((y[mask] - y[mask].mean()) ** 2).sum())
+        return 1 - float(((y[mask] - predicted[mask]) ** 2).sum()) / spread if int(mask.sum()) > 1 and spread else None
+
+    def mae(mask: torch.Tensor) -> float | None:
+        return float(100 * ((predicted[mask] - y[mask]).abs() / y[mask]).mean()) if bool(mask.any()) else None
+
+    return {
+        "r2": r2(torch.ones_like(prompt)),
+        "r2_decode_steps": r2(~prompt),
+        "r2_prompt_steps": r2(prompt),
+        "decode_steps_mean_abs_error_pct": mae(~prompt),
+        "prompt_steps_mean_abs_error_pct": mae(prompt),
+    }
+
+
+def fit_records(
+    records: list[tuple[int, int, int, float]], graph_max_tokens: int | None = None, pair_ms: float = 0.0
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Least squares of the step model over ``(S, Q, K, ms)`` records: its coefficients (ms) and the fit's
+    quality, with the graph limit it priced (``graph_max_tokens``: None where the records hold too few
+    graph-replayed prompt steps to tell eager steps apart, and the first format's line is fitted over every step).
+    ``pair_ms``: the price of a prompt pair where it cannot be fitted (FLOPs at the GEMM rate)."""
     import torch
 
     if len(records) < len(FEATURES) + 1:
@@ -118,28 +190,64 @@ def fit_records(records: list[tuple[int, int, int, float]]) -> tuple[dict[str, f
     prompt = q > s
     if not bool(prompt.any()):
         raise ConfigError("the step records hold no step with prompt tokens: the prompt cost cannot be fitted")
-    x = torch.stack([torch.ones_like(s), s, k, q - s], dim=1)
-    coef = torch.linalg.lstsq(x, y.unsqueeze(1), driver="gelsd").solution.squeeze(1)
-    predicted = x @ coef
-    decode = ~prompt
-
-    def r2(mask: torch.Tensor) -> float | None:
-        spread = float(((y[mask] - y[mask].mean()) ** 2).sum())
-        return 1 - float(((y[mask] - predicted[mask]) ** 2).sum()) / spread if spread else None
-
-    extra = (q - s)[prompt]
+    eager = prompt & (q > graph_max_tokens) if graph_max_tokens is not None else torch.zeros_like(prompt)
+    if int((prompt & ~eager).sum()) < MIN_GRAPH_PROMPT_STEPS:
+        graph_max_tokens, eager = None, torch.zeros_like(prompt)
+    line = ~eager
+    pairs = record_pairs(s, q, k)
+    columns = [torch.ones_like(s), s, k, q - s]
+    fit_pairs = graph_max_tokens is not None
+    x = torch.stack(columns + [prompt.double(), pairs] if fit_pairs else columns, dim=1)
+    coef_t = _least_squares(x[line], y[line])
+    if fit_pairs and float(coef_t[-1]) <= 0:  # no measurable attention cost: price it at the GEMM rate instead
+        fit_pairs, x = False, x[:, :-1]
+        coef_t = _least_squares(x[line], (y - pair_ms * pairs)[line])
+    coef = dict(zip(FEATURES, (float(c) for c in coef_t[: len(FEATURES)])))
+    coef["per_prompt_pair"] = float(coef_t[-1]) if fit_pairs else pair_ms
+    if graph_max_tokens is not None:
+        coef["per_prompt_step"] = float(coef_t[len(FEATURES)])
+    if bool(eager.any()):
+        coef["eager_per_prompt_token"], coef["eager_floor"] = _fit_eager(
+            (x[eager] @ coef_t) + (0.0 if fit_pairs else pair_ms * pairs[eager]), (q - s)[eager], y[eager]
+        )
     quality = {
+        "graph_max_tokens": graph_max_tokens,
         "records": len(records),
-        "decode_steps": int(decode.sum()),
+        "decode_steps": int((~prompt).sum()),
         "prompt_steps": int(prompt.sum()),
-        "r2": r2(torch.ones_like(decode)),
-        "r2_decode_steps": r2(decode) if int(decode.sum()) > 1 else None,
-        "prompt_steps_mean_abs_error_pct": float(100 * ((predicted[prompt] - y[prompt]).abs() / y[prompt]).mean()),
-        "largest_decode_batch": int(s[decode].max()) if bool(decode.any()) else 0,
+        "eager_prompt_steps": int(eager.sum()),
+        **fit_quality(coef, graph_max_tokens, records),
+        "largest_decode_batch": int(s[~prompt].max()) if bool((~prompt).any()) else 0,
         "largest_kv_tokens": int(k.max()),
-        "prompt_tokens_per_prompt_step": [int(extra.min()), int(extra.max())],
+        "prompt_tokens_per_prompt_step": [int((q - s)[prompt].min()), int((q - s)[prompt].max())],
     }
-    return dict(zip(FEATURES, (float(c) for c in coef))), quality
+    return coef, quality
+
+
+def _least_squares(x: Any, y: Any) -> Any:
+    """``x @ coef ~ y``, each column scaled to a unit maximum first (pairs run to millions, the intercept is 1)."""
+    import torch
+
+    scale = x.abs().amax(dim=0).clamp(min=1e-12)
+    return torch.linalg.lstsq(x / scale, y.unsqueeze(1), driver="gelsd").solution.squeeze(1) / scale
+
+
+def _fit_eager(base: Any, tokens: Any, y: Any) -> tuple[float, float]:
+    """``max(floor, base + per_token * tokens)`` over the eager steps: the floor is the mean time of the steps it
+    bounds (their kernels take less than the host's launches: their times do not grow with their tokens), the
+    per-token term a least squares of the relative error over the others; alternated until the split settles."""
+
+    floor, extra, bound = float(y.mean()), 0.0, None
+    for _ in range(100):
+        now = base + extra * tokens < floor
+        if bound is not None and bool((now == bound).all()):
+            break
+        bound = now
+        floor = float(y[bound].mean()) if bool(bound.any()) else 0.0
+        if bool((~bound).any()):
+            t, r = tokens[~bound] / y[~bound], (y - base)[~bound] / y[~bound]
+            extra = max(0.0, float((t * r).sum() / (t**2).sum()))
+    return extra, floor
 
 
 def _shape_of(model: str) -> tuple[str, dict[str, int]]:
@@ -236,22 +344,36 @@ def calibrate(
         values = {str(r.get(key)) for r in results}
         if len(values) > 1:
             raise ConfigError(f"--calibrate: the bench results differ in {key} ({sorted(values)}): fit one at a time")
-    coef, quality = fit_records(records)
     shape_name, shape = _shape_of(first["model"])
     gemm = first.get("gemm_flop_per_s")
+    flops_per_pair = 4 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"]  # QK^T and PV
+    pair_ms = 1e3 * flops_per_pair / (gemm * first.get("tensor_parallel_size", 1)) if gemm else 0.0
+    graph_max = int(first.get("cuda_graph_max_mixed_tokens") or EngineConfig.model_fields[GRAPH_LIMIT].default)
+    coef, quality = fit_records(records, graph_max, pair_ms)
+    graph_max_tokens = quality["graph_max_tokens"]
+    quality["per_source"] = {
+        Path(p).name: fit_quality(coef, graph_max_tokens, r["step_records"]) for p, r in zip(paths, results)
+    }
     notes = (
         f"Fitted from {quality['decode_steps']} decode steps (up to {quality['largest_decode_batch']} sequences, "
         f"{quality['largest_kv_tokens']:,} KV tokens a step) and {quality['prompt_steps']} steps with prompt "
         f"tokens ({quality['prompt_tokens_per_prompt_step'][0]:,}-{quality['prompt_tokens_per_prompt_step'][1]:,} "
-        "prompt tokens each). Smaller prompt steps are extrapolated along the fitted line; causal prompt attention "
-        "(per_prompt_pair) is the attention's FLOPs at the measured GEMM rate, not fitted."
+        "prompt tokens each"
     )
-    if gemm:
-        flops_per_pair = 4 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"]  # QK^T and PV
-        coef["per_prompt_pair"] = 1e3 * flops_per_pair / (gemm * first.get("tensor_parallel_size", 1))
+    if graph_max_tokens is not None:
+        notes += (
+            f", {quality['eager_prompt_steps']} of them above the {graph_max_tokens:,}-token CUDA graphs, eager). "
+            "Prompt attention (per_prompt_pair) is fitted on graph-replayed prompt steps; longer prompts than "
+            "the records hold are extrapolated along it."
+        )
     else:
-        coef["per_prompt_pair"] = 0.0
-        notes += " The bench result has no GEMM rate: prompt attention beyond the fitted line is not modeled."
+        notes += (
+            "). Too few steps with prompt tokens replay a CUDA graph to price eager steps apart: smaller prompt "
+            "steps are extrapolated along the fitted line; causal prompt attention (per_prompt_pair) is the "
+            "attention's FLOPs at the measured GEMM rate, not fitted."
+        )
+        if not gemm:
+            notes += " The bench result has no GEMM rate: prompt attention beyond the fitted line is not modeled."
     steps = first.get("steps") or 0
     host_gap = 1e3 * first["gpu_idle_s"] / steps if steps and first.get("gpu_idle_s") is not None else 0.0
     dtype = str(first.get("dtype", "unknown")).replace("torch.", "")
@@ -265,6 +387,7 @@ def calibrate(
         attention=str(first.get("attention", "unknown")),
         tensor_parallel_size=int(first.get("tensor_parallel_size", 1)),
         num_kvcache_blocks=int(first.get("num_kvcache_blocks") or 4096),
+        graph_max_tokens=graph_max_tokens,
         host_gap_ms=host_gap,
         frontend=frontend or {"intake_ms": 0.0, "delivery_ms": 0.0, "source": "none given"},
         commit=str(first.get("commit") or commit or "unknown"),

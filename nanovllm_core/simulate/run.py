@@ -336,6 +336,16 @@ def run_simulate(args: argparse.Namespace) -> int:
             f"{1e3 * c['per_prompt_token']:.3f} us a prompt token; r2 {cal.fit['r2']:.4f} over "
             f"{cal.fit['records']} steps"
         )
+        if cal.graph_max_tokens is not None:
+            print(
+                f"  a prompt step + {c['per_prompt_step']:.3f} ms, a prompt pair {1e6 * c['per_prompt_pair']:.3f} ns; "
+                f"above {cal.graph_max_tokens:,} tokens (eager) + {1e3 * c['eager_per_prompt_token']:.3f} us a prompt "
+                f"token, at least {c['eager_floor']:.2f} ms"
+            )
+        for source, q in cal.fit.get("per_source", {}).items():
+            errors = {kind: q[f"{kind}_steps_mean_abs_error_pct"] for kind in ("decode", "prompt")}
+            shown = ", ".join(f"{e:.1f}% of {kind} steps" for kind, e in errors.items() if e is not None)
+            print(f"  {source}: mean abs error {shown}")
         return 0
     calibration = load_calibration(args.calibration)
     schedulers = args.scheduler or ["fifo"]

@@ -137,6 +137,58 @@ def test_fit_recovers_a_known_linear_model():
     assert quality["r2"] == pytest.approx(1.0)
 
 
+EAGER = {**COEF, "per_prompt_pair": 4e-7, "per_prompt_step": 0.5, "eager_per_prompt_token": 8e-4, "eager_floor": 12.0}
+
+
+def format2_records(rng: random.Random) -> list[tuple[int, int, int, float]]:
+    """Steps priced by a known format-2 model (graph limit 2,048): decodes, graph-replayed single prompts, eager
+    steps of one long prompt (under the host floor) and of many short ones (above it)."""
+    cal = small_calibration(coefficients_ms=dict(EAGER), graph_max_tokens=2048)
+    shapes = []
+    for _ in range(200):
+        seqs = rng.randint(1, 256)
+        shapes.append((seqs, seqs, seqs * rng.randint(100, 3000)))
+    shapes += [(1, n, n) for n in (rng.randint(200, 2048) for _ in range(20))]  # one prompt: pairs exact
+    shapes += [(1, n, n) for n in (rng.randint(2100, 4096) for _ in range(30))]
+    shapes += [(32, n, n) for n in (rng.randint(14000, 16384) for _ in range(10))]
+    return [(s, q, k, cal.step_ms(s, q, k, q * q / (2 * s) + q / 2 if q > s else 0.0)) for s, q, k in shapes]
+
+
+def test_fit_recovers_eager_steps_and_prompt_attention():
+    records = format2_records(random.Random(2))
+    coef, quality = fit_records(records, graph_max_tokens=2048)
+    assert quality["graph_max_tokens"] == 2048 and quality["eager_prompt_steps"] == 40
+    for name, want in EAGER.items():
+        assert coef[name] == pytest.approx(want, rel=1e-6, abs=1e-9), name
+    assert quality["r2"] == pytest.approx(1.0)
+    # a long lone prompt above the graphs costs the host's floor, not the line: the first format priced it less
+    cal = small_calibration(coefficients_ms=coef, graph_max_tokens=2048)
+    assert cal.step_ms(1, 2500, 2500, 2500 * 1250.5) == pytest.approx(12.0)
+    assert small_calibration(coefficients_ms=coef).step_ms(1, 2500, 2500, 2500 * 1250.5) < 12.0
+
+
+def test_too_few_graph_replayed_prompt_steps_fit_the_first_format():
+    records = [r for r in format2_records(random.Random(3)) if not r[1] > r[0] or r[1] > 2048]
+    coef, quality = fit_records(records, graph_max_tokens=2048, pair_ms=3e-7)
+    assert quality["graph_max_tokens"] is None and quality["eager_prompt_steps"] == 0
+    assert coef["per_prompt_pair"] == 3e-7 and "eager_floor" not in coef
+
+
+def test_a_first_format_calibration_reads_and_prices_as_before(tmp_path):
+    data = json.loads(small_calibration().to_json())
+    data["format"] = "nanovllm-step-cost/1"
+    del data["graph_max_tokens"]
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(data))
+    cal = load_calibration(str(path))
+    assert cal.graph_max_tokens is None
+    assert cal.step_ms(2, 8000, 9000, 1e6) == pytest.approx(1.5 + 0.002 * 2 + 3e-5 * 9000 + 0.002 * 7998)
+    data["format"] = "nanovllm-step-cost/0"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="format 'nanovllm-step-cost/0', expected one of"):
+        load_calibration(str(path))
+
+
 def test_calibrate_round_trip_through_the_cli(tmp_path, capsys):
     rng = random.Random(1)
     records = []
