@@ -13,7 +13,7 @@ from nanovllm_core.output_processor import (
     decoder_of,
     engine_params,
 )
-from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.testing.checkpoints import build_tokenizer
 
@@ -70,6 +70,37 @@ def test_a_stop_string_finishes_the_request_and_drops_what_follows():
     processor.add("r", SamplingParams(max_tokens=1))
     outs, _ = processor.process_outputs([raw("r", {0: ids[:1]}, {0: "length"})])
     assert outs[0].outputs[0].token_ids == ids[:1] and outs[0].outputs[0].finish_reason == "length"
+
+
+def test_a_stop_ended_output_without_metrics_waits_for_the_cores_final_one_and_counts_to_the_match():
+    """Streamed outputs of an engine process come without metrics: the stop-finished output is held until the core's
+    final output (the abort's) brings them, less the tokens the core produced after the match, finished at the match
+    (the time the engine handed the matching output over)."""
+    processor = OutputProcessor(TOKENIZER, hold_for_metrics=True)
+    processor.add("r", SamplingParams(max_tokens=50, stop=["fox"]))
+    ids = ids_of("the quick brown fox jumps over")
+    steps = [processor.process_outputs([raw("r", {0: [t]})], now=10.0 + k) for k, t in enumerate(ids)]
+    assert all(outs == [] for outs, _ in steps)
+    match = next(k for k, (_, aborts) in enumerate(steps) if aborts == ["r"])
+    assert processor.holds("r") and match < len(ids) - 1  # the core ran on after the match
+    final = raw("r", {0: []}, {0: "abort"})
+    final.metrics = RequestMetrics(9.0, 9.5, 10.0, 10.0 + len(ids) - 1, None, 2, 0, len(ids))
+    outs, to_abort = processor.process_outputs([final], now=99.0)
+    assert to_abort == [] and not processor.holds("r") and len(outs) == 1
+    out, m = outs[0], outs[0].metrics
+    assert out.finished and out.outputs[0].token_ids == ids[: match + 1] and out.outputs[0].stop_reason == "fox"
+    assert m.num_generation_tokens == match + 1 and m.last_token_time == m.finished_time == 10.0 + match
+    assert (m.arrival_time, m.first_token_time, m.num_prompt_tokens) == (9.0, 10.0, 2)
+
+
+def test_a_held_output_released_without_metrics_drops_what_the_core_sends_later():
+    processor = OutputProcessor(TOKENIZER, hold_for_metrics=True)
+    processor.add("r", SamplingParams(max_tokens=50, stop=["fox"]))
+    feed(processor, "r", ids_of("the quick brown fox"))
+    out = processor.release("r")
+    assert out is not None and out.finished and out.metrics is None and not processor.holds("r")
+    assert processor.release("r") is None
+    assert processor.process_outputs([raw("r", {0: []}, {0: "abort"})]) == ([], [])
 
 
 def test_streamed_text_holds_back_a_possible_stop_string_and_can_include_it():
