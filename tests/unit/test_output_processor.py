@@ -4,8 +4,12 @@ detokenizers giving the same text."""
 
 from __future__ import annotations
 
+import logging
 import random
 
+import pytest
+
+from nanovllm_core.engine_client import base
 from nanovllm_core.output_processor import (
     DecodeStream,
     IncrementalDetokenizer,
@@ -101,6 +105,50 @@ def test_a_held_output_released_without_metrics_drops_what_the_core_sends_later(
     assert out is not None and out.finished and out.metrics is None and not processor.holds("r")
     assert processor.release("r") is None
     assert processor.process_outputs([raw("r", {0: []}, {0: "abort"})]) == ([], [])
+
+
+class StreamingEngines(base.EngineClient):
+    """A push client whose engine streams ``token_ids`` one output per step without metrics, as an engine process
+    does, and answers an abort with a final output with metrics (``answers_aborts``) or not at all."""
+
+    tokenizer = TOKENIZER
+    alive = True
+
+    def __init__(self, token_ids: list[int], answers_aborts: bool) -> None:
+        self.token_ids, self.answers_aborts = token_ids, answers_aborts
+
+    def start(self, emit, fail, loop=None) -> None:
+        self.emit = emit
+
+    def submit(self, commands) -> None:
+        for call_id, kind, args in commands:
+            if kind == "add":
+                self.emit([(call_id, None, None)], [], 0.0, None)
+                for k, t in enumerate(self.token_ids):
+                    self.emit([], [raw(args[2], {0: [t]})], 10.0 + k, None)
+            elif kind == "abort" and self.answers_aborts:
+                final = raw(args[0], {0: []}, {0: "abort"})
+                final.metrics = RequestMetrics(9.0, 9.5, 10.0, 10.0 + len(self.token_ids) - 1, None, 2, 0, 99)
+                self.emit([], [final], 99.0, None)
+
+    def join(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("answers_aborts", [True, False])
+def test_the_pull_side_waits_bounded_for_the_aborts_metrics(answers_aborts, monkeypatch, caplog):
+    monkeypatch.setattr(base, "ABORT_WAIT_S", 0.2)
+    ids = ids_of("the quick brown fox jumps over")
+    client = StreamingEngines(ids, answers_aborts)
+    client.add_request("hi", SamplingParams(max_tokens=50, stop=["fox"]), "r")
+    with caplog.at_level(logging.WARNING, logger=base.__name__):
+        out = client.step()[0]
+    assert out.finished and out.outputs[0].stop_reason == "fox" and not client.has_unfinished_requests()
+    late = len(ids) - len(out.outputs[0].token_ids)
+    if answers_aborts:
+        assert out.metrics.num_generation_tokens == 99 - late and not caplog.records
+    else:
+        assert out.metrics is None and "its abort brought no metrics" in caplog.text
 
 
 def test_streamed_text_holds_back_a_possible_stop_string_and_can_include_it():
