@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nanovllm_core.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from nanovllm_core.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
 
 Decode = Callable[[list[int], bool], str]
@@ -111,6 +111,18 @@ class _Sample:
     sent_text: int = 0
 
 
+@dataclass(slots=True)
+class _Stopped:
+    """A request a stop string finished here while the core still runs it (its outputs are dropped until the core's
+    final one, the abort's, arrives)."""
+
+    num_late_tokens: int = 0  # tokens the core produced after the match
+    # the user's final output when the core's output that matched came without metrics (an engine process sends
+    # them with finished outputs only): held until the core's final output brings them
+    held: RequestOutput | None = None
+    match_time: float | None = None  # the engine's clock when the output that matched was handed over
+
+
 class RequestState:
     """One request in the front-end: its parameters, prompt and samples."""
 
@@ -126,6 +138,19 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return self.num_finished == len(self.samples)
+
+
+def _metrics_at_match(metrics: RequestMetrics | None, stopped: _Stopped) -> RequestMetrics | None:
+    """The core's final metrics of a request a stop string finished here, as they stood when the match finished it
+    (as an engine in this process reports them): without the tokens the core produced since, and finished then."""
+    if metrics is None:
+        return None
+    if stopped.num_late_tokens:
+        metrics.num_generation_tokens -= stopped.num_late_tokens
+        if stopped.match_time is not None and metrics.last_token_time is not None:
+            metrics.last_token_time = min(stopped.match_time, metrics.last_token_time)
+    metrics.finished_time = metrics.last_token_time
+    return metrics
 
 
 def engine_output_kind(params: SamplingParams) -> str:
@@ -149,15 +174,17 @@ class OutputProcessor:
     """Makes the user's ``RequestOutput`` from the core's: :meth:`new_request` then :meth:`process` each output of
     the request (per-request state held by the caller), or :meth:`add` and :meth:`process_outputs` (held here)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, hold_for_metrics: bool = False) -> None:
+        """``hold_for_metrics``: hold the final output of a request a stop string finished here, when the core's
+        output that matched came without metrics (an engine process sends them with finished outputs only), until
+        the core's final output brings them (see :meth:`process_outputs`)."""
         self.tokenizer = tokenizer
+        self.hold_for_metrics = hold_for_metrics
         self._decode = decoder_of(tokenizer) if tokenizer is not None else None
         self._backend = _decode_stream_backend(tokenizer) if tokenizer is not None else None
         self._token_text: dict[int, str] = {}
         self.requests: dict[str, RequestState] = {}
-        # requests a stop string finished here while the core still runs them: their outputs are dropped until the
-        # core's final one (the abort's) arrives
-        self._stopped: set[str] = set()
+        self._stopped: dict[str, _Stopped] = {}
 
     # --- requests held here ----------------------------------------------------------------------------------
 
@@ -169,18 +196,42 @@ class OutputProcessor:
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
+        self._stopped.pop(request_id, None)
 
-    def process_outputs(self, outputs: list[RequestOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def holds(self, request_id: str) -> bool:
+        """A stop string finished the request and its final output waits for the core's metrics."""
+        stopped = self._stopped.get(request_id)
+        return stopped is not None and stopped.held is not None
+
+    def release(self, request_id: str) -> RequestOutput | None:
+        """The held final output of a request, without metrics (the core's final output did not come); what the
+        core still sends for it is dropped."""
+        stopped = self._stopped.get(request_id)
+        if stopped is None:
+            return None
+        held, stopped.held = stopped.held, None
+        return held
+
+    def process_outputs(
+        self, outputs: list[RequestOutput], now: float | None = None
+    ) -> tuple[list[RequestOutput], list[str]]:
         """The user's outputs (unfinished first, then finished, as the core orders them) and the ids of requests
-        that a stop string finished here, to abort in the core."""
+        that a stop string finished here, to abort in the core. ``now``: the engine's clock when it handed these
+        outputs over. With ``hold_for_metrics``, a stop-finished output that came without metrics is held (see
+        :meth:`holds`) and returned with the core's final output, its metrics as they stood at the match."""
         done: list[RequestOutput] = []
         streamed: list[RequestOutput] = []
         to_abort: list[str] = []
         for raw in outputs:
             request_id = raw.request_id
-            if request_id in self._stopped:
+            stopped = self._stopped.get(request_id)
+            if stopped is not None:
+                stopped.num_late_tokens += sum(len(c.token_ids) for c in raw.outputs)
                 if raw.finished:
-                    self._stopped.discard(request_id)
+                    del self._stopped[request_id]
+                    if stopped.held is not None:
+                        stopped.held.metrics = _metrics_at_match(raw.metrics, stopped)
+                        done.append(stopped.held)
                 continue
             state = self.requests.get(request_id)
             if state is None:
@@ -193,7 +244,10 @@ class OutputProcessor:
                 del self.requests[request_id]
                 if not core_finished:
                     to_abort.append(request_id)
-                    self._stopped.add(request_id)
+                    if out.metrics is None and self.hold_for_metrics:
+                        self._stopped[request_id] = _Stopped(held=out, match_time=now)
+                        continue
+                    self._stopped[request_id] = _Stopped()
                 done.append(out)
             else:
                 streamed.append(out)

@@ -205,13 +205,14 @@ class _Inbox:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._results: list[Result] = []
-        self._outputs: list[RequestOutput] = []
+        self._outputs: list[tuple[float, list[RequestOutput]]] = []  # (the engine's clock, what it handed over)
         self.failure: BaseException | None = None
 
     def emit(self, results: list[Result], outputs: list[RequestOutput], now: float, account: Any) -> None:
         with self._cond:
             self._results.extend(results)
-            self._outputs.extend(outputs)
+            if outputs:
+                self._outputs.append((now, outputs))
             self._cond.notify()
 
     def fail(self, exc: BaseException) -> None:
@@ -220,7 +221,9 @@ class _Inbox:
                 self.failure = exc
             self._cond.notify_all()
 
-    def take(self, block: bool, timeout: float | None = None) -> tuple[list[Result], list[RequestOutput]]:
+    def take(
+        self, block: bool, timeout: float | None = None
+    ) -> tuple[list[Result], list[tuple[float, list[RequestOutput]]]]:
         """Everything that arrived (waiting for something when ``block``); raises the failure, if any."""
         with self._cond:
             if block:
@@ -246,8 +249,11 @@ class _Puller:
         self.request_counter = itertools.count()
         self.results: dict[int, tuple[Any, BaseException | None]] = {}
         self.requests: set[str] = set()  # added here, final output not returned by step() yet
-        self.processor = OutputProcessor(client.tokenizer)
+        self.processor = OutputProcessor(client.tokenizer, hold_for_metrics=True)
         self.ready: list[RequestOutput] = []  # outputs not yet returned by step()
+        # stop-string-finished requests whose final output waits for the engine's metrics (with the abort's output):
+        # until when it waits
+        self.held_until: dict[str, float] = {}
 
     def check_open(self) -> None:
         if self.inbox.failure is not None:
@@ -270,20 +276,43 @@ class _Puller:
 
     def forget(self, request_id: str) -> None:
         self.requests.discard(request_id)
+        self.held_until.pop(request_id, None)
         self.processor.forget(request_id)
 
     def pump(self, block: bool, timeout: float | None = None) -> None:
         """Take what arrived: results kept by call id, outputs of known requests made the user's and queued for
-        step(); requests a stop string finished are aborted in the engines."""
-        results, outputs = self.inbox.take(block, timeout)
+        step(); requests a stop string finished are aborted in the engines. Their final outputs wait (bounded) for
+        the abort's output, which brings the metrics that streamed outputs cross without."""
+        if block and self.held_until:
+            wait = max(0.0, min(self.held_until.values()) - time.monotonic())
+            timeout = wait if timeout is None else min(timeout, wait)
+        results, batches = self.inbox.take(block, timeout)
         for call_id, result, exc in results:
             if call_id is not None:
                 self.results[call_id] = (result, exc)
-        if outputs:
-            outputs, stopped = self.processor.process_outputs(outputs)
+        processor = self.processor
+        for now, outputs in batches:
+            outputs, stopped = processor.process_outputs(outputs, now)
             self.ready += outputs
             if stopped:
                 self.client.submit([(None, "abort", (request_id,)) for request_id in stopped])
+                deadline = time.monotonic() + ABORT_WAIT_S
+                self.held_until.update((r, deadline) for r in stopped if processor.holds(r))
+        if self.held_until:
+            self.release_held()
+
+    def release_held(self) -> None:
+        """Forget the holds that ended; give out without metrics the outputs whose abort did not answer in time."""
+        now = time.monotonic()
+        for request_id, deadline in list(self.held_until.items()):
+            if not self.processor.holds(request_id):
+                del self.held_until[request_id]
+            elif now >= deadline:
+                del self.held_until[request_id]
+                logger.warning("request %s: its abort brought no metrics in %.0f s", request_id, ABORT_WAIT_S)
+                held = self.processor.release(request_id)
+                if held is not None:
+                    self.ready.append(held)
 
     def call(self, kind: str, args: tuple) -> Any:
         with self.lock:

@@ -138,6 +138,29 @@ def test_text_stop_strings_logprobs_and_n_equal_one_engine_and_stopped_requests_
     assert_idle(dp.stats())  # the aborts went to the replicas before this call did
 
 
+def assert_metrics_at_the_stop(out) -> None:
+    """A request a stop string ended: its metrics as they stood at the match, as an engine in this process gives."""
+    m, c = out.metrics, out.outputs[0]
+    assert c.finish_reason == "stop" and m is not None
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time == m.finished_time
+    assert m.num_generation_tokens == len(c.token_ids) and m.num_prompt_tokens == len(out.prompt_token_ids)
+
+
+def test_a_request_a_stop_string_ended_keeps_its_metrics(dp, single):
+    """Streamed outputs cross from a replica without metrics; the front-end ends the request on its stop string and
+    gives its output with the metrics the abort brings back, counted up to the match (the replica ran on)."""
+    text = single.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    at = next(i for i in range(2, len(text) - 3) if "\ufffd" not in text[i : i + 3] and text.find(text[i : i + 3]) == i)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, stop=[text[at : at + 3]])
+    want, got = (llm.generate([PROMPTS[0]], params, use_tqdm=False)[0] for llm in (single, dp))
+    assert (got.outputs[0].text, got.outputs[0].token_ids) == (want.outputs[0].text, want.outputs[0].token_ids)
+    assert_metrics_at_the_stop(want)
+    assert_metrics_at_the_stop(got)
+    counts = [(o.metrics.num_generation_tokens, o.metrics.num_prompt_tokens) for o in (got, want)]
+    assert counts[0] == counts[1]
+    assert_idle(dp.stats())
+
+
 def test_bad_prompts_get_error_outputs_and_the_others_complete(dp, single):
     prompts = ["", [1, 10**7], [5] * 300, "Hello world!", {"text": "x"}, PROMPTS[1], PROMPTS[2]]
     params = [GREEDY] * len(prompts)

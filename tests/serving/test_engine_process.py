@@ -12,7 +12,8 @@ import httpx
 import pytest
 from serving_helpers import ENGINE, ServerThread
 
-from nanovllm_core import ConfigError, InvalidRequestError, SamplingParams
+from nanovllm_core import ConfigError, EngineConfig, InvalidRequestError, SamplingParams
+from nanovllm_core.engine_client.step_loop import EngineProcess
 from nanovllm_core.serving.api_server import ServerSettings, build_app
 from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError
 
@@ -72,6 +73,31 @@ def test_a_stop_string_across_the_pipe_aborts_in_the_engine_and_reports_its_stag
     assert (outs[-1].outputs[0].finish_reason, outs[-1].outputs[0].stop_reason) == ("stop", stop)
     assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
     assert len(stages) == 1 and stages[0].first_token_time is not None
+
+
+def test_a_stop_string_ended_request_pulled_from_an_engine_process_keeps_its_metrics(tiny_path, offline, greedy):
+    """``LLM``'s pull path over an engine process: streamed outputs cross without metrics, the front-end ends the
+    request on its stop string, and its output carries the engine's metrics up to the match, as in this process."""
+    text = greedy("Hello", 60)[0]
+    at = next(i for i in range(2, 50) if "\ufffd" not in text[i : i + 3] and text.find(text[i : i + 3]) == i)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, stop=[text[at : at + 3]])
+    client = EngineProcess(EngineConfig.load(None, {"model": str(tiny_path), **ENGINE}))
+    try:
+        client.add_request("Hello", params, "s")
+        outs = []
+        while client.has_unfinished_requests():
+            outs += client.step()
+        stats = client.stats()
+    finally:
+        client.shutdown()
+    want = offline.generate(["Hello"], params, use_tqdm=False)[0]
+    assert len(outs) == 1 and outs[0].outputs[0].text == want.outputs[0].text == text[:at]
+    for out in (outs[0], want):
+        m, c = out.metrics, out.outputs[0]
+        assert c.finish_reason == "stop" and m is not None
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time == m.finished_time
+        assert m.num_generation_tokens == len(c.token_ids) == len(want.outputs[0].token_ids)
+    assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
 def test_http_on_an_engine_process(process_server, greedy):

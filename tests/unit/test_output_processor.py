@@ -4,8 +4,12 @@ detokenizers giving the same text."""
 
 from __future__ import annotations
 
+import logging
 import random
 
+import pytest
+
+from nanovllm_core.engine_client import base
 from nanovllm_core.output_processor import (
     DecodeStream,
     IncrementalDetokenizer,
@@ -13,7 +17,7 @@ from nanovllm_core.output_processor import (
     decoder_of,
     engine_params,
 )
-from nanovllm_core.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.testing.checkpoints import build_tokenizer
 
@@ -70,6 +74,81 @@ def test_a_stop_string_finishes_the_request_and_drops_what_follows():
     processor.add("r", SamplingParams(max_tokens=1))
     outs, _ = processor.process_outputs([raw("r", {0: ids[:1]}, {0: "length"})])
     assert outs[0].outputs[0].token_ids == ids[:1] and outs[0].outputs[0].finish_reason == "length"
+
+
+def test_a_stop_ended_output_without_metrics_waits_for_the_cores_final_one_and_counts_to_the_match():
+    """Streamed outputs of an engine process come without metrics: the stop-finished output is held until the core's
+    final output (the abort's) brings them, less the tokens the core produced after the match, finished at the match
+    (the time the engine handed the matching output over)."""
+    processor = OutputProcessor(TOKENIZER, hold_for_metrics=True)
+    processor.add("r", SamplingParams(max_tokens=50, stop=["fox"]))
+    ids = ids_of("the quick brown fox jumps over")
+    steps = [processor.process_outputs([raw("r", {0: [t]})], now=10.0 + k) for k, t in enumerate(ids)]
+    assert all(outs == [] for outs, _ in steps)
+    match = next(k for k, (_, aborts) in enumerate(steps) if aborts == ["r"])
+    assert processor.holds("r") and match < len(ids) - 1  # the core ran on after the match
+    final = raw("r", {0: []}, {0: "abort"})
+    final.metrics = RequestMetrics(9.0, 9.5, 10.0, 10.0 + len(ids) - 1, None, 2, 0, len(ids))
+    outs, to_abort = processor.process_outputs([final], now=99.0)
+    assert to_abort == [] and not processor.holds("r") and len(outs) == 1
+    out, m = outs[0], outs[0].metrics
+    assert out.finished and out.outputs[0].token_ids == ids[: match + 1] and out.outputs[0].stop_reason == "fox"
+    assert m.num_generation_tokens == match + 1 and m.last_token_time == m.finished_time == 10.0 + match
+    assert (m.arrival_time, m.first_token_time, m.num_prompt_tokens) == (9.0, 10.0, 2)
+
+
+def test_a_held_output_released_without_metrics_drops_what_the_core_sends_later():
+    processor = OutputProcessor(TOKENIZER, hold_for_metrics=True)
+    processor.add("r", SamplingParams(max_tokens=50, stop=["fox"]))
+    feed(processor, "r", ids_of("the quick brown fox"))
+    out = processor.release("r")
+    assert out is not None and out.finished and out.metrics is None and not processor.holds("r")
+    assert processor.release("r") is None
+    assert processor.process_outputs([raw("r", {0: []}, {0: "abort"})]) == ([], [])
+
+
+class StreamingEngines(base.EngineClient):
+    """A push client whose engine streams ``token_ids`` one output per step without metrics, as an engine process
+    does, and answers an abort with a final output with metrics (``answers_aborts``) or not at all."""
+
+    tokenizer = TOKENIZER
+    alive = True
+
+    def __init__(self, token_ids: list[int], answers_aborts: bool) -> None:
+        self.token_ids, self.answers_aborts = token_ids, answers_aborts
+
+    def start(self, emit, fail, loop=None) -> None:
+        self.emit = emit
+
+    def submit(self, commands) -> None:
+        for call_id, kind, args in commands:
+            if kind == "add":
+                self.emit([(call_id, None, None)], [], 0.0, None)
+                for k, t in enumerate(self.token_ids):
+                    self.emit([], [raw(args[2], {0: [t]})], 10.0 + k, None)
+            elif kind == "abort" and self.answers_aborts:
+                final = raw(args[0], {0: []}, {0: "abort"})
+                final.metrics = RequestMetrics(9.0, 9.5, 10.0, 10.0 + len(self.token_ids) - 1, None, 2, 0, 99)
+                self.emit([], [final], 99.0, None)
+
+    def join(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("answers_aborts", [True, False])
+def test_the_pull_side_waits_bounded_for_the_aborts_metrics(answers_aborts, monkeypatch, caplog):
+    monkeypatch.setattr(base, "ABORT_WAIT_S", 0.2)
+    ids = ids_of("the quick brown fox jumps over")
+    client = StreamingEngines(ids, answers_aborts)
+    client.add_request("hi", SamplingParams(max_tokens=50, stop=["fox"]), "r")
+    with caplog.at_level(logging.WARNING, logger=base.__name__):
+        out = client.step()[0]
+    assert out.finished and out.outputs[0].stop_reason == "fox" and not client.has_unfinished_requests()
+    late = len(ids) - len(out.outputs[0].token_ids)
+    if answers_aborts:
+        assert out.metrics.num_generation_tokens == 99 - late and not caplog.records
+    else:
+        assert out.metrics is None and "its abort brought no metrics" in caplog.text
 
 
 def test_streamed_text_holds_back_a_possible_stop_string_and_can_include_it():
