@@ -235,12 +235,16 @@ class Scheduler(ABC):
         sequences to sacrifice first there) until it fits. Returns the chunk size, or 0 when ``seq`` itself had
         to be preempted; every preempted sequence is listed in ``out.preempted``."""
         while not (n := self.allocate_chunk(seq, budget)):
-            victim = victims.pop() if victims else seq
-            self.preempt(victim)
-            out.preempted.append(victim)
-            if victim is seq:
+            if self._preempt_victim(seq, victims, out):
                 return 0
         return n
+
+    def _preempt_victim(self, seq: Sequence, victims: deque[Sequence], out: SchedulerOutput) -> bool:
+        """Preempt ``victims.pop()``, or ``seq`` itself when none is left; True when that was ``seq``."""
+        victim = victims.pop() if victims else seq
+        self.preempt(victim)
+        out.preempted.append(victim)
+        return victim is seq
 
     def schedule_running(
         self, out: SchedulerOutput, budget: int, order: Iterable[Sequence] | None = None, chunk_cap: int = 0
@@ -249,10 +253,25 @@ class Scheduler(ABC):
         ``chunk_cap`` tokens when > 0), in ``order`` (default: admission order); when the cache is full the last
         ones in that order not served yet are preempted. Adds to ``out``; returns the budget left."""
         queue = deque(self.running.values() if order is None else order)
-        while queue and budget > 0 and len(out) < self.max_num_seqs:
+        seqs, counts = out.seqs, out.num_new_tokens
+        max_num_seqs = self.max_num_seqs
+        # Every running sequence passes here every step: a sequence with blocks gets them from the block manager
+        # directly (what allocate_chunk does for it), unless a subclass changed allocate_chunk.
+        allocate = self.block_manager.allocate if type(self).allocate_chunk is Scheduler.allocate_chunk else None
+        while queue and budget > 0 and len(seqs) < max_num_seqs:
             seq = queue.popleft()
-            if n := self.allocate_or_preempt(seq, min(budget, chunk_cap or budget), queue, out):
-                out.add(seq, n)
+            cap = chunk_cap if chunk_cap and chunk_cap < budget else budget
+            if allocate is not None and seq.block_table:
+                n = len(seq.token_ids) - seq.num_computed_tokens
+                if n > cap:
+                    n = cap
+                if not allocate(seq, n) or not n:  # no room: preempt, then allocate_or_preempt's loop
+                    n = 0 if self._preempt_victim(seq, queue, out) else self.allocate_or_preempt(seq, cap, queue, out)
+            else:
+                n = self.allocate_or_preempt(seq, cap, queue, out)
+            if n:
+                seqs.append(seq)
+                counts.append(n)
                 budget -= n
         return budget
 

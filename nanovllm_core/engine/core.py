@@ -55,6 +55,8 @@ def tokenize_prompt(tokenizer: Any, prompt: Any) -> tuple[str | None, list[int]]
             raise InvalidRequestError("this engine has no tokenizer: give the prompt as a list of token ids")
         return prompt, encode_text(tokenizer, prompt)
     if isinstance(prompt, (list, tuple)):
+        if all(type(t) is int for t in prompt):  # the common case in one pass; int(t) is t for these
+            return None, list(prompt)
         bad = next((t for t in prompt if not _is_int(t)), None)
         if bad is None:
             return None, [int(t) for t in prompt]
@@ -330,9 +332,10 @@ class EngineCore:
             problem = "a sequence twice"
         else:
             capacity = self.block_manager.block_size
+            finished = SequenceStatus.FINISHED
             for seq, n in zip(seqs, counts):
                 end = seq.num_computed_tokens + n
-                if n < 1 or end > len(seq.token_ids) or seq.status is SequenceStatus.FINISHED:
+                if n < 1 or end > len(seq.token_ids) or seq.status is finished:
                     problem = (
                         f"{n} new tokens for {seq!r} (allowed: 1 to its {seq.num_uncomputed_tokens} uncomputed "
                         "tokens, for an unfinished sequence)"
@@ -369,23 +372,23 @@ class EngineCore:
             self._num_stopped_in_flight = 0
             live = [i for i, seq in enumerate(seqs) if seq.status is not SequenceStatus.FINISHED]
             seqs, counts = [seqs[i] for i in live], [counts[i] for i in live]
-        placeholders: list[int | None] = []
-        num_prompt_tokens = 0
-        for seq, n in zip(seqs, counts):
-            computed = seq.num_computed_tokens
-            if computed < seq.num_prompt_tokens:
-                num_prompt_tokens += n
-            placeholders.append(PLACEHOLDER_TOKEN if computed + n == len(seq.token_ids) else None)
-        self._totals["prompt_tokens"] += num_prompt_tokens
+        placeholders: list[int | None] = [
+            PLACEHOLDER_TOKEN if seq.num_computed_tokens + n == len(seq.token_ids) else None
+            for seq, n in zip(seqs, counts)
+        ]
+        self._totals["prompt_tokens"] += sum(
+            [n for seq, n in zip(seqs, counts) if seq.num_computed_tokens < seq.num_prompt_tokens]
+        )
         self.scheduler.postprocess(SchedulerOutput(seqs, counts), placeholders)
         max_len = self.max_model_len
         for seq, token in zip(seqs, placeholders):
             if token is None:
                 continue
             num_tokens = len(seq.token_ids)
-            if num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens or num_tokens >= max_len:
+            num_completion_tokens = num_tokens - seq.num_prompt_tokens
+            if num_completion_tokens >= seq.sampling_params.max_tokens or num_tokens >= max_len:
                 self._finish(seq, "length")
-            if seq.index == 0 and seq.num_tokens == seq.num_prompt_tokens + 1:
+            if num_completion_tokens == 1 and seq.index == 0:
                 request = self._requests[seq.request_id]
                 for sibling in request.held_back:
                     self.scheduler.add(sibling)
@@ -403,13 +406,16 @@ class EngineCore:
         prompt_logprobs = launched.prompt_logprobs() if getattr(launched, "wants_prompt_logprobs", False) else None
         embeddings = launched.embeddings() if getattr(launched, "wants_embeddings", False) else None
         now = time.monotonic()
-        requests, eos = self._requests, self.eos_token_ids
+        requests, eos, stopped = self._requests, self.eos_token_ids, SequenceStatus.FINISHED
         finished: dict[str, Request] = {}
         streamed: dict[str, tuple[Request, list[int]]] = {}
         num_received = 0
-        for row, (seq, token) in enumerate(zip(launched.batch.seqs, tokens)):
-            if prompt_logprobs and row in prompt_logprobs:
-                self._add_prompt_logprobs(seq, prompt_logprobs[row], launched.prompt_positions[row])
+        seqs = launched.batch.seqs
+        if prompt_logprobs:  # apart: nothing below reads them
+            for row, (seq, _) in enumerate(zip(seqs, tokens)):
+                if row in prompt_logprobs:
+                    self._add_prompt_logprobs(seq, prompt_logprobs[row], launched.prompt_positions[row])
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
             if token is None:
                 continue  # a prompt chunk short of its end
             token_ids = seq.token_ids
@@ -421,15 +427,14 @@ class EngineCore:
             if embeddings and row in embeddings:
                 request.embedding = embeddings[row]
             params = request.params
-            reason = None
-            if (token in eos and not params.ignore_eos) or params.stop_token_ids:
-                reason = self._token_stop(seq)
-            if seq.status is SequenceStatus.FINISHED:  # reached its length limit when launched: its last token
-                if reason is not None:
+            if ((token in eos and not params.ignore_eos) or params.stop_token_ids) and (
+                reason := self._token_stop(seq)
+            ) is not None:
+                if seq.status is stopped:  # reached its length limit when launched: its last token
                     seq.finish_reason = reason
-            elif reason is not None:
-                self._finish(seq, reason)
-                self._num_stopped_in_flight += 1
+                else:
+                    self._finish(seq, reason)
+                    self._num_stopped_in_flight += 1
             if sample_logprobs is not None and request.logprobs is not None and sample_logprobs[row] is not None:
                 request.logprobs[seq.index].append(self._position_logprobs(sample_logprobs[row]))
             metrics = request.metrics
@@ -437,7 +442,7 @@ class EngineCore:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.num_generation_tokens += 1
-            if seq.status is SequenceStatus.FINISHED:
+            if seq.status is stopped:
                 request.num_finished += 1
                 if request.num_finished == len(request.seqs):
                     finished[request.request_id] = request
