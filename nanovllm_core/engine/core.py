@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ def tokenize_prompt(tokenizer: Any, prompt: Any) -> tuple[str | None, list[int]]
             raise InvalidRequestError("this engine has no tokenizer: give the prompt as a list of token ids")
         return prompt, encode_text(tokenizer, prompt)
     if isinstance(prompt, (list, tuple)):
-        if all(type(t) is int for t in prompt):  # the common case in one pass; int(t) is t for these
+        if set(map(type, prompt)) <= {int}:  # the common case in one pass; int(t) is t for these
             return None, list(prompt)
         bad = next((t for t in prompt if not _is_int(t)), None)
         if bad is None:
@@ -297,7 +298,7 @@ class EngineCore:
                 self._in_flight = None
             batch = self.scheduler.schedule()
             if batch.seqs:
-                self._check_step(batch)
+                placeholders = self._check_step(batch)
             elif self._in_flight is None:
                 if self.scheduler.has_unfinished():
                     raise SchedulerError(
@@ -311,16 +312,18 @@ class EngineCore:
                 outputs += self._receive(self._in_flight)
             self._in_flight = None
             if launched is not None:
-                self._advance(launched)
+                self._advance(launched, placeholders)
                 if self.async_scheduling:
                     self._in_flight = launched
                 else:
                     outputs += self._receive(launched)
             return outputs
 
-    def _check_step(self, batch: SchedulerOutput) -> None:
-        """The scheduler's output keeps the invariants the runner relies on (cheap: one pass)."""
+    def _check_step(self, batch: SchedulerOutput) -> list[int | None]:
+        """The scheduler's output keeps the invariants the runner relies on (cheap: one pass). Returns, from the
+        same pass, what :meth:`_advance` appends to each sequence: a placeholder where the step samples a token."""
         seqs, counts = batch.seqs, batch.num_new_tokens
+        placeholders: list[int | None] = []
         problem = None
         if len(seqs) != len(counts):
             problem = f"{len(seqs)} sequences but {len(counts)} new-token counts"
@@ -328,14 +331,17 @@ class EngineCore:
             problem = f"{len(seqs)} sequences; max_num_seqs is {self.config.max_num_seqs}"
         elif sum(counts) > self.config.max_num_batched_tokens:
             problem = f"{sum(counts)} new tokens; max_num_batched_tokens is {self.config.max_num_batched_tokens}"
-        elif len({seq.seq_id for seq in seqs}) != len(seqs):
+        elif len(set(map(_seq_id, seqs))) != len(seqs):
             problem = "a sequence twice"
         else:
             capacity = self.block_manager.block_size
             finished = SequenceStatus.FINISHED
+            append = placeholders.append
             for seq, n in zip(seqs, counts):
                 end = seq.num_computed_tokens + n
-                if n < 1 or end > len(seq.token_ids) or seq.status is finished:
+                num_tokens = len(seq.token_ids)
+                append(PLACEHOLDER_TOKEN if end == num_tokens else None)
+                if n < 1 or end > num_tokens or seq.status is finished:
                     problem = (
                         f"{n} new tokens for {seq!r} (allowed: 1 to its {seq.num_uncomputed_tokens} uncomputed "
                         "tokens, for an unfinished sequence)"
@@ -351,6 +357,7 @@ class EngineCore:
                     self._first_scheduled(seq)
         if problem is not None:
             raise SchedulerError(f"scheduler {self.scheduler_name!r} scheduled {problem}")
+        return placeholders
 
     def _first_scheduled(self, seq: Sequence) -> None:
         seq.num_cached_prompt_tokens = seq.num_computed_tokens  # the prefix claimed from the cache
@@ -361,8 +368,9 @@ class EngineCore:
             metrics.first_scheduled_time = time.monotonic()
             metrics.num_cached_tokens = seq.num_computed_tokens
 
-    def _advance(self, launched: LaunchedStep) -> None:
-        """Postprocess a launched step with a placeholder for each sampled token; finish length-limited ones.
+    def _advance(self, launched: LaunchedStep, placeholders: list[int | None]) -> None:
+        """Postprocess a launched step with ``placeholders`` (:meth:`_check_step`'s) for the sampled tokens; finish
+        length-limited ones.
 
         This and :meth:`_receive` run for every sequence of every step: plain loops, few calls.
         """
@@ -372,10 +380,7 @@ class EngineCore:
             self._num_stopped_in_flight = 0
             live = [i for i, seq in enumerate(seqs) if seq.status is not SequenceStatus.FINISHED]
             seqs, counts = [seqs[i] for i in live], [counts[i] for i in live]
-        placeholders: list[int | None] = [
-            PLACEHOLDER_TOKEN if seq.num_computed_tokens + n == len(seq.token_ids) else None
-            for seq, n in zip(seqs, counts)
-        ]
+            placeholders = [placeholders[i] for i in live]
         self._totals["prompt_tokens"] += sum(
             [n for seq, n in zip(seqs, counts) if seq.num_computed_tokens < seq.num_prompt_tokens]
         )
@@ -537,6 +542,9 @@ class EngineCore:
             prompt_logprobs=request.prompt_logprobs,
             embedding=request.embedding,
         )
+
+
+_seq_id = operator.attrgetter("seq_id")
 
 
 def _is_int(value: Any) -> bool:
