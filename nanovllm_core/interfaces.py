@@ -84,6 +84,13 @@ class BlockManager(ABC):
         :meth:`Scheduler.allocate_chunk`, which does the arithmetic.
         """
 
+    def allocate_many(self, seqs: list[Sequence], num_new_tokens: list[int]) -> bool:
+        """Optional fast path for a step's running sequences, which all hold blocks already: ``allocate(seq, n)``
+        for each pair in order, all or nothing. ``True`` when every one got its blocks; ``False`` with nothing
+        changed when the free blocks do not suffice, or to decline (the default), and the scheduler then calls
+        ``allocate`` one sequence at a time."""
+        return False
+
     @abstractmethod
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` and clear its block table (idempotent)."""
@@ -235,12 +242,16 @@ class Scheduler(ABC):
         sequences to sacrifice first there) until it fits. Returns the chunk size, or 0 when ``seq`` itself had
         to be preempted; every preempted sequence is listed in ``out.preempted``."""
         while not (n := self.allocate_chunk(seq, budget)):
-            victim = victims.pop() if victims else seq
-            self.preempt(victim)
-            out.preempted.append(victim)
-            if victim is seq:
+            if self._preempt_victim(seq, victims, out):
                 return 0
         return n
+
+    def _preempt_victim(self, seq: Sequence, victims: deque[Sequence], out: SchedulerOutput) -> bool:
+        """Preempt ``victims.pop()``, or ``seq`` itself when none is left; True when that was ``seq``."""
+        victim = victims.pop() if victims else seq
+        self.preempt(victim)
+        out.preempted.append(victim)
+        return victim is seq
 
     def schedule_running(
         self, out: SchedulerOutput, budget: int, order: Iterable[Sequence] | None = None, chunk_cap: int = 0
@@ -248,11 +259,44 @@ class Scheduler(ABC):
         """Serve the running sequences first: each gets its decode token or the next chunk of its prompt (at most
         ``chunk_cap`` tokens when > 0), in ``order`` (default: admission order); when the cache is full the last
         ones in that order not served yet are preempted. Adds to ``out``; returns the budget left."""
-        queue = deque(self.running.values() if order is None else order)
-        while queue and budget > 0 and len(out) < self.max_num_seqs:
+        queue = list(self.running.values() if order is None else order)
+        seqs, counts = out.seqs, out.num_new_tokens
+        max_num_seqs = self.max_num_seqs
+        # Every running sequence passes here every step: a sequence with blocks gets them from the block manager
+        # directly (what allocate_chunk does for it), unless a subclass changed allocate_chunk.
+        bm = self.block_manager
+        allocate = bm.allocate if type(self).allocate_chunk is Scheduler.allocate_chunk else None
+        if allocate is not None and type(bm).allocate_many is not BlockManager.allocate_many and budget > 0:
+            # Each of the first seats' sequences holding blocks and its whole rest fitting the budget and the cap, the
+            # loop below would give each its rest unless the cache runs out: one call to the block manager instead.
+            served = queue[: max(0, max_num_seqs - len(seqs))]
+            rest = [len(seq.token_ids) - seq.num_computed_tokens if seq.block_table else 0 for seq in served]
+            total = sum(rest)
+            if (
+                served
+                and total <= budget
+                and min(rest) > 0
+                and (not chunk_cap or max(rest) <= chunk_cap)
+                and bm.allocate_many(served, rest)
+            ):
+                seqs += served
+                counts += rest
+                return budget - total
+        queue = deque(queue)
+        while queue and budget > 0 and len(seqs) < max_num_seqs:
             seq = queue.popleft()
-            if n := self.allocate_or_preempt(seq, min(budget, chunk_cap or budget), queue, out):
-                out.add(seq, n)
+            cap = chunk_cap if chunk_cap and chunk_cap < budget else budget
+            if allocate is not None and seq.block_table:
+                n = len(seq.token_ids) - seq.num_computed_tokens
+                if n > cap:
+                    n = cap
+                if not allocate(seq, n) or not n:  # no room: preempt, then allocate_or_preempt's loop
+                    n = 0 if self._preempt_victim(seq, queue, out) else self.allocate_or_preempt(seq, cap, queue, out)
+            else:
+                n = self.allocate_or_preempt(seq, cap, queue, out)
+            if n:
+                seqs.append(seq)
+                counts.append(n)
                 budget -= n
         return budget
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ def tokenize_prompt(tokenizer: Any, prompt: Any) -> tuple[str | None, list[int]]
             raise InvalidRequestError("this engine has no tokenizer: give the prompt as a list of token ids")
         return prompt, encode_text(tokenizer, prompt)
     if isinstance(prompt, (list, tuple)):
+        if set(map(type, prompt)) <= {int}:  # the common case in one pass; int(t) is t for these
+            return None, list(prompt)
         bad = next((t for t in prompt if not _is_int(t)), None)
         if bad is None:
             return None, [int(t) for t in prompt]
@@ -295,7 +298,7 @@ class EngineCore:
                 self._in_flight = None
             batch = self.scheduler.schedule()
             if batch.seqs:
-                self._check_step(batch)
+                placeholders = self._check_step(batch)
             elif self._in_flight is None:
                 if self.scheduler.has_unfinished():
                     raise SchedulerError(
@@ -309,16 +312,18 @@ class EngineCore:
                 outputs += self._receive(self._in_flight)
             self._in_flight = None
             if launched is not None:
-                self._advance(launched)
+                self._advance(launched, placeholders)
                 if self.async_scheduling:
                     self._in_flight = launched
                 else:
                     outputs += self._receive(launched)
             return outputs
 
-    def _check_step(self, batch: SchedulerOutput) -> None:
-        """The scheduler's output keeps the invariants the runner relies on (cheap: one pass)."""
+    def _check_step(self, batch: SchedulerOutput) -> list[int | None]:
+        """The scheduler's output keeps the invariants the runner relies on (cheap: one pass). Returns, from the
+        same pass, what :meth:`_advance` appends to each sequence: a placeholder where the step samples a token."""
         seqs, counts = batch.seqs, batch.num_new_tokens
+        placeholders: list[int | None] = []
         problem = None
         if len(seqs) != len(counts):
             problem = f"{len(seqs)} sequences but {len(counts)} new-token counts"
@@ -326,13 +331,17 @@ class EngineCore:
             problem = f"{len(seqs)} sequences; max_num_seqs is {self.config.max_num_seqs}"
         elif sum(counts) > self.config.max_num_batched_tokens:
             problem = f"{sum(counts)} new tokens; max_num_batched_tokens is {self.config.max_num_batched_tokens}"
-        elif len({seq.seq_id for seq in seqs}) != len(seqs):
+        elif len(set(map(_seq_id, seqs))) != len(seqs):
             problem = "a sequence twice"
         else:
             capacity = self.block_manager.block_size
+            finished = SequenceStatus.FINISHED
+            append = placeholders.append
             for seq, n in zip(seqs, counts):
                 end = seq.num_computed_tokens + n
-                if n < 1 or end > len(seq.token_ids) or seq.status is SequenceStatus.FINISHED:
+                num_tokens = len(seq.token_ids)
+                append(PLACEHOLDER_TOKEN if end == num_tokens else None)
+                if n < 1 or end > num_tokens or seq.status is finished:
                     problem = (
                         f"{n} new tokens for {seq!r} (allowed: 1 to its {seq.num_uncomputed_tokens} uncomputed "
                         "tokens, for an unfinished sequence)"
@@ -348,6 +357,7 @@ class EngineCore:
                     self._first_scheduled(seq)
         if problem is not None:
             raise SchedulerError(f"scheduler {self.scheduler_name!r} scheduled {problem}")
+        return placeholders
 
     def _first_scheduled(self, seq: Sequence) -> None:
         seq.num_cached_prompt_tokens = seq.num_computed_tokens  # the prefix claimed from the cache
@@ -358,8 +368,9 @@ class EngineCore:
             metrics.first_scheduled_time = time.monotonic()
             metrics.num_cached_tokens = seq.num_computed_tokens
 
-    def _advance(self, launched: LaunchedStep) -> None:
-        """Postprocess a launched step with a placeholder for each sampled token; finish length-limited ones.
+    def _advance(self, launched: LaunchedStep, placeholders: list[int | None]) -> None:
+        """Postprocess a launched step with ``placeholders`` (:meth:`_check_step`'s) for the sampled tokens; finish
+        length-limited ones.
 
         This and :meth:`_receive` run for every sequence of every step: plain loops, few calls.
         """
@@ -369,23 +380,20 @@ class EngineCore:
             self._num_stopped_in_flight = 0
             live = [i for i, seq in enumerate(seqs) if seq.status is not SequenceStatus.FINISHED]
             seqs, counts = [seqs[i] for i in live], [counts[i] for i in live]
-        placeholders: list[int | None] = []
-        num_prompt_tokens = 0
-        for seq, n in zip(seqs, counts):
-            computed = seq.num_computed_tokens
-            if computed < seq.num_prompt_tokens:
-                num_prompt_tokens += n
-            placeholders.append(PLACEHOLDER_TOKEN if computed + n == len(seq.token_ids) else None)
-        self._totals["prompt_tokens"] += num_prompt_tokens
+            placeholders = [placeholders[i] for i in live]
+        self._totals["prompt_tokens"] += sum(
+            [n for seq, n in zip(seqs, counts) if seq.num_computed_tokens < seq.num_prompt_tokens]
+        )
         self.scheduler.postprocess(SchedulerOutput(seqs, counts), placeholders)
         max_len = self.max_model_len
         for seq, token in zip(seqs, placeholders):
             if token is None:
                 continue
             num_tokens = len(seq.token_ids)
-            if num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens or num_tokens >= max_len:
+            num_completion_tokens = num_tokens - seq.num_prompt_tokens
+            if num_completion_tokens >= seq.sampling_params.max_tokens or num_tokens >= max_len:
                 self._finish(seq, "length")
-            if seq.index == 0 and seq.num_tokens == seq.num_prompt_tokens + 1:
+            if num_completion_tokens == 1 and seq.index == 0:
                 request = self._requests[seq.request_id]
                 for sibling in request.held_back:
                     self.scheduler.add(sibling)
@@ -403,13 +411,16 @@ class EngineCore:
         prompt_logprobs = launched.prompt_logprobs() if getattr(launched, "wants_prompt_logprobs", False) else None
         embeddings = launched.embeddings() if getattr(launched, "wants_embeddings", False) else None
         now = time.monotonic()
-        requests, eos = self._requests, self.eos_token_ids
+        requests, eos, stopped = self._requests, self.eos_token_ids, SequenceStatus.FINISHED
         finished: dict[str, Request] = {}
         streamed: dict[str, tuple[Request, list[int]]] = {}
         num_received = 0
-        for row, (seq, token) in enumerate(zip(launched.batch.seqs, tokens)):
-            if prompt_logprobs and row in prompt_logprobs:
-                self._add_prompt_logprobs(seq, prompt_logprobs[row], launched.prompt_positions[row])
+        seqs = launched.batch.seqs
+        if prompt_logprobs:  # apart: nothing below reads them
+            for row, (seq, _) in enumerate(zip(seqs, tokens)):
+                if row in prompt_logprobs:
+                    self._add_prompt_logprobs(seq, prompt_logprobs[row], launched.prompt_positions[row])
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
             if token is None:
                 continue  # a prompt chunk short of its end
             token_ids = seq.token_ids
@@ -421,15 +432,14 @@ class EngineCore:
             if embeddings and row in embeddings:
                 request.embedding = embeddings[row]
             params = request.params
-            reason = None
-            if (token in eos and not params.ignore_eos) or params.stop_token_ids:
-                reason = self._token_stop(seq)
-            if seq.status is SequenceStatus.FINISHED:  # reached its length limit when launched: its last token
-                if reason is not None:
+            if ((token in eos and not params.ignore_eos) or params.stop_token_ids) and (
+                reason := self._token_stop(seq)
+            ) is not None:
+                if seq.status is stopped:  # reached its length limit when launched: its last token
                     seq.finish_reason = reason
-            elif reason is not None:
-                self._finish(seq, reason)
-                self._num_stopped_in_flight += 1
+                else:
+                    self._finish(seq, reason)
+                    self._num_stopped_in_flight += 1
             if sample_logprobs is not None and request.logprobs is not None and sample_logprobs[row] is not None:
                 request.logprobs[seq.index].append(self._position_logprobs(sample_logprobs[row]))
             metrics = request.metrics
@@ -437,7 +447,7 @@ class EngineCore:
                 metrics.first_token_time = now
             metrics.last_token_time = now
             metrics.num_generation_tokens += 1
-            if seq.status is SequenceStatus.FINISHED:
+            if seq.status is stopped:
                 request.num_finished += 1
                 if request.num_finished == len(request.seqs):
                     finished[request.request_id] = request
@@ -532,6 +542,9 @@ class EngineCore:
             prompt_logprobs=request.prompt_logprobs,
             embedding=request.embedding,
         )
+
+
+_seq_id = operator.attrgetter("seq_id")
 
 
 def _is_int(value: Any) -> bool:

@@ -131,6 +131,20 @@ class PrefixCachingBlockManager(BlockManager):
         seq.num_computed_tokens = max(seq.num_computed_tokens, len(cached) * self.block_size)
         return True
 
+    def allocate_many(self, seqs: list[Sequence], num_new_tokens: list[int]) -> bool:
+        bs = self.block_size
+        growing = [
+            (seq.block_table, needed)
+            for seq, n in zip(seqs, num_new_tokens)
+            if (needed := -(-(seq.num_computed_tokens + n) // bs) - len(seq.block_table)) > 0
+        ]
+        if sum(needed for _, needed in growing) > len(self.free_block_ids):
+            return False
+        for table, needed in growing:  # in order: the blocks that one allocate call per sequence would take
+            for _ in range(needed):
+                table.append(self._take_free_block())
+        return True
+
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]

@@ -156,3 +156,27 @@ def test_a_lookup_prefers_the_copy_in_use():
         bm.free(s)
     check_index(bm)
     assert bm.num_free_blocks == 8
+
+
+def test_allocate_many_takes_the_blocks_one_call_each_would_or_none():
+    def decoding(bm):  # three sequences one token past a full block, one inside its block
+        seqs = [seq(range(i * 10, i * 10 + 4)) for i in range(3)] + [seq(range(50, 53))]
+        for s in seqs:
+            admit(bm, s)
+            s.append_token(7)
+        return seqs
+
+    one_by_one, at_once = PrefixCachingBlockManager(8, 4), PrefixCachingBlockManager(8, 4)
+    expected = decoding(one_by_one)
+    for s in expected:
+        assert one_by_one.allocate(s, 1)
+    got = decoding(at_once)
+    assert at_once.allocate_many(got, [1] * 4)
+    assert [s.block_table for s in got] == [s.block_table for s in expected]
+    assert list(at_once.free_block_ids) == list(one_by_one.free_block_ids)
+
+    short = PrefixCachingBlockManager(6, 4)  # 4 blocks held, 2 free for 3 sequences that need one each
+    seqs = decoding(short)
+    tables = [list(s.block_table) for s in seqs]
+    assert not short.allocate_many(seqs, [1] * 4)
+    assert [s.block_table for s in seqs] == tables and short.num_free_blocks == 2

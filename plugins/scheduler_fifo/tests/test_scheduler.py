@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
 
+from nanovllm_core import Scheduler, SchedulerOutput
 from nanovllm_core.testing.simulated import SimulatedEngine
 
 BS = 16
@@ -72,3 +76,41 @@ def test_sequences_finish_in_length_order_keeping_arrival_order_on_ties():
     sim.run()
     order = [seq.request_id for seq in sim.finished]
     assert order == sorted(order, key=lambda r: (1 + int(r) % 5, int(r)))
+
+
+
+class OneByOneBlockManager(PrefixCachingBlockManager):
+    """Declines ``allocate_many``: the scheduler allocates one sequence at a time."""
+
+    def allocate_many(self, seqs, num_new_tokens) -> bool:
+        return False
+
+
+class ChunkedDecodeFirst(Scheduler):
+    """Running sequences first, prompt chunks of at most 12 tokens, so that running sequences compute chunks too."""
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.schedule_running(out, self.max_num_batched_tokens, chunk_cap=12)
+        if not out.preempted:
+            self.schedule_waiting(out, budget, chunk_cap=12)
+        return out
+
+
+@pytest.mark.parametrize("policy", [FifoScheduler, ChunkedDecodeFirst])
+def test_allocating_running_sequences_at_once_decides_as_one_by_one(policy):
+    def run(block_manager) -> SimulatedEngine:
+        sim = SimulatedEngine(
+            policy, block_manager, num_blocks=12, block_size=BS, max_num_seqs=6, max_num_batched_tokens=20
+        )
+        rng = random.Random(3)
+        for i in range(24):
+            sim.add(tokens(rng.randrange(5, 40), 100 * i), rng.randrange(1, 40), request_id=str(i))
+        sim.run()
+        sim.assert_outputs_exact()
+        sim.assert_all_blocks_free()
+        return sim
+
+    at_once, one_by_one = run(PrefixCachingBlockManager), run(OneByOneBlockManager)
+    assert one_by_one.num_preemptions > 0  # the small cache makes steps preempt
+    assert at_once.scheduled == one_by_one.scheduled and at_once.preempted == one_by_one.preempted
