@@ -24,6 +24,9 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+_SILU_AND_MUL = SiluAndMul()  # stateless: one instance instead of a module built per call
+
+
 def _skinny_kernels(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
     """``skinny_gemm_kernel`` when it takes ``x`` and ``weight`` (a decode step's few rows on CUDA, with the
     hand-fused kernels on: ``compile_small_ops``; that module says why), else None."""
@@ -92,10 +95,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``SiluAndMul()(self(x))`` for a ``[gate, up]`` projection; a decode step's few rows take one kernel for
         both, without writing the projection."""
-        kernels = _skinny_kernels(x, self.weight) if self.bias is None and len(set(self.output_sizes)) == 1 else None
-        if kernels is not None and len(self.output_sizes) == 2:
+        gate_up = self.bias is None and len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
+        kernels = _skinny_kernels(x, self.weight) if gate_up else None
+        if kernels is not None:
             return kernels.skinny_linear(x, self.weight, silu_mul=True)
-        return SiluAndMul()(self(x))
+        return _SILU_AND_MUL(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
