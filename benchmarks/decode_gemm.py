@@ -118,6 +118,23 @@ def skinny_configs(m: int, n: int, k: int, sweep: bool) -> list[dict[str, int]]:
     return [c for c in fits if c["BLOCK_K"] <= max(256, k)]
 
 
+def cold_copies(n: int, k: int, device: torch.device, dtype: torch.dtype) -> tuple[list[torch.Tensor], int]:
+    """Copies of one random ``[n, k]`` weight that together outgrow the L2 cache (one on a CPU), and its bytes."""
+    w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
+    weight_bytes = w.numel() * w.element_size()
+    copies = min(64, -(-COLD_BYTES // weight_bytes)) if device.type == "cuda" else 1
+    return [w] + [w.clone() for _ in range(copies - 1)], weight_bytes
+
+
+def result_row(
+    blas: str, layer: str, m: int, k: int, n: int, seconds: float, weight_bytes: int, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "blas": blas, "layer": layer, "rows": m, "in": k, "out": n, "us": seconds * 1e6,
+        "tflops": 2 * m * k * n / seconds / 1e12, "weight_tb_per_s": weight_bytes / seconds / 1e12, **extra,
+    }  # fmt: skip
+
+
 def measure(
     shape_name: str, rows: list[int], blas: list[str], iters: int, skinny: bool = False, sweep: bool = False
 ) -> dict[str, Any]:
@@ -129,18 +146,12 @@ def measure(
         if device.type == "cuda" and backend != "default":
             torch.backends.cuda.preferred_blas_library(backend)
         for name, (k, n) in projections(SHAPES[shape_name]).items():
-            w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
-            weight_bytes = w.numel() * w.element_size()
-            copies = min(64, -(-COLD_BYTES // weight_bytes)) if device.type == "cuda" else 1
-            weights = [w] + [w.clone() for _ in range(copies - 1)]
+            weights, weight_bytes = cold_copies(n, k, device, dtype)
             for m in rows:
                 x = torch.randn(m, k, dtype=dtype, device=device)
                 seconds = time_linear(x, weights, iters)
-                results.append({
-                    "blas": backend, "layer": name, "rows": m, "in": k, "out": n, "us": seconds * 1e6,
-                    "tflops": 2 * m * k * n / seconds / 1e12, "weight_tb_per_s": weight_bytes / seconds / 1e12,
-                })  # fmt: skip
-            del w, weights
+                results.append(result_row(backend, name, m, k, n, seconds, weight_bytes))
+            del weights
         if device.type == "cuda":
             torch.backends.cuda.preferred_blas_library("default")
     if skinny or sweep:
@@ -163,10 +174,7 @@ def measure_skinny(
 
     results = []
     for name, (k, n) in projections(SHAPES[shape_name]).items():
-        w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
-        weight_bytes = w.numel() * w.element_size()
-        copies = min(64, -(-COLD_BYTES // weight_bytes)) if device.type == "cuda" else 1
-        weights = [w] + [w.clone() for _ in range(copies - 1)]
+        weights, weight_bytes = cold_copies(n, k, device, dtype)
         for m in (r for r in rows if r <= MAX_ROWS):
             x = torch.randn(m, k, dtype=dtype, device=device)
             timed = []
@@ -174,12 +182,8 @@ def measure_skinny(
                 fn = functools.partial(skinny_linear, config=config)
                 timed.append((time_linear(x, weights, iters if device.type == "cuda" else 1, fn), config))
             seconds, config = min(timed, key=lambda t: t[0])
-            results.append({
-                "blas": "skinny", "layer": name, "rows": m, "in": k, "out": n, "us": seconds * 1e6,
-                "tflops": 2 * m * k * n / seconds / 1e12, "weight_tb_per_s": weight_bytes / seconds / 1e12,
-                "config": config,
-            })  # fmt: skip
-        del w, weights
+            results.append(result_row("skinny", name, m, k, n, seconds, weight_bytes, config=config))
+        del weights
     return results
 
 
