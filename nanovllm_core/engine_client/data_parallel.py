@@ -364,8 +364,7 @@ class DataParallelClient(EngineClient):
 
     def _least_loaded(self) -> int:
         """The replica that takes requests with the least outstanding work (0 when none is up)."""
-        up = [r for r in range(len(self._loads)) if self._up[r]]
-        return min(up, key=self._loads.__getitem__) if up else 0
+        return self._router.least_loaded(self._up)
 
     def _place_adds(self, commands: list[Command]) -> list[Any]:
         """For each command, ``(replica, note)`` if it is an add (else None); updates the owners and loads.

@@ -84,7 +84,7 @@ class Router:
             chosen = next((r for r in candidates if r >= self._turn), candidates[0])
             self._turn = chosen + 1
             return chosen
-        least = min(candidates, key=loads.__getitem__)
+        least = self.least_loaded(up)
         hashes = self.chunk_hashes(prompt) if self.policy == "cache_aware" else []
         chosen, matched = least, 0
         for r in candidates:
@@ -95,6 +95,11 @@ class Router:
             chosen = least
         self._remember(chosen, hashes)
         return chosen
+
+    def least_loaded(self, up: list[bool] | None = None) -> int:
+        """The replica (among those ``up``) with the least outstanding work; 0 when none is up."""
+        candidates = [r for r in range(len(self.loads)) if up is None or up[r]]
+        return min(candidates, key=self.loads.__getitem__) if candidates else 0
 
     def overloaded(self, load: int, least: int) -> bool:
         return load - least > self.balance_abs_tokens and load > self.balance_rel * least
