@@ -250,3 +250,33 @@ def test_a_replica_killed_mid_stream_fails_its_streams_only(qwen3_path, cluster,
             assert got[f"s{i}"] == want[i]
     assert rejoined and sum(len(o.outputs[0].token_ids) for o in later) == stream.max_tokens
     assert not pid_running(victim) and not core.alive
+
+
+def test_a_replica_whose_node_goes_away_is_placed_again_on_another(qwen3_path, cluster, single):
+    """A third node joins; the two replicas spread over two of the three. The worker node under one of them is
+    removed: its requests complete on the other replica, and Ray places the lost bundle on the node left free, where
+    the replica starts again and rejoins. The cluster ends as it began: a head and one worker node."""
+    spare = cluster.add_node(num_cpus=1)
+    llm = LLM(str(qwen3_path), data_parallel_size=2, data_parallel_backend="ray", ray_address=cluster.address, **ENGINE)
+    try:
+        client = llm.engine_client
+        want = token_ids(single.generate(MIXED, GREEDY, use_tqdm=False))
+        assert token_ids(llm.generate(MIXED, GREEDY, use_tqdm=False)) == want
+        on_node = {a["Pid"]: a["Address"]["NodeID"] for a in actors() if a["State"] == "ALIVE"}
+        replica_nodes = [on_node[pid] for pid in client.replica_pids]
+        workers = {node.node_id: node for node in cluster.worker_nodes}
+        r = next(i for i, node_id in enumerate(replica_nodes) if node_id in workers)
+        gone = workers[replica_nodes[r]]
+        cluster.remove_node(gone, allow_graceful=False)
+        assert wait_for(lambda: not client.replicas_up[r], 30), "the replica on the removed node stayed in the routing"
+        assert token_ids(llm.generate(MIXED, GREEDY, use_tqdm=False)) == want  # the other replica serves them all
+        assert wait_for(lambda: all(client.replicas_up), REJOIN_S), f"replica {r} was not placed again"
+        on_node = {a["Pid"]: a["Address"]["NodeID"] for a in actors() if a["State"] == "ALIVE"}
+        assert on_node[client.replica_pids[r]] not in (gone.node_id, replica_nodes[1 - r])
+        assert token_ids(llm.generate(MIXED, GREEDY, use_tqdm=False)) == want
+        assert llm.replica_stats()[r].num_finished_requests > 0  # the replica placed again serves
+    finally:
+        llm.shutdown()
+        if spare is not gone and spare in cluster.worker_nodes:
+            cluster.remove_node(spare)  # keep the module's two-node cluster for the tests after this one
+    assert_nothing_left(cluster)
