@@ -401,8 +401,9 @@ class AsyncLLM:
                 continue
             core_finished = raw.finished
             out = stream.process(raw) if stream.eager else raw
-            if stream.eager:  # a stop string may have finished samples, or the request, that the engine still runs
-                target = stream.state.abort_target(raw.request_id, out, core_finished)  # type: ignore[union-attr]
+            state = stream.state
+            if stream.eager and state is not None:  # a stop string may have finished samples the engine still runs
+                target = state.abort_target(raw.request_id, out, core_finished)
                 if target is not None:
                     self.abort_nowait(*target)
             if out is None:
