@@ -51,10 +51,10 @@ async def serve_and_measure(args: argparse.Namespace, model: str) -> dict[str, A
     build = functools.partial(build_scripted_engine, model, args.step_ms / 1000, args.max_num_seqs)
     core = EngineProcess(build=build)
     if args.reader_thread:  # the previous design: a thread reads the pipe and posts to the event loop
-        from nanovllm_core.engine_client.step_loop import _on_loop
+        from nanovllm_core.engine_client.step_loop import on_loop
 
         start = core.start
-        core.start = lambda emit, fail, loop: start(_on_loop(loop, emit), _on_loop(loop, fail))  # type: ignore[method-assign]
+        core.start = lambda emit, fail, loop: start(on_loop(loop, emit), on_loop(loop, fail))  # type: ignore[method-assign]
     engine = AsyncLLM(core)
     app = build_app(engine, ServerSettings(served_model_name="scripted"))
     port = free_port()

@@ -3,9 +3,10 @@ engine client (``LLM``) and ``AsyncLLM``.
 
 The engine core returns token ids, logprob ids and values, and finish reasons for EOS, stop tokens and length.
 This turns them into what the user sees: the text (decoded incrementally while a request streams, at once when it
-ends), stop strings (a match finishes the sample with ``finish_reason="stop"``; the caller aborts the request in the
-core and tokens the core produced after the match are dropped), the decoded tokens of logprob dicts, the cumulative
-logprob, and the request's ``output_kind`` (final, delta or cumulative).
+ends), stop strings (a match finishes the sample with ``finish_reason="stop"``; the caller aborts that sample in the
+core, or the whole request once every sample is done, and tokens the core produced after the match are dropped),
+the decoded tokens of logprob dicts, the cumulative logprob, and the request's ``output_kind`` (final, delta or
+cumulative).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from nanovllm_core.outputs import CompletionOutput, PositionLogprobs, RequestMet
 from nanovllm_core.sampling_params import SamplingParams
 
 Decode = Callable[[list[int], bool], str]
+AbortTarget = tuple[str, tuple[int, ...] | None]
+"""What a stop string asks to abort in the core: (request id, the samples to abort, or None for the whole request);
+the arguments of the core's ``abort_request``."""
 
 
 def _fast_backend(tokenizer: Any) -> Any:
@@ -134,10 +138,20 @@ class RequestState:
         self.accumulates = engine_output_kind(params) == "delta"
         self.samples = [_Sample(logprobs=[] if params.logprobs is not None else None) for _ in range(params.n)]
         self.num_finished = 0
+        self.stopped: list[int] = []  # samples a stop string finished here that the core still runs (see abort_target)
 
     @property
     def finished(self) -> bool:
         return self.num_finished == len(self.samples)
+
+    def abort_target(self, request_id: str, out: RequestOutput | None, core_finished: bool) -> AbortTarget | None:
+        """What to abort in the core once :meth:`OutputProcessor.process` made ``out`` of the core's output
+        (``core_finished``: that output was the core's last): the whole request when a stop string finished it
+        here, else the samples a stop string finished here (the others go on), else nothing."""
+        samples, self.stopped = self.stopped, []
+        if out is not None and out.finished:
+            return None if core_finished else (request_id, None)
+        return (request_id, tuple(samples)) if samples else None
 
 
 def _metrics_at_match(metrics: RequestMetrics | None, stopped: _Stopped) -> RequestMetrics | None:
@@ -214,14 +228,14 @@ class OutputProcessor:
 
     def process_outputs(
         self, outputs: list[RequestOutput], now: float | None = None
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """The user's outputs (unfinished first, then finished, as the core orders them) and the ids of requests
-        that a stop string finished here, to abort in the core. ``now``: the engine's clock when it handed these
-        outputs over. With ``hold_for_metrics``, a stop-finished output that came without metrics is held (see
+    ) -> tuple[list[RequestOutput], list[AbortTarget]]:
+        """The user's outputs (unfinished first, then finished, as the core orders them) and what stop strings finished
+        here, to abort in the core (see :meth:`RequestState.abort_target`). ``now``: the engine's clock when it handed
+        these outputs over. With ``hold_for_metrics``, a stop-finished output that came without metrics is held (see
         :meth:`holds`) and returned with the core's final output, its metrics as they stood at the match."""
         done: list[RequestOutput] = []
         streamed: list[RequestOutput] = []
-        to_abort: list[str] = []
+        to_abort: list[AbortTarget] = []
         for raw in outputs:
             request_id = raw.request_id
             stopped = self._stopped.get(request_id)
@@ -238,12 +252,14 @@ class OutputProcessor:
                 continue
             core_finished = raw.finished
             out = self.process(state, raw)
+            target = state.abort_target(request_id, out, core_finished)
+            if target is not None:
+                to_abort.append(target)
             if out is None:
                 continue
             if out.finished:
                 del self.requests[request_id]
                 if not core_finished:
-                    to_abort.append(request_id)
                     if out.metrics is None and self.hold_for_metrics:
                         self._stopped[request_id] = _Stopped(held=out, match_time=now)
                         continue
@@ -274,8 +290,11 @@ class OutputProcessor:
             else:
                 sample.token_ids = c.token_ids
                 sample.logprobs = c.logprobs
-            if sample.finish_reason is None and c.finish_reason is not None:
-                sample.finish_reason, sample.stop_reason = c.finish_reason, c.stop_reason
+            if c.finish_reason is not None:
+                if sample.finish_reason is None:
+                    sample.finish_reason, sample.stop_reason = c.finish_reason, c.stop_reason
+            elif sample.finish_reason is not None:  # a stop string, here: the core still runs the sample
+                state.stopped.append(c.index)
             if sample.finish_reason is not None:
                 state.num_finished += 1
             changed.append(c)

@@ -17,6 +17,7 @@ import itertools
 import operator
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -243,22 +244,44 @@ class EngineCore:
                     self.scheduler.add(seq)
             return request.request_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is and free its blocks. Returns its output so far, or None if unknown."""
+    def abort_request(self, request_id: str, samples: Iterable[int] | None = None) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks. Returns its output so far, or None if unknown.
+
+        ``samples``: stop only these samples (indices; e.g. those a stop string finished in the front-end) and free
+        their blocks at once; the request's other samples go on. The output then holds these samples and is the
+        request's final one only when nothing of it runs any more."""
         with self._lock:
             request = self._requests.get(request_id)
             if request is None:
                 return None
-            for seq in request.seqs:
+            if samples is None:
+                indices: Any = range(len(request.seqs))
+            else:
+                indices = list(samples)
+                bad = [i for i in indices if not (isinstance(i, int) and 0 <= i < len(request.seqs))]
+                if bad or len(set(indices)) != len(indices):
+                    raise InvalidRequestError(
+                        f"samples {indices} of request {request_id!r}: give distinct indices from 0 to "
+                        f"{len(request.seqs) - 1} (its samples)"
+                    )
+            held_back = request.held_back
+            for i in indices:
+                seq = request.seqs[i]
                 if seq.is_finished and seq.token_ids[-1] != PLACEHOLDER_TOKEN:
                     continue  # its output is complete
-                if not seq.is_finished and seq not in request.held_back:
+                if not seq.is_finished and seq not in held_back:
                     self.scheduler.finish(seq)
                 while seq.token_ids[-1] == PLACEHOLDER_TOKEN:  # still on the device: dropped
                     seq.token_ids.pop()
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
                 request.num_finished += 1
-            request.held_back = []
+            request.held_back = [seq for seq in held_back if not seq.is_finished]
+            if request.held_back and request.seqs[0].is_finished:  # sample 0 will not compute the prompt for them
+                for seq in request.held_back:
+                    self.scheduler.add(seq)
+                request.held_back = []
+            if not request.finished:
+                return self._output(request, indices, final=False)
             self._forget(request)
             return self._output(request, range(len(request.seqs)), final=True)
 

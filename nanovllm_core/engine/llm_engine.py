@@ -8,6 +8,7 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -408,21 +409,23 @@ class LLMEngine(EngineCore):
             return request_id
 
     def step(self) -> list[RequestOutput]:
-        """Run one step (:meth:`EngineCore.step`); requests that a stop string finished are aborted in the core."""
+        """Run one step (:meth:`EngineCore.step`); the samples (or whole requests) that a stop string finished are
+        aborted in the core."""
         processor = self.output_processor
         if processor is None:
             return super().step()
         with self._lock:
             outputs, stopped = processor.process_outputs(super().step())
-            for request_id in stopped:  # the core's answer only clears the processor's record of the stop
-                aborted = super().abort_request(request_id)
+            for request_id, samples in stopped:  # the core's answer only clears the processor's record of the stop
+                aborted = super().abort_request(request_id, samples)
                 processor.process_outputs([aborted] if aborted is not None else [])
             return outputs
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is and free its blocks. Returns its output so far, or None if unknown."""
+    def abort_request(self, request_id: str, samples: Iterable[int] | None = None) -> RequestOutput | None:
+        """Stop a request (or only its ``samples``) wherever it is and free its blocks. Returns its output so far, or
+        None if unknown (:meth:`EngineCore.abort_request`)."""
         with self._lock:
-            raw = super().abort_request(request_id)
+            raw = super().abort_request(request_id, samples)
             if raw is None or self.output_processor is None:
                 return raw
             outputs = self.output_processor.process_outputs([raw])[0]

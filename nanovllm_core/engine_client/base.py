@@ -81,7 +81,8 @@ class EngineClient(ABC):
 
     Push (``AsyncLLM``; what every client implements): :meth:`start` with ``emit(results, outputs, now, account)``
     and ``fail(exc)``, then :meth:`submit` commands, plain data ``(call id or None, kind, args)`` with kind ``add``
-    (prompt, sampling params, request id), ``abort`` (request id), ``stats``, ``replica_stats`` (data parallel) or
+    (prompt, sampling params, request id), ``abort`` (request id and optionally the samples to abort, None for all:
+    ``EngineCore.abort_request``'s arguments), ``stats``, ``replica_stats`` (data parallel) or
     ``stop`` (aborts what is left and ends the engines). Each command is answered in ``emit``'s results as
     ``(call id, result, exception)``, next to the steps' outputs, the time and the step loop's
     :class:`LoopAccount`; ``fail`` is called once when the engines stop serving. :meth:`join` waits for them to end.
@@ -238,7 +239,8 @@ class _Inbox:
 
 class _Puller:
     """The pull surface of a push client: commands out, answers and outputs collected from an :class:`_Inbox`, made
-    into the user's by an :class:`OutputProcessor` (text, stop strings: a match aborts the request in the engine)."""
+    into the user's by an :class:`OutputProcessor` (text, stop strings: a match aborts its sample, or the request once
+    every sample is done, in the engine)."""
 
     def __init__(self, client: EngineClient) -> None:
         self.client = client
@@ -281,8 +283,8 @@ class _Puller:
 
     def pump(self, block: bool, timeout: float | None = None) -> None:
         """Take what arrived: results kept by call id, outputs of known requests made the user's and queued for
-        step(); requests a stop string finished are aborted in the engines. Their final outputs wait (bounded) for
-        the abort's output, which brings the metrics that streamed outputs cross without."""
+        step(); samples and requests a stop string finished are aborted in the engines. A request's final output
+        waits (bounded) for the abort's output, which brings the metrics that streamed outputs cross without."""
         if block and self.held_until:
             wait = max(0.0, min(self.held_until.values()) - time.monotonic())
             timeout = wait if timeout is None else min(timeout, wait)
@@ -295,9 +297,9 @@ class _Puller:
             outputs, stopped = processor.process_outputs(outputs, now)
             self.ready += outputs
             if stopped:
-                self.client.submit([(None, "abort", (request_id,)) for request_id in stopped])
+                self.client.submit([(None, "abort", target) for target in stopped])
                 deadline = time.monotonic() + ABORT_WAIT_S
-                self.held_until.update((r, deadline) for r in stopped if processor.holds(r))
+                self.held_until.update((r, deadline) for r, _ in stopped if processor.holds(r))
         if self.held_until:
             self.release_held()
 

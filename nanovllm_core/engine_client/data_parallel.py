@@ -169,7 +169,7 @@ class _Owned:
 
 
 @dataclass(slots=True)
-class _Note:
+class SentCommand:
     """A command sent to a replica that will be answered by one result, in the order sent."""
 
     kind: str
@@ -250,7 +250,7 @@ class DataParallelClient(EngineClient):
         n = self.data_parallel_size
         self._state_lock = threading.Lock()  # routing state; never held while sending
         self._send_locks = [threading.Lock() for _ in range(n)]  # one sender per replica: notes in send order
-        self._notes: list[deque[_Note]] = [deque() for _ in range(n)]
+        self._notes: list[deque[SentCommand]] = [deque() for _ in range(n)]
         self._router = Router(n, self.config.kvcache_block_size)  # the prefix cache's granularity
         self._loads = self._router.loads  # the one list: kept here, read by the router
         self._up = [True] * n  # replicas that take requests (a Ray replica is down while it restarts)
@@ -326,7 +326,7 @@ class DataParallelClient(EngineClient):
             raise RuntimeError("the data-parallel engine was stopped: it takes no more commands")
         n = len(self.replicas)
         batches: list[list[Command]] = [[] for _ in range(n)]
-        notes: list[list[_Note]] = [[] for _ in range(n)]
+        notes: list[list[SentCommand]] = [[] for _ in range(n)]
         with self._state_lock:
             targets = self._place_adds(commands)
             for command, target in zip(commands, targets):
@@ -340,7 +340,7 @@ class DataParallelClient(EngineClient):
                     # unknown or finished: any replica says so
                     r = owned.replica if owned is not None else self._least_loaded()
                     batches[r].append(command)
-                    notes[r].append(_Note("abort", command=command))
+                    notes[r].append(SentCommand("abort", command=command))
                 elif kind in ("stats", "replica_stats"):
                     gather = _Gather(call_id, n, combine=kind == "stats")
                     for r in range(n):
@@ -348,7 +348,7 @@ class DataParallelClient(EngineClient):
                             gather.put(r, None, None)
                             continue
                         batches[r].append((call_id, "stats", ()))
-                        notes[r].append(_Note("stats", gather=gather, command=(call_id, "stats", ())))
+                        notes[r].append(SentCommand("stats", gather=gather, command=(call_id, "stats", ())))
                 elif kind == "stop":
                     self._stopped = True
                     for r in range(n):
@@ -357,7 +357,7 @@ class DataParallelClient(EngineClient):
                 else:  # one replica answers with the step loop's own error
                     r = self._least_loaded()
                     batches[r].append(command)
-                    notes[r].append(_Note(kind, command=command))
+                    notes[r].append(SentCommand(kind, command=command))
         for r in range(n):
             if batches[r]:
                 self._send(r, batches[r], notes[r])
@@ -387,20 +387,20 @@ class DataParallelClient(EngineClient):
             owned = _Owned(r, budget, prompt_tokens + budget, kind, args=commands[i][2])
             loads[r] += owned.remaining
             self._owners[commands[i][2][2]] = owned
-            targets[i] = (r, _Note("add", commands[i][2][2], owned, new_owner=True, command=commands[i]))
+            targets[i] = (r, SentCommand("add", commands[i][2][2], owned, new_owner=True, command=commands[i]))
         for i, (_, kind, args) in enumerate(commands):
             if kind == "add" and targets[i] is None:
                 request_id = args[2] if len(args) > 2 else None
                 owned = self._owners.get(request_id) if isinstance(request_id, str) else None
                 if owned is None:  # no id (the replica rejects it): the least loaded replica says so
-                    targets[i] = (self._least_loaded(), _Note("add", None, command=commands[i]))
+                    targets[i] = (self._least_loaded(), SentCommand("add", None, command=commands[i]))
                 else:
                     prompt_tokens, budget, output_kind = _cost(args)
                     dup = _Owned(owned.replica, budget, prompt_tokens + budget, output_kind, args=args)
-                    targets[i] = (owned.replica, _Note("add", request_id, dup, command=commands[i]))
+                    targets[i] = (owned.replica, SentCommand("add", request_id, dup, command=commands[i]))
         return targets
 
-    def _send(self, r: int, batch: list[Command], notes: list[_Note]) -> None:
+    def _send(self, r: int, batch: list[Command], notes: list[SentCommand]) -> None:
         with self._send_locks[r]:
             if self._stop_sent[r]:
                 self._forget(notes)
@@ -420,12 +420,12 @@ class DataParallelClient(EngineClient):
         if down:
             self._replica_down(r, notes)
 
-    def _replica_down(self, r: int, notes: list[_Note]) -> None:
+    def _replica_down(self, r: int, notes: list[SentCommand]) -> None:
         """Commands routed to replica ``r`` before it went down (not here: a replica that dies stops them all)."""
         self._forget(notes)
         raise RuntimeError(f"data-parallel replica {r} is down")
 
-    def _forget(self, notes: list[_Note]) -> None:
+    def _forget(self, notes: list[SentCommand]) -> None:
         """Undo the routing of adds that were not sent."""
         with self._state_lock:
             for note in notes:
@@ -468,7 +468,7 @@ class DataParallelClient(EngineClient):
         if (forward or outputs) and self._emit is not None:
             self._emit(forward, outputs, now, total)
 
-    def _settle_add(self, note: _Note, failed: bool) -> None:
+    def _settle_add(self, note: SentCommand, failed: bool) -> None:
         """An add's result: a rejected new request leaves its replica's load; a repeated id that was accepted
         (its first add was rejected) becomes the owner."""
         owned, request_id = note.owned, note.request_id

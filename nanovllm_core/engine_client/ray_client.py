@@ -41,10 +41,10 @@ from nanovllm_core.engine_client.data_parallel import (
     STOP_TIMEOUT_S,
     DataParallelClient,
     ReplicaPlacement,
-    _Note,
+    SentCommand,
     build_replica_engine,
 )
-from nanovllm_core.engine_client.step_loop import InProcessClient, _on_loop, pack_outputs, unpack_outputs
+from nanovllm_core.engine_client.step_loop import InProcessClient, on_loop, pack_outputs, unpack_outputs
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
@@ -190,7 +190,7 @@ class RayReplica:
         gone: Callable[[BaseException], None], loop: Any = None,
     ) -> None:  # fmt: skip
         if loop is not None:
-            emit, died, rejoined, gone = (_on_loop(loop, f) for f in (emit, died, rejoined, gone))
+            emit, died, rejoined, gone = (on_loop(loop, f) for f in (emit, died, rejoined, gone))
         threading.Thread(
             target=self._read, args=(emit, died, rejoined, gone), name=f"nanovllm-ray-reader-{self.index}", daemon=True
         ).start()
@@ -377,7 +377,7 @@ class RayDataParallelClient(DataParallelClient):
                 functools.partial(self._replica_rejoined, r), functools.partial(self._on_fail, r), loop=loop,
             )  # fmt: skip
 
-    def _replica_down(self, r: int, notes: list[_Note]) -> None:
+    def _replica_down(self, r: int, notes: list[SentCommand]) -> None:
         self._reroute(r, [(note.command, note) for note in notes], f"data-parallel replica {r} is down")
 
     # --- faults ----------------------------------------------------------------------------------------------
@@ -396,17 +396,22 @@ class RayDataParallelClient(DataParallelClient):
             mine = [(rid, o) for rid, o in self._owners.items() if o.replica == r]
         logger.error("%s; %d requests in flight there", error, len(mine))
         waiting = {n.request_id for n in pending if n.kind == "add"}
-        orphans: list[tuple[Command | None, _Note]] = [(n.command, n) for n in pending]
+        orphans: list[tuple[Command | None, SentCommand]] = [(n.command, n) for n in pending]
         # requests accepted there: the ones that have shown no token yet are added again elsewhere
         orphans += [
-            ((None, "add", o.args), _Note("add", rid, o, new_owner=True)) for rid, o in mine if rid not in waiting
+            ((None, "add", o.args), SentCommand("add", rid, o, new_owner=True)) for rid, o in mine if rid not in waiting
         ]
-        aborted = {n.command[2][0] for n in pending if n.kind == "abort" and n.command is not None and n.command[2]}
+        # requests the caller let go (an abort of some samples only leaves the request running)
+        aborted = {
+            args[0] for n in pending if n.kind == "abort" and n.command is not None and (args := n.command[2])
+            and (len(args) < 2 or args[1] is None)
+        }  # fmt: skip
         self._reroute(r, orphans, error, aborted)
 
     def _reroute(
-        self, r: int, orphans: list[tuple[Command | None, _Note]], error: str, aborted: frozenset | set = frozenset()
-    ) -> None:
+        self, r: int, orphans: list[tuple[Command | None, SentCommand]], error: str,
+        aborted: frozenset | set = frozenset(),
+    ) -> None:  # fmt: skip
         """Commands meant for the down replica ``r``: adds of requests without a token shown go to another replica,
         the other requests finish with ``error`` (those being ``aborted`` as aborted); aborts are answered, stats
         skip the replica, anything else is answered with ``error``."""

@@ -2,12 +2,12 @@
 process of its own (:class:`EngineProcess`, vLLM's design: the HTTP and detokenization-free front-end then never
 holds the GIL the step loop needs).
 
-The loop takes commands as plain data, ``(call id or None, kind, args)`` with kind ``add`` (request id, token
-ids, sampling params), ``abort`` (request id), ``stats`` or ``stop``; between two steps it drains them, runs
-them, and hands back ``(results, outputs, now, account)``: each command's ``(call id, result, exception)``, the
-outputs (those of aborts and of the step), the time, and its own account (steps, time inside ``step()``, CPU
-time of its thread). It blocks on new commands only while the engine has nothing to do. ``stop`` aborts
-every request still in the engine and ends the loop.
+The loop takes commands as plain data, ``(call id or None, kind, args)`` with kind ``add`` (request id, token ids,
+sampling params), ``abort`` (request id, and optionally the samples to abort), ``stats`` or ``stop``; between two steps
+it drains them, runs them, and hands back ``(results, outputs, now, account)``: each command's
+``(call id, result, exception)``, the outputs (those of aborts and of the step), the time, and its own account
+(steps, time inside ``step()``, CPU time of its thread). It blocks on new commands only while the engine has
+nothing to do. ``stop`` aborts every request still in the engine and ends the loop.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Comman
                 elif kind == "abort":
                     out = engine.abort_request(*args)
                     if out is not None:
-                        live.discard(out.request_id)
+                        if out.finished:
+                            live.discard(out.request_id)
                         outputs.append(out)
                 elif kind == "stats":
                     result = engine.stats()
@@ -145,7 +146,9 @@ def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Comman
                 hand_over([], outputs)
 
 
-def _on_loop(loop: Any, fn: Callable[..., None]) -> Callable[..., None]:
+def on_loop(loop: Any, fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn``, called from any thread, run on the asyncio event loop ``loop`` (dropped once it is closed)."""
+
     def call(*args: Any) -> None:
         try:
             loop.call_soon_threadsafe(fn, *args)
@@ -220,7 +223,7 @@ class InProcessClient(EngineClient):
     def start(self, emit: Emit, fail: Fail, loop: Any = None) -> None:
         """Run the loop in a thread; with ``loop`` (an asyncio event loop), ``emit`` and ``fail`` are called on it."""
         if loop is not None:
-            emit, fail = _on_loop(loop, emit), _on_loop(loop, fail)
+            emit, fail = on_loop(loop, emit), on_loop(loop, fail)
 
         def run() -> None:
             try:

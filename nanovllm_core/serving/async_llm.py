@@ -100,7 +100,7 @@ class RequestStream:
     Outputs that arrive while the consumer is busy wait in a list and are merged into one when it reads: the
     consumer's per-item work (an SSE chunk) is paid per read, not per step. The engine sends token ids only; the
     output processor makes the text as the consumer reads (once per read), or, for a request with stop strings,
-    as each output arrives (``eager``: a match must abort the request in the engine at once)."""
+    as each output arrives (``eager``: a match must abort its sample, or the request, in the engine at once)."""
 
     def __init__(
         self,
@@ -346,10 +346,11 @@ class AsyncLLM:
         self._check_alive()
         await self._call("abort", (request_id,))
 
-    def abort_nowait(self, request_id: str) -> None:
-        """Queue an abort without waiting for it (from ``finally`` blocks and callbacks)."""
+    def abort_nowait(self, request_id: str, samples: tuple[int, ...] | None = None) -> None:
+        """Queue an abort without waiting for it (from ``finally`` blocks and callbacks); ``samples``: of these
+        samples only (the request's others go on)."""
         if self.is_running:
-            self.core.submit([(None, "abort", (request_id,))])
+            self.core.submit([(None, "abort", (request_id,) if samples is None else (request_id, samples))])
 
     async def stats(self) -> Any:
         """``LLMEngine.stats()``, read between two steps."""
@@ -400,10 +401,14 @@ class AsyncLLM:
                 continue
             core_finished = raw.finished
             out = stream.process(raw) if stream.eager else raw
+            state = stream.state
+            if stream.eager and state is not None:  # a stop string may have finished samples the engine still runs
+                target = state.abort_target(raw.request_id, out, core_finished)
+                if target is not None:
+                    self.abort_nowait(*target)
             if out is None:
                 continue
             if out.finished and not core_finished:  # a stop string: the engine still runs it
-                self.abort_nowait(out.request_id)
                 if out.metrics is None:  # (an engine process sends them with finished outputs only)
                     self._awaiting_metrics[out.request_id] = stream.arrival
             self._observe(stream, out, now)

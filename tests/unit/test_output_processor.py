@@ -1,6 +1,6 @@
-"""OutputProcessor on hand-made engine-core outputs: stop strings (a match finishes the sample, asks for the request's
-abort once every sample is done, and drops what the core produced after it), output kinds, and the two incremental
-detokenizers giving the same text."""
+"""OutputProcessor on hand-made engine-core outputs: stop strings (a match finishes the sample, asks for its abort,
+or the request's once every sample is done, and drops what the core produced after it), output kinds, and the two
+incremental detokenizers giving the same text."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_a_stop_string_finishes_the_request_and_drops_what_follows():
     finished = [i for i, (outs, _) in enumerate(steps) if outs]
     assert len(finished) == 1  # output_kind "final": one output, when the stop string matched
     outs, to_abort = steps[finished[0]]
-    assert to_abort == ["r"]
+    assert to_abort == [("r", None)]  # the whole request
     out = outs[0].outputs[0]
     assert out.text == "the quick brown " and (out.finish_reason, out.stop_reason) == ("stop", "fox")
     assert TOKENIZER.decode(out.token_ids).endswith("fox") and out.token_ids == ids[: len(out.token_ids)]
@@ -85,7 +85,7 @@ def test_a_stop_ended_output_without_metrics_waits_for_the_cores_final_one_and_c
     ids = ids_of("the quick brown fox jumps over")
     steps = [processor.process_outputs([raw("r", {0: [t]})], now=10.0 + k) for k, t in enumerate(ids)]
     assert all(outs == [] for outs, _ in steps)
-    match = next(k for k, (_, aborts) in enumerate(steps) if aborts == ["r"])
+    match = next(k for k, (_, aborts) in enumerate(steps) if aborts == [("r", None)])
     assert processor.holds("r") and match < len(ids) - 1  # the core ran on after the match
     final = raw("r", {0: []}, {0: "abort"})
     final.metrics = RequestMetrics(9.0, 9.5, 10.0, 10.0 + len(ids) - 1, None, 2, 0, len(ids))
@@ -165,7 +165,7 @@ def test_streamed_text_holds_back_a_possible_stop_string_and_can_include_it():
         assert pieces[-1].finish_reason == "stop"
 
 
-def test_with_n_samples_the_request_is_aborted_once_every_sample_is_done():
+def test_with_n_samples_a_stopped_sample_is_aborted_alone_and_the_core_finishes_the_rest():
     processor = OutputProcessor(TOKENIZER)
     processor.add("r", SamplingParams(n=2, max_tokens=50, stop=["brown"], output_kind="delta"))
     stopping, going = ids_of("a brown cat"), ids_of("a white cat and more")
@@ -174,10 +174,27 @@ def test_with_n_samples_the_request_is_aborted_once_every_sample_is_done():
         outs, to_abort = processor.process_outputs([raw("r", {0: [a], 1: [b]})])
         aborts += to_abort
         assert all(c.finish_reason is None or c.index == 0 for o in outs for c in o.outputs)
-    assert aborts == []  # sample 1 still runs
+    assert aborts == [("r", (0,))]  # sample 0 alone: sample 1 still runs
     outs, to_abort = processor.process_outputs([raw("r", {0: [7], 1: [going[-1]]}, {0: "length", 1: "stop"})])
     assert to_abort == [] and outs[0].finished  # the core finished it: nothing to abort
     assert [c.finish_reason for c in outs[0].outputs] == ["stop", "stop"] and outs[0].outputs[0].stop_reason == "brown"
+
+
+def test_with_n_samples_the_last_sample_a_stop_string_finishes_aborts_the_whole_request():
+    processor = OutputProcessor(TOKENIZER)
+    processor.add("r", SamplingParams(n=2, max_tokens=50, stop=["brown", "white"], output_kind="delta"))
+    first, second = ids_of("a brown cat"), ids_of("the small white")
+    aborts = [processor.process_outputs([raw("r", {0: [a], 1: [b]})])[1] for a, b in zip(first, second)]
+    at = len(ids_of("a brown")) - 1
+    assert aborts[at] == [("r", (0,))] and all(a == [] for a in aborts[:at])
+    # what the core produced for sample 0 before its abort reached it is dropped; sample 1's stop ends the request
+    rest = second[len(first) :]
+    steps = [processor.process_outputs([raw("r", {0: [5], 1: [b]})]) for b in rest]
+    assert [to_abort for _, to_abort in steps] == [[]] * (len(rest) - 1) + [[("r", None)]]
+    out = steps[-1][0][0]
+    assert out.finished
+    assert [(c.finish_reason, c.stop_reason) for c in out.outputs] == [("stop", "brown"), ("stop", "white")]
+    assert out.outputs[0].token_ids == [] and out.outputs[0].text == ""  # delta: sample 0 had said all it had
 
 
 def test_logprob_tokens_are_decoded_and_cumulative_outputs_hold_everything():

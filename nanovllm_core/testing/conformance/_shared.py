@@ -36,11 +36,11 @@ def _pytest_decorator(make: Callable[[Any], Callable[[_F], _F]]) -> Callable[[_F
     return make(pytest)
 
 
-def _fixture(**kwargs: Any) -> Callable[[_F], _F]:
+def fixture(**kwargs: Any) -> Callable[[_F], _F]:
     return _pytest_decorator(lambda pytest: pytest.fixture(**kwargs))
 
 
-def _parametrize(names: str, values: list[Any], ids: list[str]) -> Callable[[_F], _F]:
+def parametrize(names: str, values: list[Any], ids: list[str]) -> Callable[[_F], _F]:
     return _pytest_decorator(lambda pytest: pytest.mark.parametrize(names, values, ids=ids))
 
 
@@ -85,7 +85,7 @@ def registered_for_test(kind: str, cls: type, name: str | None = None) -> Iterat
         unregister_plugin(plugin.__name__)
 
 
-def _installed(kind: str, name: str, setting: str) -> Any:
+def installed_plugin(kind: str, name: str, setting: str) -> Any:
     """The installed registration of ``name``; skips the check (saying how to run it) when it is not installed."""
     import pytest
     registry = get_registry()
@@ -106,7 +106,7 @@ def shared_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, arch: str =
     return path
 
 
-def _run_engine(
+def run_engine(
     engine: LLMEngine, prompts: list[list[int]], max_tokens: int, max_steps: int = 10_000
 ) -> list[list[int]]:
     import pytest
@@ -132,7 +132,7 @@ def _first_difference(got: list[int], want: list[int]) -> str:
     return f"lengths differ: got {len(got)} tokens, expected {len(want)}"
 
 
-def _assert_matches_transformers(
+def assert_matches_transformers(
     checkpoint: Path, prompts: list[list[int]], got: list[list[int]], max_tokens: int
 ) -> None:
     """``got`` equals ``transformers``' greedy output of ``prompts``, prompt for prompt."""
@@ -141,7 +141,7 @@ def _assert_matches_transformers(
         assert g == w, f"prompt {i} ({len(prompts[i])} tokens): " + _first_difference(g, w)
 
 
-def _assert_done(sim: SimulatedEngine, num_requests: int | None = None) -> None:
+def assert_done(sim: SimulatedEngine, num_requests: int | None = None) -> None:
     """``num_requests`` finished (when given), every output exact and every block free."""
     if num_requests is not None:
         assert len(sim.finished) == num_requests, f"{len(sim.finished)} of {num_requests} requests finished"

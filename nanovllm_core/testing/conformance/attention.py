@@ -9,7 +9,7 @@ import torch
 from nanovllm_core.engine.cuda_graph import MixedStepBuffers
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch
 from nanovllm_core.plugins import check_registration
-from nanovllm_core.testing.conformance._shared import _parametrize
+from nanovllm_core.testing.conformance._shared import parametrize
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -65,11 +65,11 @@ class AttentionBackendConformance:
                 f"supported_block_sizes() = {sizes}: the config allows powers of two from 16 to 256"
             )
 
-    @_parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+    @parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
     def test_ragged_batches_match_dense_attention(self, num_heads: int, num_kv_heads: int) -> None:
         self._check_ragged_batches(num_heads, num_kv_heads, graph_buffers=False)
 
-    @_parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+    @parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
     def test_graph_batches_match_dense_attention(self, num_heads: int, num_kv_heads: int) -> None:
         """Backends with ``supports_cuda_graph_mixed``: the steps with prompt tokens go through the static batch
         a captured graph replays (``MixedStepBuffers``: padding rows, tokens owned by no sequence holding NaN,

@@ -10,7 +10,7 @@ from nanovllm_core.interfaces import BlockManager, Scheduler
 from nanovllm_core.plugins import check_registration
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.sequence import Sequence
-from nanovllm_core.testing.conformance._shared import _assert_done, _installed
+from nanovllm_core.testing.conformance._shared import assert_done, installed_plugin
 from nanovllm_core.testing.simulated import SimulatedEngine, random_tokens
 
 
@@ -141,7 +141,7 @@ class BlockManagerConformance:
 
     def test_under_a_scheduler_with_shared_prefixes_and_kv_pressure(self) -> None:
         """The installed scheduler drives the manager; cached blocks must hold exactly their tokens."""
-        scheduler_cls = self.scheduler_cls or _installed("scheduler", self.scheduler_name, "scheduler_cls").obj
+        scheduler_cls = self.scheduler_cls or installed_plugin("scheduler", self.scheduler_name, "scheduler_cls").obj
         sim = SimulatedEngine(
             scheduler_cls, self.block_manager_cls, num_blocks=10, block_size=self.block_size,
             block_manager_options=self.block_manager_options, max_num_seqs=4, max_num_batched_tokens=48,
@@ -155,4 +155,4 @@ class BlockManagerConformance:
                 if sim.core.has_unfinished_requests():
                     sim.step()
         sim.run()
-        _assert_done(sim, 12)
+        assert_done(sim, 12)

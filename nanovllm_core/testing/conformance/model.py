@@ -15,11 +15,11 @@ from nanovllm_core.loader import iter_safetensors, load_hf_config
 from nanovllm_core.plugins import check_registration
 from nanovllm_core.testing.checkpoints import write_tiny_checkpoint
 from nanovllm_core.testing.conformance._shared import (
-    _assert_matches_transformers,
-    _fixture,
-    _installed,
-    _run_engine,
+    assert_matches_transformers,
+    fixture,
+    installed_plugin,
     registered_for_test,
+    run_engine,
     shared_tiny_checkpoint,
 )
 
@@ -45,7 +45,7 @@ class ModelConformance:
         """Write a tiny checkpoint of this architecture (``config.json``, safetensors, tokenizer) into ``path``."""
         return write_tiny_checkpoint(path, self.checkpoint_arch, **self.checkpoint_options)
 
-    @_fixture(scope="class")
+    @fixture(scope="class")
     @classmethod
     def model_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
         if cls.write_checkpoint is ModelConformance.write_checkpoint:
@@ -78,7 +78,7 @@ class ModelConformance:
 
     def test_greedy_matches_transformers(self, model_checkpoint: Path) -> None:
         """Ragged prompts, chunked prefill (32-token budget) and a prefix-cache hit, against ``transformers``."""
-        _installed("attention", self.attention, "attention")
+        installed_plugin("attention", self.attention, "attention")
         vocab = load_hf_config(model_checkpoint).vocab_size
         rng = random.Random(8)
         first = [rng.randrange(3, vocab) for _ in range(37)]
@@ -90,5 +90,5 @@ class ModelConformance:
                 kvcache_block_size=16, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
                 plugins={"attention": self.attention},
             )
-            got = _run_engine(engine, prompts, self.max_new_tokens)
-        _assert_matches_transformers(model_checkpoint, prompts, got, self.max_new_tokens)
+            got = run_engine(engine, prompts, self.max_new_tokens)
+        assert_matches_transformers(model_checkpoint, prompts, got, self.max_new_tokens)

@@ -11,12 +11,12 @@ from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.interfaces import BlockManager, Scheduler
 from nanovllm_core.plugins import check_registration, get_registry
 from nanovllm_core.testing.conformance._shared import (
-    _assert_done,
-    _assert_matches_transformers,
-    _fixture,
-    _installed,
-    _run_engine,
+    assert_done,
+    assert_matches_transformers,
+    fixture,
+    installed_plugin,
     registered_for_test,
+    run_engine,
     shared_tiny_checkpoint,
 )
 from nanovllm_core.testing.simulated import SimulatedEngine, random_tokens
@@ -44,14 +44,14 @@ class SchedulerConformance:
     attention: ClassVar[str] = "torch"
     block_size: ClassVar[int] = 16
 
-    @_fixture(params=[False, True], ids=["sync", "async"])
+    @fixture(params=[False, True], ids=["sync", "async"])
     def async_scheduling(self, request: pytest.FixtureRequest) -> bool:
         return request.param
 
     def get_block_manager_cls(self) -> type[BlockManager]:
         if self.block_manager_cls is not None:
             return self.block_manager_cls
-        return _installed("block_manager", self.block_manager_name, "block_manager_cls").obj
+        return installed_plugin("block_manager", self.block_manager_name, "block_manager_cls").obj
 
     def simulate(self, num_blocks: int, async_scheduling: bool = False, **kwargs: Any) -> SimulatedEngine:
         """A :class:`SimulatedEngine` of this scheduler; ``kwargs`` override its limits and options."""
@@ -64,7 +64,7 @@ class SchedulerConformance:
             async_scheduling=async_scheduling, **kwargs,
         )
 
-    @_fixture(scope="class")
+    @fixture(scope="class")
     @classmethod
     def conformance_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
         return shared_tiny_checkpoint(tmp_path_factory)
@@ -80,7 +80,7 @@ class SchedulerConformance:
         for _ in range(12):
             sim.add(random_tokens(rng.randint(5, 90), rng), rng.randint(1, 20))
         sim.run()
-        _assert_done(sim, 12)
+        assert_done(sim, 12)
 
     def test_long_prompts_in_many_chunks_mixed_with_decodes(self, async_scheduling: bool) -> None:
         """Prompts of 3 to 6 budgets arrive while others decode: every chunk stays within the budget."""
@@ -95,7 +95,7 @@ class SchedulerConformance:
         sim.run()
         assert len(sim.finished) == 8, f"{len(sim.finished)} of 8 requests finished"
         assert max(tokens for _, tokens in sim.batch_sizes) <= 24 and max(n for n, _ in sim.batch_sizes) <= 4
-        _assert_done(sim)
+        assert_done(sim)
 
     def test_prefix_hits_with_chunked_admission_and_few_blocks(self, async_scheduling: bool) -> None:
         """Prompts sharing cached prefixes longer than the budget, admitted in chunks, with the cache nearly full
@@ -111,7 +111,7 @@ class SchedulerConformance:
         for i in range(6):
             sim.add(shared[: (1 + i % 4) * bs] + random_tokens(rng.randint(1, 2 * bs), rng), rng.randint(1, 10))
         sim.run()
-        _assert_done(sim, 7)
+        assert_done(sim, 7)
 
     def test_request_that_can_never_fit_is_rejected(self) -> None:
         import pytest
@@ -122,7 +122,7 @@ class SchedulerConformance:
         assert not sim.scheduler.has_unfinished(), "a rejected request must leave the scheduler unchanged"
         sim.add(random_tokens(20, rng), 4)
         sim.run()
-        _assert_done(sim)
+        assert_done(sim)
 
     def test_no_starvation_under_a_stream_of_requests(self, async_scheduling: bool) -> None:
         """A long request added first finishes while shorter ones keep arriving, one per step."""
@@ -141,7 +141,7 @@ class SchedulerConformance:
             f"while 20-token requests kept arriving: it is starved ({first!r})"
         )
         sim.run()
-        _assert_done(sim)
+        assert_done(sim)
 
     def test_abort_anywhere_frees_blocks(self, async_scheduling: bool) -> None:
         """Abort requests at random points (waiting, mid-prompt, decoding, just finished); the rest finish."""
@@ -160,7 +160,7 @@ class SchedulerConformance:
         assert sim.abort("no-such-request") is None, "abort of an unknown request must return None"
         assert len(sim.finished) + len(sim.aborted) == len(ids)
         assert sim.aborted, "the scenario aborted nothing"
-        _assert_done(sim)
+        assert_done(sim)
         assert sim.abort(sim.finished[0].request_id) is None, "abort of a finished request must return None"
 
     def test_preemption_under_kv_pressure_keeps_outputs(self, async_scheduling: bool) -> None:
@@ -170,7 +170,7 @@ class SchedulerConformance:
         for n in (30, 25, 40, 18, 33, 27):
             sim.add(random_tokens(n, rng), 40)
         sim.run()
-        _assert_done(sim, 6)
+        assert_done(sim, 6)
 
     def test_forced_preemption_frees_the_victims_blocks(self, async_scheduling: bool) -> None:
         """Two prompts of two blocks each fill a four-block cache and each needs a third block for its first
@@ -192,7 +192,7 @@ class SchedulerConformance:
                     f"step {sim.steps}: {victim!r} was preempted but holds blocks {victim.block_table} and "
                     f"{victim.num_computed_tokens} computed tokens: Scheduler.preempt frees the blocks and resets both"
                 )
-        _assert_done(sim, 2)
+        assert_done(sim, 2)
 
     def test_limits_hold_when_decodes_and_prompt_chunks_share_steps(self, async_scheduling: bool) -> None:
         """Requests arrive every other step while others decode, with token budgets down to one token per seat:
@@ -211,7 +211,7 @@ class SchedulerConformance:
                     sim.step()
             sim.run()
             assert len(sim.finished) == 12, f"max_num_seqs={max_num_seqs}, budget={budget}: {len(sim.finished)} of 12"
-            _assert_done(sim)
+            assert_done(sim)
 
     def test_prefix_cache_hits_are_reported(self) -> None:
         """A prompt sharing full blocks with a finished one reports exactly those tokens as cached."""
@@ -236,7 +236,7 @@ class SchedulerConformance:
         )
         stats = sim.core.stats()
         assert stats.prefix_cache_hits == 3 * bs, f"engine stats count {stats.prefix_cache_hits} hit tokens"
-        _assert_done(sim)
+        assert_done(sim)
 
     def test_engine_greedy_outputs_under_kv_pressure(
         self, conformance_checkpoint: Path, async_scheduling: bool
@@ -266,6 +266,6 @@ class SchedulerConformance:
                     "block_manager_options": dict(self.block_manager_options),
                 },
             )
-            got = _run_engine(engine, prompts, max_tokens)
+            got = run_engine(engine, prompts, max_tokens)
             assert engine.block_manager.num_free_blocks == 6, "blocks are still in use after every request finished"
-        _assert_matches_transformers(conformance_checkpoint, prompts, got, max_tokens)
+        assert_matches_transformers(conformance_checkpoint, prompts, got, max_tokens)

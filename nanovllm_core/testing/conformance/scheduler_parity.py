@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nanovllm_core.engine.llm_engine import LLMEngine
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.testing.conformance._shared import _fixture, _installed, shared_tiny_checkpoint
+from nanovllm_core.testing.conformance._shared import fixture, installed_plugin, shared_tiny_checkpoint
 
 if TYPE_CHECKING:
     import pytest
@@ -61,7 +61,7 @@ class SchedulerParity:
         from nanovllm_core.entrypoints.llm import LLM
 
         for kind, name in (("scheduler", scheduler), ("attention", "torch"), ("model", "Qwen3ForCausalLM")):
-            _installed(kind, name, "scheduler_name" if kind == "scheduler" else kind)
+            installed_plugin(kind, name, "scheduler_name" if kind == "scheduler" else kind)
         plugins = {"scheduler": scheduler, "scheduler_options": dict(options or {}), "attention": "torch"}
         return LLM(
             str(path), kvcache_block_size=16, max_model_len=512, async_scheduling="on" if async_scheduling else "off",
@@ -76,12 +76,12 @@ class SchedulerParity:
         """After every run: every block free (subclasses add the policy's own checks)."""
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "blocks left in use"
 
-    @_fixture(scope="class")
+    @fixture(scope="class")
     @classmethod
     def parity_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
         return shared_tiny_checkpoint(tmp_path_factory)
 
-    @_fixture(scope="class")
+    @fixture(scope="class")
     @classmethod
     def reference_tokens(cls, parity_checkpoint: Path) -> dict[str, list[list[int]]]:
         kit = cls()
