@@ -17,7 +17,8 @@ and reports microseconds, TFLOP/s and the weights' read rate in TB/s against the
 times every block configuration of it instead of its default one, printing the fastest per layer and row count
 (how ``launch_config`` is chosen). ``--norm`` times, for the projections an RMSNorm feeds (``qkv``, and ``gate_up``
 with its activation), the norm's kernel and the skinny kernel one after the other (``rms+skinny``) against the
-skinny kernel with its RMSNorm prologue (``fused-norm``), both with the residual add. At a few rows a GEMM's fixed
+skinny kernel with its RMSNorm prologue (``fused-norm``), both with the residual add (with ``--sweep``, the fastest
+configuration of the prologue's kernel too). At a few rows a GEMM's fixed
 latency, not its bytes, can set its time: this says, layer by layer, how far each projection is from reading its
 weights at the copy rate. On a machine without CUDA it runs on the CPU with ``--rows`` as given (a check of the
 script, not a measurement of interest). Without ``--json`` the report goes to
@@ -108,10 +109,10 @@ SWEEP = [
 ]
 
 
-def skinny_configs(m: int, n: int, k: int, sweep: bool) -> list[dict[str, int]]:
+def skinny_configs(m: int, n: int, k: int, sweep: bool, norm: bool = False) -> list[dict[str, int]]:
     from nanovllm_core.layers.skinny_gemm_kernel import launch_config
 
-    default = launch_config(m, n, k)
+    default = launch_config(m, n, k, norm=norm)
     if not sweep:
         return [default]
     fits = [
@@ -167,7 +168,7 @@ def measure(
     if skinny or sweep:
         results += measure_skinny(shape_name, rows, iters, sweep, device, dtype)
     if norm:
-        results += measure_norm(shape_name, rows, iters, device)
+        results += measure_norm(shape_name, rows, iters, sweep, device)
     return {
         "shape": shape_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -207,17 +208,20 @@ def _norm_then_skinny(x: torch.Tensor, w: torch.Tensor, norm: tuple) -> torch.Te
     return skinny_linear(rms_norm(x, norm_weight, eps, residual)[0], w, silu_mul=silu_mul)
 
 
-def _skinny_with_norm(x: torch.Tensor, w: torch.Tensor, norm: tuple) -> torch.Tensor:
+def _skinny_with_norm(x: torch.Tensor, w: torch.Tensor, norm: tuple, config: dict[str, int]) -> torch.Tensor:
     from nanovllm_core.layers.skinny_gemm_kernel import skinny_norm_linear
 
     residual, norm_weight, eps, silu_mul = norm
-    return skinny_norm_linear(x, residual, norm_weight, eps, w, silu_mul=silu_mul)[0]
+    return skinny_norm_linear(x, residual, norm_weight, eps, w, config, silu_mul=silu_mul)[0]
 
 
-def measure_norm(shape_name: str, rows: list[int], iters: int, device: torch.device) -> list[dict[str, Any]]:
+def measure_norm(
+    shape_name: str, rows: list[int], iters: int, sweep: bool, device: torch.device
+) -> list[dict[str, Any]]:
     """``rms+skinny`` (``rms_norm_kernel`` with the residual, then the skinny kernel) against ``fused-norm`` (the
-    skinny kernel's RMSNorm prologue) on ``qkv`` and ``gate_up`` (with ``silu_mul``), bf16, rows up to
-    ``MAX_ROWS``. The weights' read rate counts the projection's weights only."""
+    skinny kernel's RMSNorm prologue: its default configuration, or with ``sweep`` the fastest of every one) on
+    ``qkv`` and ``gate_up`` (with ``silu_mul``), bf16, rows up to ``MAX_ROWS``. The weights' read rate counts the
+    projection's weights only."""
     from nanovllm_core.layers.skinny_gemm_kernel import MAX_ROWS
 
     dtype, eps = torch.bfloat16, 1e-6
@@ -232,10 +236,15 @@ def measure_norm(shape_name: str, rows: list[int], iters: int, device: torch.dev
             x, residual = torch.randn(m, k, dtype=dtype, device=device), torch.randn(m, k, dtype=dtype, device=device)
 
             norm = (residual, norm_weight, eps, silu_mul)
-            for label, fn in (("rms+skinny", _norm_then_skinny), ("fused-norm", _skinny_with_norm)):
-                fn = functools.partial(fn, norm=norm)
-                seconds = time_linear(x, weights, iters if device.type == "cuda" else 1, fn)
-                results.append(result_row(label, name, m, k, n, seconds, weight_bytes))
+            fn = functools.partial(_norm_then_skinny, norm=norm)
+            seconds = time_linear(x, weights, iters if device.type == "cuda" else 1, fn)
+            results.append(result_row("rms+skinny", name, m, k, n, seconds, weight_bytes))
+            timed = []
+            for config in skinny_configs(m, n // 2 if silu_mul else n, k, sweep, norm=True):
+                fn = functools.partial(_skinny_with_norm, norm=norm, config=config)
+                timed.append((time_linear(x, weights, iters if device.type == "cuda" else 1, fn), config))
+            seconds, config = min(timed, key=lambda t: t[0])
+            results.append(result_row("fused-norm", name, m, k, n, seconds, weight_bytes, config=config))
         del weights
     return results
 

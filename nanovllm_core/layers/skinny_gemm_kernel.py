@@ -104,13 +104,17 @@ def _kernel(interpret: bool) -> object:
     return wrap_kernel(_skinny_gemm_kernel, interpret)
 
 
-def launch_config(rows: int, out_features: int, in_features: int) -> dict[str, int]:
+def launch_config(rows: int, out_features: int, in_features: int, norm: bool = False) -> dict[str, int]:
     """Block sizes and warps for ``rows`` rows of a ``[out_features, in_features]`` weight: the fastest of the
     sweep on the Qwen3-0.6B's projections. Many small programs (two or four columns each, two warps) beat fewer
-    large ones: each SM keeps several programs' loads in flight."""
+    large ones: each SM keeps several programs' loads in flight.
+
+    ``norm`` (the RMSNorm prologue): each program also holds its block of every row, its residual and the norm
+    weight; at two warps that spills registers to local memory (``ptxas``'s count on sm_90), so four warps, and
+    for four rows half-length ``K`` blocks."""
     m_pad = triton.next_power_of_2(max(rows, 1))
-    block_k = min(1024, triton.next_power_of_2(in_features))
-    return {"M_PAD": m_pad, "BLOCK_N": 2 if m_pad <= 2 else 4, "BLOCK_K": block_k, "num_warps": 2}
+    block_k = min(512 if norm and m_pad > 2 else 1024, triton.next_power_of_2(in_features))
+    return {"M_PAD": m_pad, "BLOCK_N": 2 if m_pad <= 2 else 4, "BLOCK_K": block_k, "num_warps": 4 if norm else 2}
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -163,9 +167,10 @@ def skinny_norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``RMSNorm`` then :func:`skinny_linear` in one kernel: ``(skinny_linear(h_normed, weight), h)`` with ``h = x
     + residual`` (``x`` without one) and ``h_normed = norm_weight * rms_norm(h)``, rounded bit for bit as
-    ``rms_norm_kernel.rms_norm(x, norm_weight, eps, residual)`` rounds it (rows of up to ``BLOCK_K`` features; more
-    sum the mean of squares in another order). The normalised rows are never written; ``h`` is a new tensor
-    (``x`` itself without a residual). Tensors as :func:`supports_norm` says."""
+    ``rms_norm_kernel.rms_norm(x, norm_weight, eps, residual)`` rounds it (in Triton's interpreter, for rows of up
+    to ``BLOCK_K`` features; compiled, the float32 mean of squares may differ in its last bit, summed over other
+    threads). The normalised rows are never written; ``h`` is a new tensor (``x`` itself without a residual).
+    Tensors as :func:`supports_norm` says; ``config`` overrides :func:`launch_config` ``(norm=True)``."""
     if not supports_norm(x, weight, norm_weight, residual):
         raise ValueError(
             f"skinny_norm_linear takes at most {MAX_ROWS} rows of 16-bit x and a norm weight, residual and weight of "
@@ -200,7 +205,7 @@ def _launch(
     residual_rows = rows if residual is None else residual.reshape(-1, in_features)
     y = torch.empty((m, width), dtype=x.dtype, device=x.device)
     if m and width:
-        cfg = dict(config or launch_config(m, width, in_features))
+        cfg = dict(config or launch_config(m, width, in_features, norm=norm is not None))
         even = in_features % cfg["BLOCK_K"] == 0 and width % cfg["BLOCK_N"] == 0
         _kernel(x.device.type != "cuda")[(triton.cdiv(width, cfg["BLOCK_N"]),)](
             rows, weight, y, m, width, in_features, rows.stride(0), weight.stride(0), y.stride(0),
