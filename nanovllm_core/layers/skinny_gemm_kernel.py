@@ -8,6 +8,10 @@ Here a program owns ``BLOCK_N`` output columns for all rows: it reads its ``BLOC
 once, in ``BLOCK_K`` chunks, and accumulates in float32; the grid has enough programs to fill the GPU without
 split-K. Rows are padded to ``M_PAD`` (a power of two) inside the kernel, never in memory.
 
+:func:`skinny_norm_linear` also applies the RMSNorm (and its residual add) that feeds the projection in a decoder
+layer: one kernel instead of two for a decode step's norm and projection. Every program normalises the few rows
+itself (a few kilobytes read from L2) instead of waiting for a separate kernel to write them.
+
 Like the other kernels (``silu_and_mul_kernel``), the body is a plain function wrapped on first use as a compiled
 ``JITFunction`` (CUDA tensors) or an ``InterpretedFunction`` (CPU tensors, Triton's interpreter, for tests).
 """

@@ -68,9 +68,10 @@ def test_keeps_leading_dims_and_rejects_what_it_cannot_take():
 def test_launch_config_covers_the_rows_and_never_outgrows_k():
     for rows in range(1, MAX_ROWS + 1):
         for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (64, 48)):
-            config = launch_config(rows, n, k)
-            assert rows <= config["M_PAD"] < 2 * rows
-            assert config["BLOCK_K"] < 2 * k
+            for norm in (False, True):
+                config = launch_config(rows, n, k, norm=norm)
+                assert rows <= config["M_PAD"] < 2 * rows
+                assert config["BLOCK_K"] < 2 * k
 
 
 def test_linear_layers_keep_f_linear_off_cuda():
