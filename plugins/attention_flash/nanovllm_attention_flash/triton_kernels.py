@@ -156,6 +156,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    MERGE_DIM: tl.constexpr,
     KV_FP8: tl.constexpr,
     HALF_DOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -277,8 +278,9 @@ def _decode_split_kernel(
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.debug_barrier()
             offs_s = tl.arange(0, SPLITS_P2)
+            offs_c = tl.arange(0, MERGE_DIM)
             split_mask = offs_s < num_splits
-            for h in range(GROUP):  # each head as a program of its own would merge it, op for op
+            for h in range(GROUP):
                 head = kv_head * GROUP + h
                 split_lse = tl.load(
                     PART_LSE + seq.to(tl.int64) * stride_pl_seq + head * stride_pl_head + offs_s,
@@ -289,19 +291,17 @@ def _decode_split_kernel(
                 top = tl.reduce(split_lse, 0, tl.standard._elementwise_max)
                 top = tl.where(top == float("-inf"), 0.0, top)
                 weights = tl.exp2(split_lse - top)
-                parts_ptrs = (
-                    PART_OUT
-                    + seq.to(tl.int64) * stride_po_seq
-                    + head * stride_po_head
-                    + offs_s[:, None] * stride_po_split
-                    + offs_d[None, :]
-                )
-                parts = tl.load(parts_ptrs, mask=split_mask[:, None], other=0.0, cache_modifier=".cg")
                 total = tl.reduce(weights, 0, tl.standard._sum_combine)
-                merged = tl.reduce(parts * weights[:, None], 0, tl.standard._sum_combine)
-                merged = merged / tl.where(total > 0.0, total, 1.0)
-                out_ptrs = OUT + q_start.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
-                tl.store(out_ptrs, merged.to(OUT.dtype.element_ty))
+                total = tl.where(total > 0.0, total, 1.0)
+                parts_base = PART_OUT + seq.to(tl.int64) * stride_po_seq + head * stride_po_head
+                out_base = OUT + q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
+                # MERGE_DIM columns at a time: all of head_dim over many splits would take more registers
+                # than the attention loop above, and so fewer programs an SM
+                for col in tl.static_range(0, HEAD_DIM, MERGE_DIM):
+                    parts_ptrs = parts_base + offs_s[:, None] * stride_po_split + col + offs_c[None, :]
+                    parts = tl.load(parts_ptrs, mask=split_mask[:, None], other=0.0, cache_modifier=".cg")
+                    merged = tl.reduce(parts * weights[:, None], 0, tl.standard._sum_combine) / total
+                    tl.store(out_base + col + offs_c, merged.to(OUT.dtype.element_ty))
             tl.store(counter, 0)
 
 
@@ -589,6 +589,12 @@ def default_prefill_config(
 MAX_KV_SPLITS = 64
 
 
+def merge_dim(head_dim: int, num_warps: int, splits_p2: int) -> int:
+    """Columns of the partial outputs that the decode program merging ``splits_p2`` splits reads at a time
+    (``MERGE_DIM``): 32 values a thread, at least 16 columns."""
+    return min(head_dim, max(16, 32 * 32 * num_warps // splits_p2))
+
+
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int, num_warps: int = 4
 ) -> int:
@@ -760,6 +766,7 @@ def decode_attention(
         pl_strides = part_lse.stride()[:2]
         counters = workspace.counters(num_seqs * num_kv_heads, q.device)
     scale_log2 = scale * math.log2(math.e)
+    splits_p2 = triton.next_power_of_2(num_splits)
     kernels.decode_split[(num_kv_heads, num_splits, num_seqs)](
         q,
         key_cache,
@@ -788,7 +795,8 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         ONE_SPLIT=one_split,
-        SPLITS_P2=triton.next_power_of_2(num_splits),
+        SPLITS_P2=splits_p2,
+        MERGE_DIM=merge_dim(head_dim, config.num_warps, splits_p2),
         KV_FP8=key_scales is not None,
         HALF_DOTS=_half_dots(q, key_scales),
         DOT_PRECISION=_dot_precision(q.dtype),

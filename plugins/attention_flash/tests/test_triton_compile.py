@@ -28,7 +28,8 @@ except ImportError as exc:  # pragma: no cover - another Triton layout
 POINTERS = {
     "Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_CACHE": "*bf16", "VALUE_CACHE": "*bf16", "OUT": "*bf16",
     "KEY_SCALES": "*bf16", "VALUE_SCALES": "*bf16",  # unused placeholders with a 16-bit cache
-    "PART_OUT": "*fp32", "PART_LSE": "*fp32", "COUNTERS": "*i32", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "QUERY_START_LOC": "*i32",
+    "PART_OUT": "*fp32", "PART_LSE": "*fp32", "COUNTERS": "*i32",
+    "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "QUERY_START_LOC": "*i32",
     "SLOTS": "*i64",
 }
 # an FP8 cache: e4m3 values and float32 scales
@@ -81,7 +82,8 @@ CP_ASYNC_16 = r"cp\.async\.cg\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*0
 def decode_constexprs(cfg: tk.DecodeConfig, fp8: bool = False) -> dict:
     """As ``decode_attention`` sets them for a bf16 model (float16 dots with an FP8 cache)."""
     return dict(GROUP=2, BLOCK_H=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=cfg.block_n, ONE_SPLIT=False,
-                SPLITS_P2=16, KV_FP8=fp8, HALF_DOTS=fp8, DOT_PRECISION="tf32")
+                SPLITS_P2=16, MERGE_DIM=tk.merge_dim(128, cfg.num_warps, 16), KV_FP8=fp8, HALF_DOTS=fp8,
+                DOT_PRECISION="tf32")
 
 
 def test_decode_kernel_compiles_for_sm90() -> None:
