@@ -61,7 +61,9 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
 
     The decode path (``max_query_len <= 1``) performs no host-device sync and allocates only tensors whose sizes
     follow from the batch's static shape, so ``forward`` can be captured in a CUDA graph for a fixed batch
-    size. Padding rows (``seq_lens == 0``, slot ``-1``) produce zeros. ``forward`` expects each token to
+    size; the split decode's arrival counters (``decode_workspace``) grow only in an eager step of a larger batch
+    than any before, so each batch size must run once before its capture (the engine's graph capture does).
+    Padding rows (``seq_lens == 0``, slot ``-1``) produce zeros. ``forward`` expects each token to
     belong to one sequence (``query_start_loc[-1] == num_tokens``).
     """
 
