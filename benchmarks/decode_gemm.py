@@ -1,8 +1,7 @@
 """How fast the decode step's projections read their weights: each layer's GEMM at the batch sizes decode meets.
 
     python benchmarks/decode_gemm.py [--shape qwen3-0.6b] [--rows 1,16,64,128,256,512] [--blas default,cublaslt]
-                                     [--skinny] [--sweep] [--norm] [--iters 50] [--json PATH]
-                                     [--results-dir results]
+                                     [--skinny] [--sweep] [--iters 50] [--json PATH] [--results-dir results]
 
 A decode step multiplies ``rows`` activations (one per running sequence) by every weight matrix once: at small
 ``rows`` the step should stream the weights at the copy rate. For each projection of the shape (``qkv``, ``o``,
@@ -15,14 +14,10 @@ and reports microseconds, TFLOP/s and the weights' read rate in TB/s against the
 (``torch.backends.cuda.preferred_blas_library``); ``--skinny`` adds the engine's kernel for a few rows
 (``nanovllm_core.layers.skinny_gemm_kernel``, rows up to its ``MAX_ROWS``) as the ``skinny`` row, and ``--sweep``
 times every block configuration of it instead of its default one, printing the fastest per layer and row count
-(how ``launch_config`` is chosen). ``--norm`` times, for the projections an RMSNorm feeds (``qkv``, and ``gate_up``
-with its activation), the norm's kernel and the skinny kernel one after the other (``rms+skinny``) against the
-skinny kernel with its RMSNorm prologue (``fused-norm``), both with the residual add (with ``--sweep``, the fastest
-configuration of the prologue's kernel too). At a few rows a GEMM's fixed
-latency, not its bytes, can set its time: this says, layer by layer, how far each projection is from reading its
-weights at the copy rate. On a machine without CUDA it runs on the CPU with ``--rows`` as given (a check of the
-script, not a measurement of interest). Without ``--json`` the report goes to
-RESULTS_DIR/kernels/decode_gemm_SHAPE.json.
+(how ``launch_config`` is chosen). At a few rows a GEMM's fixed latency, not its bytes, can set
+its time: this says, layer by layer, how far each projection is from reading its weights at the copy rate. On a
+machine without CUDA it runs on the CPU with ``--rows`` as given (a check of the script, not a measurement of
+interest). Without ``--json`` the report goes to RESULTS_DIR/kernels/decode_gemm_SHAPE.json.
 """
 
 from __future__ import annotations
@@ -109,10 +104,10 @@ SWEEP = [
 ]
 
 
-def skinny_configs(m: int, n: int, k: int, sweep: bool, norm: bool = False) -> list[dict[str, int]]:
+def skinny_configs(m: int, n: int, k: int, sweep: bool) -> list[dict[str, int]]:
     from nanovllm_core.layers.skinny_gemm_kernel import launch_config
 
-    default = launch_config(m, n, k, norm=norm)
+    default = launch_config(m, n, k)
     if not sweep:
         return [default]
     fits = [
@@ -141,13 +136,7 @@ def result_row(
 
 
 def measure(
-    shape_name: str,
-    rows: list[int],
-    blas: list[str],
-    iters: int,
-    skinny: bool = False,
-    sweep: bool = False,
-    norm: bool = False,
+    shape_name: str, rows: list[int], blas: list[str], iters: int, skinny: bool = False, sweep: bool = False
 ) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -167,8 +156,6 @@ def measure(
             torch.backends.cuda.preferred_blas_library("default")
     if skinny or sweep:
         results += measure_skinny(shape_name, rows, iters, sweep, device, dtype)
-    if norm:
-        results += measure_norm(shape_name, rows, iters, sweep, device)
     return {
         "shape": shape_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -200,55 +187,6 @@ def measure_skinny(
     return results
 
 
-def _norm_then_skinny(x: torch.Tensor, w: torch.Tensor, norm: tuple) -> torch.Tensor:
-    from nanovllm_core.layers.rms_norm_kernel import rms_norm
-    from nanovllm_core.layers.skinny_gemm_kernel import skinny_linear
-
-    residual, norm_weight, eps, silu_mul = norm
-    return skinny_linear(rms_norm(x, norm_weight, eps, residual)[0], w, silu_mul=silu_mul)
-
-
-def _skinny_with_norm(x: torch.Tensor, w: torch.Tensor, norm: tuple, config: dict[str, int]) -> torch.Tensor:
-    from nanovllm_core.layers.skinny_gemm_kernel import skinny_norm_linear
-
-    residual, norm_weight, eps, silu_mul = norm
-    return skinny_norm_linear(x, residual, norm_weight, eps, w, config, silu_mul=silu_mul)[0]
-
-
-def measure_norm(
-    shape_name: str, rows: list[int], iters: int, sweep: bool, device: torch.device
-) -> list[dict[str, Any]]:
-    """``rms+skinny`` (``rms_norm_kernel`` with the residual, then the skinny kernel) against ``fused-norm`` (the
-    skinny kernel's RMSNorm prologue: its default configuration, or with ``sweep`` the fastest of every one) on
-    ``qkv`` and ``gate_up`` (with ``silu_mul``), bf16, rows up to ``MAX_ROWS``. The weights' read rate counts the
-    projection's weights only."""
-    from nanovllm_core.layers.skinny_gemm_kernel import MAX_ROWS
-
-    dtype, eps = torch.bfloat16, 1e-6
-    results = []
-    for name, (k, n) in projections(SHAPES[shape_name]).items():
-        if name not in ("qkv", "gate_up"):
-            continue
-        silu_mul = name == "gate_up"
-        weights, weight_bytes = cold_copies(n, k, device, dtype)
-        norm_weight = torch.ones(k, dtype=dtype, device=device)
-        for m in (r for r in rows if r <= MAX_ROWS):
-            x, residual = torch.randn(m, k, dtype=dtype, device=device), torch.randn(m, k, dtype=dtype, device=device)
-
-            norm = (residual, norm_weight, eps, silu_mul)
-            fn = functools.partial(_norm_then_skinny, norm=norm)
-            seconds = time_linear(x, weights, iters if device.type == "cuda" else 1, fn)
-            results.append(result_row("rms+skinny", name, m, k, n, seconds, weight_bytes))
-            timed = []
-            for config in skinny_configs(m, n // 2 if silu_mul else n, k, sweep, norm=True):
-                fn = functools.partial(_skinny_with_norm, norm=norm, config=config)
-                timed.append((time_linear(x, weights, iters if device.type == "cuda" else 1, fn), config))
-            seconds, config = min(timed, key=lambda t: t[0])
-            results.append(result_row("fused-norm", name, m, k, n, seconds, weight_bytes, config=config))
-        del weights
-    return results
-
-
 def print_table(report: dict[str, Any]) -> None:
     copy = report["copy_tb_per_s"]
     print(
@@ -270,9 +208,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--blas", default="default,cublaslt", help="comma-separated BLAS back-ends to compare")
     parser.add_argument("--skinny", action="store_true", help="also time the engine's kernel for a few rows")
     parser.add_argument("--sweep", action="store_true", help="time every block configuration of that kernel")
-    parser.add_argument(
-        "--norm", action="store_true", help="time RMSNorm then the kernel against the kernel's RMSNorm prologue"
-    )
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", help="write the report here ('-': stdout; default: in --results-dir)")
     parser.add_argument(
@@ -291,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows or min(rows) < 1:
         parser.error(f"--rows {args.rows!r}: comma-separated positive integers, e.g. 1,64,256")
     blas = [b.strip() for b in args.blas.split(",") if b.strip()]
-    report = measure(args.shape, rows, blas, args.iters, skinny=args.skinny, sweep=args.sweep, norm=args.norm)
+    report = measure(args.shape, rows, blas, args.iters, skinny=args.skinny, sweep=args.sweep)
     print_table(report)
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)

@@ -6,7 +6,6 @@ tensor for this rank; :func:`nanovllm_core.loader.load_weights` calls it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -16,7 +15,6 @@ from torch import nn
 from nanovllm_core.distributed import all_reduce, get_tp_rank, get_tp_size
 from nanovllm_core.layers.activation import SiluAndMul
 from nanovllm_core.layers.fused import fused_enabled
-from nanovllm_core.layers.norm import RMSNorm
 from nanovllm_core.layers.triton_jit import kernel_module
 
 
@@ -43,16 +41,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, or the skinny kernel for a decode step's few rows (:func:`_skinny_kernels`)."""
     kernels = _skinny_kernels(x, weight) if bias is None else None
     return kernels.skinny_linear(x, weight) if kernels is not None else F.linear(x, weight, bias)
-
-
-def _norm_then(
-    project: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(project(norm(x + residual)), x + residual)`` in two steps (``x`` is the residual without one)."""
-    if residual is None:
-        return project(norm(x)), x
-    normed, residual = norm(x, residual)
-    return project(normed), residual
 
 
 class _Linear(nn.Module):
@@ -90,27 +78,6 @@ class ColumnParallelLinear(_Linear):
         shard = param.data.size(0)
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
-    def forward_normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``norm`` (with the residual add) then this projection: ``(self(norm(x + residual)), x + residual)``;
-        without a residual ``(self(norm(x)), x)``. A decode step's few rows take one kernel for both, without
-        writing the normalised rows (the skinny kernel's RMSNorm prologue); the input is never sharded here."""
-        return self._normed(x, residual, norm, self.forward, silu_mul=False)
-
-    def _normed(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: RMSNorm,
-        project: Callable[[torch.Tensor], torch.Tensor],
-        silu_mul: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        kernels = _skinny_kernels(x, self.weight) if self.bias is None else None
-        if kernels is not None and kernels.supports_norm(x, self.weight, norm.weight, residual):
-            return kernels.skinny_norm_linear(x, residual, norm.weight, norm.eps, self.weight, silu_mul=silu_mul)
-        return _norm_then(project, x, residual, norm)
-
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections stored as one (e.g. ``gate_proj`` and ``up_proj``)."""
@@ -125,25 +92,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         src = loaded_weight.narrow(0, self.tp_rank * size, size)
         param.data.narrow(0, offset, size).copy_(src)
 
-    def _is_gate_up(self) -> bool:
-        return self.bias is None and len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
-
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``SiluAndMul()(self(x))`` for a ``[gate, up]`` projection; a decode step's few rows take one kernel for
         both, without writing the projection."""
-        kernels = _skinny_kernels(x, self.weight) if self._is_gate_up() else None
+        gate_up = self.bias is None and len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
+        kernels = _skinny_kernels(x, self.weight) if gate_up else None
         if kernels is not None:
             return kernels.skinny_linear(x, self.weight, silu_mul=True)
         return _SILU_AND_MUL(self(x))
-
-    def silu_and_mul_normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward_normed` with :meth:`silu_and_mul` for the projection: a decode step's few rows take one
-        kernel for the norm, the ``[gate, up]`` projection and the activation."""
-        if not self._is_gate_up():
-            return _norm_then(self.silu_and_mul, x, residual, norm)
-        return self._normed(x, residual, norm, self.silu_and_mul, silu_mul=True)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -8,10 +8,6 @@ Here a program owns ``BLOCK_N`` output columns for all rows: it reads its ``BLOC
 once, in ``BLOCK_K`` chunks, and accumulates in float32; the grid has enough programs to fill the GPU without
 split-K. Rows are padded to ``M_PAD`` (a power of two) inside the kernel, never in memory.
 
-:func:`skinny_norm_linear` also applies the RMSNorm (and its residual add) that feeds the projection in a decoder
-layer: one kernel instead of two for a decode step's norm and projection. Every program normalises the few rows
-itself (a few kilobytes read from L2) instead of waiting for a separate kernel to write them.
-
 Like the other kernels (``silu_and_mul_kernel``), the body is a plain function wrapped on first use as a compiled
 ``JITFunction`` (CUDA tensors) or an ``InterpretedFunction`` (CPU tensors, Triton's interpreter, for tests).
 """
@@ -34,20 +30,14 @@ MAX_WEIGHT_ELEMENTS = 8 << 20
 
 
 def _skinny_gemm_kernel(
-    X, W, Y, M, N, K, stride_x, stride_w, stride_y, RESIDUAL, NORM_W, RESIDUAL_OUT, stride_r, eps,
+    X, W, Y, M, N, K, stride_x, stride_w, stride_y,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SILU_MUL: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """Program ``pid``: ``Y[:M, cols] = X[:M] @ W[cols].T`` for the ``BLOCK_N`` columns ``cols`` it owns.
 
     ``SILU_MUL``: ``W`` holds ``[gate; up]`` (``2N`` rows) and ``Y[:M, cols] = silu(X @ W[cols].T) * (X @
     W[N + cols].T)``, rounded as the separate GEMM and ``silu_and_mul_kernel`` round: the product once to the
-    output dtype, SiLU in float32 rounded again, then their product in float32.
-
-    ``NORM``: the rows multiplied are ``NORM_W * rms_norm(h)`` with ``h = X (+ RESIDUAL)``, rounded as
-    ``rms_norm_kernel`` rounds them: the add to the dtype, the mean of squares and ``rsqrt`` in float32, the
-    normalised row to the dtype, its product with ``NORM_W`` to the dtype again. Every program normalises the rows
-    itself (a first pass over ``K`` for the mean of squares); program 0 also writes ``h`` to ``RESIDUAL_OUT``."""
+    output dtype, SiLU in float32 rounded again, then their product in float32."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, M_PAD)
     ks = tl.arange(0, BLOCK_K)
@@ -56,41 +46,21 @@ def _skinny_gemm_kernel(
     w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
     up_ptrs = w_ptrs + N * stride_w
     x_ptrs = X + rows[:, None] * stride_x + ks[None, :]
-    r_ptrs = RESIDUAL + rows[:, None] * stride_r + ks[None, :]
-    if NORM:  # the rows' mean of squares, summed over K before one reduction as rms_norm_kernel's single one
-        squares = tl.full([M_PAD, BLOCK_K], 0.0, dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            h_ok = row_ok[:, None] & ((k + ks) < K)[None, :]
-            h = tl.load(x_ptrs + k, mask=h_ok, other=0.0)
-            if HAS_RESIDUAL:
-                h = (h.to(tl.float32) + tl.load(r_ptrs + k, mask=h_ok, other=0.0).to(tl.float32)).to(h.dtype)
-            squares += h.to(tl.float32) * h.to(tl.float32)
-        rstd = tl.rsqrt(tl.reduce(squares, 1, tl.standard._sum_combine) / K + eps)[:, None]
     acc = tl.full([M_PAD, BLOCK_N], 0.0, dtype=tl.float32)
     acc_up = tl.full([M_PAD, BLOCK_N], 0.0, dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN:  # K and N are multiples of the blocks: unmasked, vectorised weight loads
-            x_ok = row_ok[:, None]
+            x = tl.load(x_ptrs + k, mask=row_ok[:, None], other=0.0).to(tl.float32)[:, None, :]
             w = tl.load(w_ptrs + k)
             if SILU_MUL:
                 up = tl.load(up_ptrs + k)
         else:
             k_ok = (k + ks) < K
-            x_ok = row_ok[:, None] & k_ok[None, :]
             w_ok = col_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)[:, None, :]
             w = tl.load(w_ptrs + k, mask=w_ok, other=0.0)
             if SILU_MUL:
                 up = tl.load(up_ptrs + k, mask=w_ok, other=0.0)
-        x = tl.load(x_ptrs + k, mask=x_ok, other=0.0)
-        if NORM:
-            if HAS_RESIDUAL:
-                x = (x.to(tl.float32) + tl.load(r_ptrs + k, mask=x_ok, other=0.0).to(tl.float32)).to(x.dtype)
-                if tl.program_id(0) == 0:
-                    tl.store(RESIDUAL_OUT + rows[:, None] * K + k + ks[None, :], x, mask=x_ok)
-            normed = (x.to(tl.float32) * rstd).to(x.dtype)
-            norm_w = tl.load(NORM_W + k + ks, mask=(k + ks) < K, other=0.0)
-            x = (norm_w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
-        x = x.to(tl.float32)[:, None, :]
         acc += tl.reduce(x * w.to(tl.float32)[None, :, :], 2, tl.standard._sum_combine)
         if SILU_MUL:
             acc_up += tl.reduce(x * up.to(tl.float32)[None, :, :], 2, tl.standard._sum_combine)
@@ -108,17 +78,13 @@ def _kernel(interpret: bool) -> object:
     return wrap_kernel(_skinny_gemm_kernel, interpret)
 
 
-def launch_config(rows: int, out_features: int, in_features: int, norm: bool = False) -> dict[str, int]:
+def launch_config(rows: int, out_features: int, in_features: int) -> dict[str, int]:
     """Block sizes and warps for ``rows`` rows of a ``[out_features, in_features]`` weight: the fastest of the
     sweep on the Qwen3-0.6B's projections. Many small programs (two or four columns each, two warps) beat fewer
-    large ones: each SM keeps several programs' loads in flight.
-
-    ``norm`` (the RMSNorm prologue): each program also holds its block of every row, its residual and the norm
-    weight; at two warps that spills registers to local memory (``ptxas``'s count on sm_90), so four warps, and
-    for four rows half-length ``K`` blocks."""
+    large ones: each SM keeps several programs' loads in flight."""
     m_pad = triton.next_power_of_2(max(rows, 1))
-    block_k = min(512 if norm and m_pad > 2 else 1024, triton.next_power_of_2(in_features))
-    return {"M_PAD": m_pad, "BLOCK_N": 2 if m_pad <= 2 else 4, "BLOCK_K": block_k, "num_warps": 4 if norm else 2}
+    block_k = min(1024, triton.next_power_of_2(in_features))
+    return {"M_PAD": m_pad, "BLOCK_N": 2 if m_pad <= 2 else 4, "BLOCK_K": block_k, "num_warps": 2}
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -136,18 +102,6 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def supports_norm(
-    x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, residual: torch.Tensor | None
-) -> bool:
-    """Whether :func:`skinny_norm_linear` takes these: what :func:`supports` takes, a contiguous norm weight of the
-    features and dtype of ``x``, a residual (if any) of the shape and dtype of ``x``, last dimension contiguous."""
-    ok = supports(x, weight) and norm_weight.shape == (x.size(-1),) and norm_weight.dtype == x.dtype
-    ok = ok and norm_weight.is_contiguous()
-    if residual is not None:
-        ok = ok and residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
-    return ok
-
-
 def skinny_linear(
     x: torch.Tensor, weight: torch.Tensor, config: dict[str, int] | None = None, silu_mul: bool = False
 ) -> torch.Tensor:
@@ -157,44 +111,6 @@ def skinny_linear(
     wide), as ``silu_and_mul_kernel`` computes it from the full product, without writing that product.
     CUDA tensors run the compiled kernel; anything else runs it in Triton's interpreter (slow: tests only).
     ``config`` overrides :func:`launch_config` (benchmarks sweep it)."""
-    return _launch(x, weight, config, silu_mul)
-
-
-def skinny_norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    config: dict[str, int] | None = None,
-    silu_mul: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``RMSNorm`` then :func:`skinny_linear` in one kernel: ``(skinny_linear(h_normed, weight), h)`` with ``h = x
-    + residual`` (``x`` without one) and ``h_normed = norm_weight * rms_norm(h)``, rounded bit for bit as
-    ``rms_norm_kernel.rms_norm(x, norm_weight, eps, residual)`` rounds it (in Triton's interpreter, for rows of up
-    to ``BLOCK_K`` features; compiled, the float32 mean of squares may differ in its last bit, summed over other
-    threads). The normalised rows are never written; ``h`` is a new tensor (``x`` itself without a residual).
-    Tensors as :func:`supports_norm` says; ``config`` overrides :func:`launch_config` ``(norm=True)``."""
-    if not supports_norm(x, weight, norm_weight, residual):
-        raise ValueError(
-            f"skinny_norm_linear takes at most {MAX_ROWS} rows of 16-bit x and a norm weight, residual and weight of "
-            f"their dtype; got x {tuple(x.shape)} {x.dtype}, norm weight {tuple(norm_weight.shape)} "
-            f"{norm_weight.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
-            + (f", residual {tuple(residual.shape)} {residual.dtype}" if residual is not None else "")
-        )
-    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else x
-    y = _launch(x, weight, config, silu_mul, (norm_weight, eps, residual, residual_out))
-    return y, residual_out
-
-
-def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    config: dict[str, int] | None,
-    silu_mul: bool,
-    norm: tuple[torch.Tensor, float, torch.Tensor | None, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """The kernel on ``x``'s rows; ``norm``: ``(norm_weight, eps, residual, residual_out)`` for the prologue."""
     out_features, in_features = weight.shape
     if x.size(-1) != in_features:
         raise ValueError(f"x has {x.size(-1)} features, the weight takes {in_features}")
@@ -205,15 +121,12 @@ def _launch(
     m = rows.size(0)
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
-    norm_weight, eps, residual, residual_out = norm or (rows, 0.0, None, rows)  # unread without a norm
-    residual_rows = rows if residual is None else residual.reshape(-1, in_features)
     y = torch.empty((m, width), dtype=x.dtype, device=x.device)
     if m and width:
-        cfg = dict(config or launch_config(m, width, in_features, norm=norm is not None))
+        cfg = dict(config or launch_config(m, width, in_features))
         even = in_features % cfg["BLOCK_K"] == 0 and width % cfg["BLOCK_N"] == 0
         _kernel(x.device.type != "cuda")[(triton.cdiv(width, cfg["BLOCK_N"]),)](
             rows, weight, y, m, width, in_features, rows.stride(0), weight.stride(0), y.stride(0),
-            residual_rows, norm_weight, residual_out, residual_rows.stride(0), eps,
-            EVEN=even, SILU_MUL=silu_mul, NORM=norm is not None, HAS_RESIDUAL=residual is not None, **cfg,
+            EVEN=even, SILU_MUL=silu_mul, **cfg,
         )  # fmt: skip
     return y.view(*x.shape[:-1], width)

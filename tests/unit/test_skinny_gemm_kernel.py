@@ -21,9 +21,7 @@ from nanovllm_core.layers.skinny_gemm_kernel import (  # noqa: E402
     MAX_WEIGHT_ELEMENTS,
     launch_config,
     skinny_linear,
-    skinny_norm_linear,
     supports,
-    supports_norm,
 )
 
 
@@ -68,10 +66,9 @@ def test_keeps_leading_dims_and_rejects_what_it_cannot_take():
 def test_launch_config_covers_the_rows_and_never_outgrows_k():
     for rows in range(1, MAX_ROWS + 1):
         for n, k in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (64, 48)):
-            for norm in (False, True):
-                config = launch_config(rows, n, k, norm=norm)
-                assert rows <= config["M_PAD"] < 2 * rows
-                assert config["BLOCK_K"] < 2 * k
+            config = launch_config(rows, n, k)
+            assert rows <= config["M_PAD"] < 2 * rows
+            assert config["BLOCK_K"] < 2 * k
 
 
 def test_linear_layers_keep_f_linear_off_cuda():
@@ -149,150 +146,3 @@ def test_cuda_silu_mul_matches_the_separate_kernels(rows):
     # the same sums and roundings; the exponential may differ in its last float32 bit between two kernels
     assert (fused.float() - separate.float()).abs().max() <= 2.0**-7 * separate.float().abs().max()
     assert (fused != separate).float().mean() < 1e-2
-
-
-EPS = 1e-6
-
-
-def _norm_inputs(
-    rows: int, k: int, n: int, device: str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bf16 hidden rows, a residual, a norm weight near one and a projection weight."""
-    x, w = _inputs(rows, k, n, torch.bfloat16, device)
-    gen = torch.Generator().manual_seed(rows * 31 + k)
-    residual = torch.randn(rows, k, generator=gen).to(torch.bfloat16).to(device)
-    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(device)
-    return x, residual, norm_weight, w
-
-
-def _separate(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, w: torch.Tensor, silu_mul: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unfused Triton path: ``rms_norm_kernel`` (the engine's RMSNorm on CUDA), then the skinny kernel."""
-    from nanovllm_core.layers.rms_norm_kernel import rms_norm
-
-    normed, new_residual = (
-        rms_norm(x, norm_weight, EPS, residual) if residual is not None else (rms_norm(x, norm_weight, EPS), x)
-    )
-    return skinny_linear(normed, w, silu_mul=silu_mul), new_residual
-
-
-def _torch_reference(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, w: torch.Tensor, silu_mul: bool
-) -> torch.Tensor:
-    """Eager PyTorch: ``fused.add_rms_norm`` / ``rms_norm`` then ``F.linear`` (and the activation)."""
-    from nanovllm_core.layers.fused import add_rms_norm, rms_norm
-
-    if residual is None:
-        normed = rms_norm.__wrapped__(x, norm_weight, EPS)
-    else:
-        normed, _ = add_rms_norm.__wrapped__(x, residual, norm_weight, EPS)
-    return _silu_and_mul_of_product(normed, w) if silu_mul else F.linear(normed, w)
-
-
-@pytest.mark.parametrize("rows,k,n", [(1, 128, 64), (2, 70, 34), (3, 256, 96), (4, 96, 18)])
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("silu_mul", [False, True])
-def test_norm_prologue_is_the_rms_norm_kernel_then_the_projection(rows, k, n, with_residual, silu_mul):
-    x, residual, norm_weight, w = _norm_inputs(rows, k, n)
-    residual = residual if with_residual else None
-    y, new_residual = skinny_norm_linear(x, residual, norm_weight, EPS, w, silu_mul=silu_mul)
-    separate, separate_residual = _separate(x, residual, norm_weight, w, silu_mul)
-    assert torch.equal(y, separate)  # the same roundings in the same order: bit for bit
-    assert torch.equal(new_residual, separate_residual)
-    # Triton's interpreter rounds float32 to bf16 toward zero (a GPU to nearest, as PyTorch): within one bf16 ulp
-    added = (x.float() + residual.float()) if with_residual else x.float()
-    assert torch.all((new_residual.float() - added).abs() <= 2**-7 * added.abs())
-    if with_residual:
-        assert new_residual.data_ptr() not in (x.data_ptr(), residual.data_ptr())  # a new tensor, never in place
-    # eager PyTorch sums in another order and rounds to nearest: the interpreter's roundings toward zero (the add,
-    # the normalised row, its weighting, the product, the activation) each move a value by up to one bf16 ulp
-    ref = _torch_reference(x, residual, norm_weight, w, silu_mul)
-    torch.testing.assert_close(y, ref, rtol=2**-5, atol=2**-5 * ref.abs().max().item())
-
-
-def test_norm_prologue_over_several_k_blocks_and_leading_dims():
-    x, residual, norm_weight, w = _norm_inputs(4, 160, 24)
-    config = {"M_PAD": 4, "BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 2}  # three K blocks, the last one partial
-    y, new_residual = skinny_norm_linear(x.view(2, 2, 160), residual.view(2, 2, 160), norm_weight, EPS, w, config)
-    assert y.shape == (2, 2, 24) and new_residual.shape == (2, 2, 160)
-    assert torch.equal(new_residual.view(4, 160), _separate(x, residual, norm_weight, w, silu_mul=False)[1])
-    ref = _torch_reference(x, residual, norm_weight, w, silu_mul=False)
-    torch.testing.assert_close(y.view(4, 24), ref, rtol=2**-5, atol=2**-5 * ref.abs().max().item())
-
-
-def test_norm_prologue_rejects_what_it_cannot_take():
-    x, residual, norm_weight, w = _norm_inputs(2, 32, 16)
-    assert supports_norm(x, w, norm_weight, residual) and supports_norm(x, w, norm_weight, None)
-    assert not supports_norm(x, w, norm_weight.float(), residual)
-    assert not supports_norm(x, w, norm_weight[:16], residual)
-    assert not supports_norm(x, w, norm_weight, residual[:1])
-    with pytest.raises(
-        ValueError, match=r"skinny_norm_linear takes .*got x \(2, 32\) torch.bfloat16, norm weight \(16"
-    ):
-        skinny_norm_linear(x, residual, norm_weight[:16], EPS, w)
-
-
-def test_forward_normed_is_the_norm_then_the_projection_off_cuda():
-    from nanovllm_core.layers import MergedColumnParallelLinear, QKVParallelLinear, RMSNorm
-
-    x, residual = torch.randn(3, 32), torch.randn(3, 32)
-    norm = RMSNorm(32, EPS)
-    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)
-    qkv = QKVParallelLinear(32, 8, 4, 2)
-    gate_up = MergedColumnParallelLinear(32, [24, 24])
-    for layer in (qkv, gate_up):
-        torch.nn.init.normal_(layer.weight, std=0.1)
-    set_compile(True)  # fusion on, but CPU tensors: the norm's own path, then the projection
-    try:
-        normed, new_residual = norm(x, residual)
-        y, out_residual = qkv.forward_normed(x, residual, norm)
-        assert torch.equal(y, qkv(normed)) and torch.equal(out_residual, new_residual)
-        y, out_residual = qkv.forward_normed(x, None, norm)
-        assert torch.equal(y, qkv(norm(x))) and out_residual is x
-        y, out_residual = gate_up.silu_and_mul_normed(x, residual, norm)
-        assert torch.equal(y, gate_up.silu_and_mul(normed)) and torch.equal(out_residual, new_residual)
-    finally:
-        set_compile(False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("k,n,silu_mul", [(1024, 4096, False), (1024, 6144, True), (2048, 1024, False)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_cuda_norm_prologue_matches_the_separate_kernels_and_torch(rows, k, n, silu_mul, with_residual):
-    x, residual, norm_weight, w = _norm_inputs(rows, k, n, device="cuda")
-    residual = residual if with_residual else None
-    y, new_residual = skinny_norm_linear(x, residual, norm_weight, EPS, w, silu_mul=silu_mul)
-    separate, separate_residual = _separate(x, residual, norm_weight, w, silu_mul)
-    assert torch.equal(new_residual, separate_residual)
-    assert torch.equal(new_residual, x + residual if with_residual else x)
-    # the mean of squares is one float32 sum in either kernel, laid out over other threads: its last bit may differ,
-    # which flips the rounding of a normalised value now and then
-    assert (y != separate).float().mean() < 1e-2
-    ref = _torch_reference(x, residual, norm_weight, w, silu_mul)
-    torch.testing.assert_close(y, ref, rtol=2**-6, atol=2**-6 * ref.abs().max().item())
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_forward_normed_takes_the_prologue_for_a_decode_batch():
-    from nanovllm_core.layers import MergedColumnParallelLinear, RMSNorm
-
-    layer = MergedColumnParallelLinear(1024, [3072, 3072]).to("cuda", torch.bfloat16)
-    norm = RMSNorm(1024, EPS).to("cuda", torch.bfloat16)
-    torch.nn.init.normal_(layer.weight, std=0.02)
-    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)
-    few, residual = (torch.randn(MAX_ROWS, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    set_compile(True)
-    try:
-        y, new_residual = layer.silu_and_mul_normed(few, residual, norm)
-        fused, fused_residual = skinny_norm_linear(few, residual, norm.weight, EPS, layer.weight, silu_mul=True)
-        assert torch.equal(y, fused) and torch.equal(new_residual, fused_residual)
-        many = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
-        y, new_residual = layer.silu_and_mul_normed(many, many, norm)
-        normed, ref_residual = norm(many, many)
-        assert torch.equal(y, layer.silu_and_mul(normed)) and torch.equal(new_residual, ref_residual)
-    finally:
-        set_compile(False)

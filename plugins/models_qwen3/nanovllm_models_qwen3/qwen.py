@@ -45,12 +45,8 @@ class QwenAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention on ``norm(hidden_states + residual)``, and the new residual: the norm runs inside ``qkv_proj``
-        (one kernel with the projection for a decode step's few rows)."""
-        qkv, residual = self.qkv_proj.forward_normed(hidden_states, residual, norm)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -65,7 +61,7 @@ class QwenAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
-        return self.o_proj(o), residual
+        return self.o_proj(o)
 
 
 class QwenMLP(nn.Module):
@@ -78,13 +74,6 @@ class QwenMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.silu_and_mul(x))
-
-    def forward_normed(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(norm(x + residual)), x + residual)``, the norm inside ``gate_up_proj``."""
-        h, residual = self.gate_up_proj.silu_and_mul_normed(x, residual, norm)
-        return self.down_proj(h), residual
 
 
 MlpFactory = Callable[[Any, int], nn.Module]
@@ -109,10 +98,12 @@ class QwenDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # each norm runs inside the projection it feeds: the normalised rows are needed nowhere else
-        hidden_states, residual = self.self_attn(positions, hidden_states, residual, self.input_layernorm)
-        if isinstance(self.mlp, QwenMLP):
-            return self.mlp.forward_normed(hidden_states, residual, self.post_attention_layernorm)
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
