@@ -61,9 +61,7 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
 
     The decode path (``max_query_len <= 1``) performs no host-device sync and allocates only tensors whose sizes
     follow from the batch's static shape, so ``forward`` can be captured in a CUDA graph for a fixed batch
-    size; the split decode's arrival counters (``decode_workspace``) grow only in an eager step of a larger batch
-    than any before, so each batch size must run once before its capture (the engine's graph capture does).
-    Padding rows (``seq_lens == 0``, slot ``-1``) produce zeros. ``forward`` expects each token to
+    size. Padding rows (``seq_lens == 0``, slot ``-1``) produce zeros. ``forward`` expects each token to
     belong to one sequence (``query_start_loc[-1] == num_tokens``).
     """
 
@@ -176,7 +174,6 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
         if opts.num_kv_splits is not None and opts.num_kv_splits & (opts.num_kv_splits - 1):
             raise ConfigError(f"num_kv_splits={opts.num_kv_splits} must be a power of two")
         self._num_sms = kernels.num_sms(torch.device(device))
-        self.decode_workspace = kernels.DecodeWorkspace()  # the split decode's counters, for the backend's life
         self._fp8_views: dict[tuple[int, tuple[int, ...]], tuple] = {}
 
     def _num_splits(self, num_rows: int, batch: AttentionBatch) -> int:
@@ -219,10 +216,9 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, TritonMetadata]]:
         """Tiny ``forward`` calls that together launch every kernel variant a step can: the KV store of this
         cache's type; pure decode with one KV split and with each power-of-two split count up to
-        ``MAX_KV_SPLITS`` (the decode kernel is compiled per count, the width of its merge; a fixed
-        ``num_kv_splits`` needs only its own); a prefill alone, and beside a one-token sequence (a mixed batch: the
-        prefill kernel skips that one, the decode kernel takes it). The prefill's K/V load path (pointers or TMA)
-        is the one this cache takes.
+        ``MAX_KV_SPLITS`` (the merge kernel is compiled per count; a fixed ``num_kv_splits`` needs only its
+        own); a prefill alone, and beside a one-token sequence (a mixed batch: the prefill kernel skips that one,
+        the decode kernel takes it). The prefill's K/V load path (pointers or TMA) is the one this cache takes.
         Every key and value is stored at slot -1 (nowhere) and every context is block 0's first rows, so the
         cache is only read. Every other argument a variant depends on (dtypes, 16-byte alignment, strides
         divisible by 16) is the same as in the engine's steps; integers that vary per batch are not specialised
@@ -301,7 +297,5 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             )
         if metadata.decode_only or metadata.num_single_token_seqs:
             config = self.fp8_decode_config if scales else self.decode_config
-            kernels.decode_attention(
-                *common, batch.num_seqs, metadata.num_splits, config, **scales, workspace=self.decode_workspace
-            )
+            kernels.decode_attention(*common, batch.num_seqs, metadata.num_splits, config, **scales)
         return out

@@ -13,9 +13,8 @@ Kernels (all of them take device tensors and never synchronise with the host):
   cache quantised with one scale per (token, KV head).
 - ``decode_attention``: flash-decoding for sequences with exactly one query token. One program handles every
   query head of one KV head (GQA: each KV tile is read once for the whole group) over one split of the context;
-  the last split of each (sequence, KV head) to finish merges the splits through their log-sum-exp, in the
-  same launch (``DecodeWorkspace`` holds the arrival counters). With one split each program writes the output
-  itself.
+  a second kernel merges the splits through their log-sum-exp. With one split the first kernel writes the
+  output itself.
 - ``prefill_attention``: variable-length causal attention of the new tokens of each sequence against its whole
   context read from the paged cache (cached prefix + this chunk), causal with offset
   ``seq_len - query_len``: plain prefills, chunked prefills and prefix-cache hits take the same path. Its K/V
@@ -32,7 +31,7 @@ process without depending on ``TRITON_INTERPRET`` being set before import.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache, partial
 
 import torch
@@ -131,7 +130,6 @@ def _decode_split_kernel(
     OUT,
     PART_OUT,
     PART_LSE,
-    COUNTERS,
     scale_log2,
     num_splits,
     stride_q_tok,
@@ -155,8 +153,6 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
-    MERGE_DIM: tl.constexpr,
     KV_FP8: tl.constexpr,
     HALF_DOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -169,11 +165,7 @@ def _decode_split_kernel(
     Skips sequences whose query length is not 1 (the prefill kernel owns them). The context's
     ``cdiv(seq_len, BLOCK_N)`` tiles are dealt evenly over ``num_splits``; an empty split writes lse = -inf.
     ``ONE_SPLIT``: normalise and write ``OUT`` directly. Otherwise write the normalised partial output to
-    ``PART_OUT[seq, head, split]`` and its base-2 log-sum-exp (of the scaled scores) to ``PART_LSE``, then
-    arrive on the (sequence, KV head)'s counter in ``COUNTERS`` (``[num_seqs, num_kv_heads]`` int32, zero
-    before the launch): the program that arrives last merges the splits of its ``GROUP`` heads into ``OUT``,
-    each head's splits weighted by ``exp2(lse - max lse)`` (a sequence with no keys gets zeros), and sets
-    the counter back to zero for the next launch or CUDA-graph replay.
+    ``PART_OUT[seq, head, split]`` and its base-2 log-sum-exp (of the scaled scores) to ``PART_LSE``.
 
     ``KV_FP8``: the cache holds e4m3 values with one float32 scale per (token, KV head) in ``KEY_SCALES`` /
     ``VALUE_SCALES`` (``[num_blocks, num_kv_heads, block_size]``, see ``fp8_cache``). Keys enter the dot as
@@ -270,39 +262,57 @@ def _decode_split_kernel(
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         pl_ptrs = PART_LSE + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
         tl.store(pl_ptrs, lse, mask=head_mask)
-        # Every thread's stores above precede the barrier, and the barrier the one arrival (a scalar atomic,
-        # issued by one thread): its release publishes them GPU-wide, its acquire in the last program (whose
-        # threads read the result after another barrier) makes every split's stores visible there.
-        tl.debug_barrier()
-        counter = COUNTERS + seq.to(tl.int64) * tl.num_programs(0) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            tl.debug_barrier()
-            offs_s = tl.arange(0, SPLITS_P2)
-            offs_c = tl.arange(0, MERGE_DIM)
-            split_mask = offs_s < num_splits
-            for h in range(GROUP):
-                head = kv_head * GROUP + h
-                split_lse = tl.load(
-                    PART_LSE + seq.to(tl.int64) * stride_pl_seq + head * stride_pl_head + offs_s,
-                    mask=split_mask,
-                    other=float("-inf"),
-                    cache_modifier=".cg",  # from L2: other SMs wrote them
-                )
-                top = tl.reduce(split_lse, 0, tl.standard._elementwise_max)
-                top = tl.where(top == float("-inf"), 0.0, top)
-                weights = tl.exp2(split_lse - top)
-                total = tl.reduce(weights, 0, tl.standard._sum_combine)
-                total = tl.where(total > 0.0, total, 1.0)
-                parts_base = PART_OUT + seq.to(tl.int64) * stride_po_seq + head * stride_po_head
-                out_base = OUT + q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
-                # MERGE_DIM columns at a time: all of head_dim over many splits would take more registers
-                # than the attention loop above, and so fewer programs an SM
-                for col in tl.static_range(0, HEAD_DIM, MERGE_DIM):
-                    parts_ptrs = parts_base + offs_s[:, None] * stride_po_split + col + offs_c[None, :]
-                    parts = tl.load(parts_ptrs, mask=split_mask[:, None], other=0.0, cache_modifier=".cg")
-                    merged = tl.reduce(parts * weights[:, None], 0, tl.standard._sum_combine) / total
-                    tl.store(out_base + col + offs_c, merged.to(OUT.dtype.element_ty))
-            tl.store(counter, 0)
+
+
+def _decode_merge_kernel(
+    QUERY_START_LOC,
+    OUT,
+    PART_OUT,
+    PART_LSE,
+    num_splits,
+    stride_o_tok,
+    stride_o_head,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_seq,
+    stride_pl_head,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    """Program (query head, sequence): merge the splits' partial outputs weighted by ``exp2(lse - max lse)``.
+
+    A sequence with no keys at all (padding, ``seq_len == 0``) gets zeros.
+    """
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    q_start = tl.load(QUERY_START_LOC + seq)
+    q_end = tl.load(QUERY_START_LOC + seq + 1)
+    if q_end - q_start != 1:
+        return
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_mask = offs_s < num_splits
+    lse = tl.load(
+        PART_LSE + seq.to(tl.int64) * stride_pl_seq + head * stride_pl_head + offs_s,
+        mask=split_mask,
+        other=float("-inf"),
+    )
+    lse_max = tl.reduce(lse, 0, tl.standard._elementwise_max)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)
+    po_ptrs = (
+        PART_OUT
+        + seq.to(tl.int64) * stride_po_seq
+        + head * stride_po_head
+        + offs_s[:, None] * stride_po_split
+        + offs_d[None, :]
+    )
+    parts = tl.load(po_ptrs, mask=split_mask[:, None], other=0.0)
+    total = tl.reduce(weights, 0, tl.standard._sum_combine)
+    out = tl.reduce(parts * weights[:, None], 0, tl.standard._sum_combine) / tl.where(total > 0.0, total, 1.0)
+    o_ptrs = OUT + q_start.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty))
 
 
 def _prefill_kernel(
@@ -496,6 +506,7 @@ def _prefill_kernel(
 class _KernelSet:
     store_kv: object
     decode_split: object
+    decode_merge: object
     prefill: object
 
 
@@ -507,6 +518,7 @@ def _kernel_set(interpret: bool) -> _KernelSet:
     return _KernelSet(
         store_kv=wrap(_store_kv_kernel),
         decode_split=wrap(_decode_split_kernel, do_not_specialize=["num_splits", "stride_bt"]),
+        decode_merge=wrap(_decode_merge_kernel, do_not_specialize=["num_splits"]),
         prefill=wrap(_prefill_kernel, do_not_specialize=["num_seqs", "stride_bt"]),
     )
 
@@ -587,12 +599,6 @@ def default_prefill_config(
 
 
 MAX_KV_SPLITS = 64
-
-
-def merge_dim(head_dim: int, num_warps: int, splits_p2: int) -> int:
-    """Columns of the partial outputs that the decode program merging ``splits_p2`` splits reads at a time
-    (``MERGE_DIM``): 32 values a thread, at least 16 columns."""
-    return min(head_dim, max(16, 32 * 32 * num_warps // splits_p2))
 
 
 def choose_num_splits(
@@ -690,32 +696,6 @@ def store_kv(
     )
 
 
-@dataclass
-class DecodeWorkspace:
-    """The split decode's arrival counters: one int32 per (sequence row, KV head), zero between launches (the
-    merging program resets its counter), so they are zeroed once, when allocated.
-
-    They grow to the largest batch seen, never while a CUDA graph is being captured (the engine runs each
-    captured batch size eagerly first, largest first); every buffer handed out stays alive, since captured
-    graphs keep its address.
-    """
-
-    buffers: list[torch.Tensor] = field(default_factory=list)
-
-    def counters(self, size: int, device: torch.device) -> torch.Tensor:
-        """At least ``size`` zeroed counters on ``device``."""
-        mine = [b for b in self.buffers if b.device == device]
-        if mine and mine[-1].numel() >= size:
-            return mine[-1]
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"the decode workspace needs {size} counters but has {mine[-1].numel() if mine else 0}, and cannot "
-                "grow during CUDA-graph capture: run the batch size once eagerly before capturing it"
-            )
-        self.buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
-        return self.buffers[-1]
-
-
 def decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -730,7 +710,6 @@ def decode_attention(
     config: DecodeConfig,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
-    workspace: DecodeWorkspace | None = None,
 ) -> None:
     """Paged attention for the sequences of the batch that have exactly one query token.
 
@@ -739,8 +718,7 @@ def decode_attention(
     Sequences with another query length are left untouched. The launch grid depends only on ``num_seqs``,
     the head counts and ``num_splits``, never on device data, so a CUDA graph can capture it; the split
     workspace has a static size too. ``key_scales``/``value_scales``: the scales of an FP8 cache
-    (``store_kv``). ``workspace``: the arrival counters that several splits need (one launch: the last split
-    of each sequence and KV head merges); launches sharing one must run in order (one stream).
+    (``store_kv``).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
@@ -754,19 +732,16 @@ def decode_attention(
     kernels = _kernels_for(q.device)
     one_split = num_splits == 1
     if one_split:
-        part_out = part_lse = counters = out  # unused
+        part_out = out  # unused
+        part_lse = out
         po_strides = (0, 0, 0)
         pl_strides = (0, 0)
     else:
-        if workspace is None:
-            raise ValueError(f"decode_attention with num_splits={num_splits} needs a DecodeWorkspace (one split: none)")
         part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
         po_strides = part_out.stride()[:3]
         pl_strides = part_lse.stride()[:2]
-        counters = workspace.counters(num_seqs * num_kv_heads, q.device)
     scale_log2 = scale * math.log2(math.e)
-    splits_p2 = triton.next_power_of_2(num_splits)
     kernels.decode_split[(num_kv_heads, num_splits, num_seqs)](
         q,
         key_cache,
@@ -778,7 +753,6 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        counters,
         scale_log2,
         num_splits,
         q.stride(0),
@@ -795,13 +769,29 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         ONE_SPLIT=one_split,
-        SPLITS_P2=splits_p2,
-        MERGE_DIM=merge_dim(head_dim, config.num_warps, splits_p2),
         KV_FP8=key_scales is not None,
         HALF_DOTS=_half_dots(q, key_scales),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+    )
+    if one_split:
+        return
+    kernels.decode_merge[(num_heads, num_seqs)](
+        query_start_loc,
+        out,
+        part_out,
+        part_lse,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        *po_strides,
+        *pl_strides,
+        HEAD_DIM=head_dim,
+        SPLITS_P2=triton.next_power_of_2(num_splits),
+        # one warp a (head, sequence): the merge reads only a few splits' partial rows, which four warps would
+        # mostly leave idle
+        num_warps=1,
     )
 
 

@@ -7,8 +7,7 @@ kernel's TMA variant (``prefill_use_tma``). FP8 cache (``kv_cache_dtype = "fp8"`
 store kernel's e4m3 bytes and scales equal the torch reference's (``fp8_cache.store_fp8``, on CUDA and on the
 CPU) bit for bit, and the triton attention kernels reading the same FP8 cache (the step's keys/values stored by
 the reference) match the torch backend reading it at the 16-bit tolerance. Also: decode captured in a CUDA graph
-and replayed on new data, the split decode merging in one launch (eager and graph replays alike), and
-``TritonAttentionBackend.warmup`` leaving no kernel variant to compile.
+and replayed on new data, and ``TritonAttentionBackend.warmup`` leaving no kernel variant to compile.
 A timing table (median of 10 runs of ``forward``, store included) is printed at the end (``-s`` shows it).
 
 Run: ``python -m pytest plugins/attention_flash/tests -m gpu -x -q -s``
@@ -272,46 +271,6 @@ def test_decode_cuda_graph_replays_with_new_data(name: str) -> None:
     eager = second.run(second.backend(cls))
     torch.testing.assert_close(graph_out, eager, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(graph_out.float(), reference(second, TorchAttentionBackend), **TOLERANCE[torch.bfloat16])
-
-
-ONE_LAUNCH = [(None, 1, False), (None, 1, True), (2, 40, False), (8, 40, True), (64, 40, False)]
-
-
-@pytest.mark.parametrize("num_kv_splits,batch,fp8", ONE_LAUNCH,
-                         ids=[f"{s or 'auto'}split-b{b}-{'fp8' if f else 'bf16'}" for s, b, f in ONE_LAUNCH])
-def test_triton_split_decode_merges_in_one_launch(num_kv_splits: int | None, batch: int, fp8: bool) -> None:
-    """The split decode's last program merges: at batch 1 (the default split count: many splits over one
-    sequence) and at batch 40 + 8 padding rows with ragged contexts (some splits without tiles). Two eager
-    launches, then two replays of a CUDA graph captured on the same inputs, give the same bytes, every
-    counter ends at zero, and the output matches the torch backend."""
-    skip_unless_available(TritonAttentionBackend, torch.bfloat16, 128, 128)
-    if fp8:
-        skip_unless_fp8(TritonAttentionBackend)
-    rnd = random.Random(batch)
-    case = make_case([1] * batch, [rnd.randint(0, 5000) for _ in range(batch)], num_heads=16, num_kv_heads=8,
-                     head_dim=128, block_size=128, dtype=torch.bfloat16, device="cuda", num_pad_rows=8 * (batch > 1),
-                     table_width=48, num_blocks=1900, unused_fill=float("nan"), seed=batch)  # fmt: skip
-    case = (case.fp8() if fp8 else case).prestored()  # forward then only reads the cache
-    options = {} if num_kv_splits is None else {"num_kv_splits": num_kv_splits}
-    backend = case.backend(TritonAttentionBackend, **options)
-    metadata = backend.build_metadata(case.batch)
-    assert metadata.num_splits > 1
-    cache = case.kv_cache.clone()
-    eager = [backend.forward(case.q, case.k, case.v, cache, metadata) for _ in range(2)]
-    (counters,) = backend.decode_workspace.buffers
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = backend.forward(case.q, case.k, case.v, cache, metadata)
-    assert backend.decode_workspace.buffers == [counters], "the capture must reuse the eager counters"
-    replays = []
-    for _ in range(2):
-        graph.replay()
-        replays.append(graph_out.clone())
-    torch.cuda.synchronize()
-    assert not counters.any(), "every counter should be back at zero"
-    for out in (eager[1], *replays):
-        assert torch.equal(out, eager[0])
-    torch.testing.assert_close(eager[0].float(), reference(case, TorchAttentionBackend), **TOLERANCE[torch.bfloat16])
 
 
 def compiled_variants() -> int:
