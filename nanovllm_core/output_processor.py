@@ -94,12 +94,18 @@ class DecodeStream:
         self.text = ""
 
     def update(self, token_ids: list[int]) -> None:
+        self.push(token_ids[self.read_offset :])
+
+    def push(self, new_token_ids: list[int]) -> str:
+        """Decode the tokens that follow those seen so far; their text."""
         step, backend = self.stream.step, self.backend
-        for token_id in token_ids[self.read_offset :]:
-            piece = step(backend, token_id)
-            if piece is not None:
-                self.text += piece
-        self.read_offset = len(token_ids)
+        if len(new_token_ids) == 1:  # a streamed step's one token
+            text = step(backend, new_token_ids[0]) or ""
+        else:
+            text = "".join(piece for token_id in new_token_ids if (piece := step(backend, token_id)) is not None)
+        self.read_offset += len(new_token_ids)
+        self.text += text
+        return text
 
 
 @dataclass(slots=True)
@@ -139,6 +145,11 @@ class RequestState:
         self.samples = [_Sample(logprobs=[] if params.logprobs is not None else None) for _ in range(params.n)]
         self.num_finished = 0
         self.stopped: list[int] = []  # samples a stop string finished here that the core still runs (see abort_target)
+        # a stream's common case, which OutputProcessor.process serves on a short path: one sample, delta outputs,
+        # no stop strings, no logprobs
+        self.plain_stream = (
+            params.n == 1 and params.output_kind == "delta" and params.logprobs is None and not params.stop_strings
+        )
 
     @property
     def finished(self) -> bool:
@@ -279,6 +290,10 @@ class OutputProcessor:
     def process(self, state: RequestState, raw: RequestOutput) -> RequestOutput | None:
         """The user's output for the core's output ``raw`` of this request (``raw`` itself, filled in), or None when
         there is nothing new for the user (tokens the core produced after a stop string matched)."""
+        if state.plain_stream and not raw.finished and raw.prompt_logprobs is None and len(raw.outputs) == 1:
+            c = raw.outputs[0]
+            if c.finish_reason is None and c.logprobs is None:
+                return self._plain_delta(state, raw, c)
         params = state.params
         changed: list[CompletionOutput] = []
         for c in raw.outputs:
@@ -320,6 +335,27 @@ class OutputProcessor:
         if finished and not raw.finished and metrics is not None and metrics.finished_time is None:
             metrics.finished_time = metrics.last_token_time  # finished here, by a stop string
         raw.finished = finished
+        return raw
+
+    def _plain_delta(self, state: RequestState, raw: RequestOutput, c: CompletionOutput) -> RequestOutput:
+        """What :meth:`process` makes of an unfinished delta output of a ``plain_stream`` request, in fewer steps:
+        the new tokens and their text."""
+        sample = state.samples[0]
+        sample.token_ids += c.token_ids
+        if not state.params.detokenize or self._decode is None:
+            c.text = ""
+        elif self._backend is not None:
+            c.text = self._stream(sample, state.params).push(c.token_ids)
+        else:
+            stream = self._stream(sample, state.params)
+            stream.update(sample.token_ids)
+            c.text = stream.text[sample.sent_text :]
+        sample.sent_text += len(c.text)
+        sample.sent_tokens += len(c.token_ids)
+        if raw.prompt is None:
+            raw.prompt = state.prompt
+        if not raw.prompt_token_ids and state.prompt_token_ids:
+            raw.prompt_token_ids = state.prompt_token_ids
         return raw
 
     def _append(self, sample: _Sample, params: SamplingParams, c: CompletionOutput) -> None:

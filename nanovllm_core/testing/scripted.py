@@ -1,7 +1,7 @@
 """ScriptedEngine: what the serving step loop needs of an engine, with steps of a fixed duration and one token
-per running request (text only when the request asks the engine to decode it), and no model. It measures the
-serving front-end without a GPU (``benchmarks/frontend_capacity.py``) and drives it in tests at rates no CPU
-model reaches."""
+per running request (token ids only, as the engine core returns them: the front-end makes the text), and no
+model. It measures the serving front-end without a GPU (``benchmarks/frontend_capacity.py``) and drives it in
+tests at rates no CPU model reaches."""
 
 from __future__ import annotations
 
@@ -77,9 +77,7 @@ class ScriptedEngine:
                     None,
                     self.requests[request_id][0],
                     [
-                        CompletionOutput(
-                            0, f" w{token}" if self.requests[request_id][1].detokenize else "", [token], finish
-                        )
+                        CompletionOutput(0, "", [token], finish)
                     ],
                     finish is not None,
                     metrics=metrics,

@@ -210,3 +210,32 @@ def test_logprob_tokens_are_decoded_and_cumulative_outputs_hold_everything():
         assert seen[-1].token_ids == ids[: k + 1]
     assert seen[-1].logprobs[0][ids[0]].decoded_token == TOKENIZER.decode([ids[0]])
     assert seen[-1].cumulative_logprob == -0.5 * len(ids)
+
+
+@pytest.mark.parametrize("backend", ["rust", "python"])
+def test_a_plain_stream_gives_what_the_general_path_gives(backend):
+    """A streamed request with one sample and neither stop strings nor logprobs takes process()'s short path: the
+    same outputs, token for token, as the general path, through byte pieces and unknown ids, to the final one."""
+    rng = random.Random(1)
+    words = ids_of("naïve café résumé ☃ the quick brown fox")
+    params = SamplingParams(max_tokens=100, output_kind="delta")
+    for trial in range(10):
+        ids = [rng.choice([rng.choice(words), rng.randrange(384), rng.randrange(384, 2000)]) for _ in range(60)]
+        chunks, at = [], 0
+        while at < len(ids):  # mostly one token a step, some steps several (a consumer that fell behind)
+            size = rng.choice([1, 1, 1, 3])
+            chunks.append(ids[at : at + size])
+            at += size
+        got = []
+        for short in (True, False):
+            processor = OutputProcessor(TOKENIZER)
+            if backend == "python":
+                processor._backend = None
+            state = processor.new_request(params, prompt="p", prompt_token_ids=[1, 2])
+            assert state.plain_stream
+            state.plain_stream = short
+            outs = [processor.process(state, raw("r", {0: chunk})) for chunk in chunks]
+            outs.append(processor.process(state, raw("r", {0: [ids[0]]}, {0: "length"})))
+            got.append([(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason, o.finished, o.prompt)
+                        for o in outs])  # fmt: skip
+        assert got[0] == got[1], f"trial {trial}"
