@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import operator
 import threading
 import time
 from collections.abc import Iterable
@@ -321,7 +320,7 @@ class EngineCore:
                 self._in_flight = None
             batch = self.scheduler.schedule()
             if batch.seqs:
-                placeholders = self._check_step(batch)
+                placeholders, num_prompt_tokens = self._check_step(batch)
             elif self._in_flight is None:
                 if self.scheduler.has_unfinished():
                     raise SchedulerError(
@@ -335,18 +334,20 @@ class EngineCore:
                 outputs += self._receive(self._in_flight)
             self._in_flight = None
             if launched is not None:
-                self._advance(launched, placeholders)
+                self._advance(launched, placeholders, num_prompt_tokens)
                 if self.async_scheduling:
                     self._in_flight = launched
                 else:
                     outputs += self._receive(launched)
             return outputs
 
-    def _check_step(self, batch: SchedulerOutput) -> list[int | None]:
+    def _check_step(self, batch: SchedulerOutput) -> tuple[list[int | None], int]:
         """The scheduler's output keeps the invariants the runner relies on (cheap: one pass). Returns, from the
-        same pass, what :meth:`_advance` appends to each sequence: a placeholder where the step samples a token."""
+        same pass, what :meth:`_advance` appends to each sequence (a placeholder where the step samples a token)
+        and how many of the step's new tokens are prompt tokens."""
         seqs, counts = batch.seqs, batch.num_new_tokens
         placeholders: list[int | None] = []
+        num_prompt_tokens = 0
         problem = None
         if len(seqs) != len(counts):
             problem = f"{len(seqs)} sequences but {len(counts)} new-token counts"
@@ -354,15 +355,18 @@ class EngineCore:
             problem = f"{len(seqs)} sequences; max_num_seqs is {self.config.max_num_seqs}"
         elif sum(counts) > self.config.max_num_batched_tokens:
             problem = f"{sum(counts)} new tokens; max_num_batched_tokens is {self.config.max_num_batched_tokens}"
-        elif len(set(map(_seq_id, seqs))) != len(seqs):
+        elif len(set(seqs)) != len(seqs):  # a Sequence hashes by identity
             problem = "a sequence twice"
         else:
             capacity = self.block_manager.block_size
             finished = SequenceStatus.FINISHED
             append = placeholders.append
             for seq, n in zip(seqs, counts):
-                end = seq.num_computed_tokens + n
+                start = seq.num_computed_tokens
+                end = start + n
                 num_tokens = len(seq.token_ids)
+                if start < seq.num_prompt_tokens:
+                    num_prompt_tokens += n
                 append(PLACEHOLDER_TOKEN if end == num_tokens else None)
                 if n < 1 or end > num_tokens or seq.status is finished:
                     problem = (
@@ -380,7 +384,7 @@ class EngineCore:
                     self._first_scheduled(seq)
         if problem is not None:
             raise SchedulerError(f"scheduler {self.scheduler_name!r} scheduled {problem}")
-        return placeholders
+        return placeholders, num_prompt_tokens
 
     def _first_scheduled(self, seq: Sequence) -> None:
         seq.num_cached_prompt_tokens = seq.num_computed_tokens  # the prefix claimed from the cache
@@ -391,9 +395,9 @@ class EngineCore:
             metrics.first_scheduled_time = time.monotonic()
             metrics.num_cached_tokens = seq.num_computed_tokens
 
-    def _advance(self, launched: LaunchedStep, placeholders: list[int | None]) -> None:
+    def _advance(self, launched: LaunchedStep, placeholders: list[int | None], num_prompt_tokens: int) -> None:
         """Postprocess a launched step with ``placeholders`` (:meth:`_check_step`'s) for the sampled tokens; finish
-        length-limited ones.
+        length-limited ones. ``num_prompt_tokens``: :meth:`_check_step`'s count of the step's prompt tokens.
 
         This and :meth:`_receive` run for every sequence of every step: plain loops, few calls.
         """
@@ -404,10 +408,12 @@ class EngineCore:
             live = [i for i, seq in enumerate(seqs) if seq.status is not SequenceStatus.FINISHED]
             seqs, counts = [seqs[i] for i in live], [counts[i] for i in live]
             placeholders = [placeholders[i] for i in live]
-        self._totals["prompt_tokens"] += sum(
-            [n for seq, n in zip(seqs, counts) if seq.num_computed_tokens < seq.num_prompt_tokens]
-        )
-        self.scheduler.postprocess(SchedulerOutput(seqs, counts), placeholders)
+            num_prompt_tokens = sum(
+                [n for seq, n in zip(seqs, counts) if seq.num_computed_tokens < seq.num_prompt_tokens]
+            )
+            batch = SchedulerOutput(seqs, counts)
+        self._totals["prompt_tokens"] += num_prompt_tokens
+        self.scheduler.postprocess(batch, placeholders)
         max_len = self.max_model_len
         for seq, token in zip(seqs, placeholders):
             if token is None:
@@ -443,7 +449,7 @@ class EngineCore:
             for row, (seq, _) in enumerate(zip(seqs, tokens)):
                 if row in prompt_logprobs:
                     self._add_prompt_logprobs(seq, prompt_logprobs[row], launched.prompt_positions[row])
-        for row, (seq, token) in enumerate(zip(seqs, tokens)):
+        for row, seq, token in zip(itertools.count(), seqs, tokens):  # cheaper than enumerate(zip(...)) per row
             if token is None:
                 continue  # a prompt chunk short of its end
             token_ids = seq.token_ids
@@ -565,9 +571,6 @@ class EngineCore:
             prompt_logprobs=request.prompt_logprobs,
             embedding=request.embedding,
         )
-
-
-_seq_id = operator.attrgetter("seq_id")
 
 
 def _is_int(value: Any) -> bool:

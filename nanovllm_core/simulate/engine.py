@@ -99,7 +99,7 @@ class _Step:
 class _CostRunner:
     """Launches a step on no device: the tokens are fixed, the step's GPU interval comes from the cost model.
 
-    It runs for every sequence of every step, so it is a few list comprehensions, no per-token objects."""
+    It runs for every sequence of every step, so it is one pass over the batch, no per-token objects."""
 
     def __init__(self, sim: SimulatedEngine) -> None:
         self.sim = sim
@@ -107,26 +107,31 @@ class _CostRunner:
     def launch(self, batch: SchedulerOutput, in_flight: Any | None = None) -> _Step:
         sim = self.sim
         seqs, counts = batch.seqs, batch.num_new_tokens
-        starts = [seq.num_computed_tokens for seq in seqs]
         query = sum(counts)
+        # one pass: the KV tokens after the step, and a token for each sequence whose chunk reaches its last token
+        # (decodes, and prompts' last chunks), whose request receives it (none while untimed)
+        kv_tokens = query
+        sampled: list[int | None] = []
+        receivers: list[list[float]] = []
+        token_times = sim.token_times
+        for seq, n in zip(seqs, counts):
+            start = seq.num_computed_tokens
+            kv_tokens += start
+            if start + n == len(seq.token_ids):
+                sampled.append(EMITTED_TOKEN)
+                if token_times is not None:
+                    receivers.append(token_times[seq.request_id])
+            else:
+                sampled.append(None)
         pairs = 0.0
         if query > len(seqs):  # some prompt chunk: its causal attention's query-key pairs
-            pairs = sum(n * (start + (n + 1) / 2) for start, n in zip(starts, counts) if n > 1)
-        # a token for each sequence whose chunk reaches its last token (decodes, and prompts' last chunks)
-        sampled = [
-            EMITTED_TOKEN if start + n == len(seq.token_ids) else None for seq, start, n in zip(seqs, starts, counts)
-        ]
-        duration = sim.calibration.step_ms(len(seqs), query, sum(starts) + query, pairs) / 1e3
+            pairs = sum(n * (seq.num_computed_tokens + (n + 1) / 2) for seq, n in zip(seqs, counts) if n > 1)
+        duration = sim.calibration.step_ms(len(seqs), query, kv_tokens, pairs) / 1e3
         begin = max(sim.now, sim.gpu_free)
         sim.gpu_free = begin + duration
         sim.gpu_busy += duration
         if sim.record_batches:
             sim.batches.append(list(zip([seq.request_id for seq in seqs], counts)))
-        token_times = sim.token_times
-        receivers = (
-            [token_times[seq.request_id] for seq, token in zip(seqs, sampled) if token is not None]
-            if token_times is not None else []
-        )
         return _Step(batch, sampled, sim.gpu_free, sim, receivers)
 
 
@@ -196,13 +201,18 @@ class SimulatedEngine:
         self.steps = 0
         # (time, KV-cache use, running, waiting, preemptions so far) after each step
         self.timeline: list[tuple[float, float, int, int, int]] = []
+        self._params: dict[tuple[int, int], SamplingParams] = {}  # (max_tokens, priority) -> a request's parameters
 
     def _add(self, req: TraceRequest) -> None:
-        # only the final output, and no text: nothing reads either
-        params = SamplingParams(
-            temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True, output_kind="final", detokenize=False,
-            priority=req.priority or 0,
-        )
+        # only the final output, and no text: nothing reads either. Requests of one length and priority share their
+        # parameters (the engine reads them, never writes them)
+        key = (req.max_tokens, req.priority or 0)
+        params = self._params.get(key)
+        if params is None:
+            params = self._params[key] = SamplingParams(
+                temperature=0.0, max_tokens=key[0], ignore_eos=True, output_kind="final", detokenize=False,
+                priority=key[1],
+            )
         self.core.add_request(req.prompt, params, req.request_id)
 
     def warm_prefix_cache(self, prompts: list[list[int]]) -> None:
@@ -237,8 +247,10 @@ class SimulatedEngine:
         core, bm, scheduler = self.core, self.block_manager, self.scheduler
         with _cyclic_gc_paused():
             nxt = 0
-            while nxt < len(timed) or core.has_unfinished_requests():
+            while True:
                 if not core.has_unfinished_requests():
+                    if nxt == len(timed):
+                        break
                     self.now = max(self.now, timed[nxt].admitted)
                 while nxt < len(timed) and timed[nxt].admitted <= self.now:
                     self._add(timed[nxt].request)

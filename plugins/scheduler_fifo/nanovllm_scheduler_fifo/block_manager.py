@@ -133,10 +133,10 @@ class PrefixCachingBlockManager(BlockManager):
 
     def allocate_many(self, seqs: list[Sequence], num_new_tokens: list[int]) -> bool:
         bs = self.block_size
-        growing = [
-            (seq.block_table, needed)
+        growing = [  # a sequence grows when its tokens pass its blocks' capacity: the block count only for those
+            (seq.block_table, -(-end // bs) - len(seq.block_table))
             for seq, n in zip(seqs, num_new_tokens)
-            if (needed := -(-(seq.num_computed_tokens + n) // bs) - len(seq.block_table)) > 0
+            if (end := seq.num_computed_tokens + n) > len(seq.block_table) * bs
         ]
         if sum(needed for _, needed in growing) > len(self.free_block_ids):
             return False
