@@ -62,7 +62,7 @@ class StubRunner:
         return SimpleNamespace(batch=batch, tokens=lambda: sampled)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Host work per decode step (CPU, no model).")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200)
@@ -76,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         "(the front-end decodes), or with the text decoded in the engine (the tiny test tokenizer)",
     )
     parser.add_argument("--results-dir", default="results", help="where the JSON goes (default results)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     config = EngineConfig(
         model="unused",
