@@ -178,6 +178,13 @@ def _metrics_at_match(metrics: RequestMetrics | None, stopped: _Stopped) -> Requ
     return metrics
 
 
+def _fill_prompt(state: RequestState, raw: RequestOutput) -> None:
+    if raw.prompt is None:
+        raw.prompt = state.prompt  # the engine got token ids; the caller gave text
+    if not raw.prompt_token_ids and state.prompt_token_ids:
+        raw.prompt_token_ids = state.prompt_token_ids  # not sent back by an engine process
+
+
 def engine_output_kind(params: SamplingParams) -> str:
     """The ``output_kind`` the core is asked for: every new token (``"delta"``) where stop strings are matched here
     or the user wants cumulative outputs, else the user's own."""
@@ -327,10 +334,7 @@ class OutputProcessor:
             given = {c.index: c for c in changed}
             every = range(len(state.samples))
             raw.outputs = [self._fill(state, given.get(i) or CompletionOutput(i, "", []), finished) for i in every]
-        if raw.prompt is None:
-            raw.prompt = state.prompt  # the engine got token ids; the caller gave text
-        if not raw.prompt_token_ids and state.prompt_token_ids:
-            raw.prompt_token_ids = state.prompt_token_ids  # not sent back by an engine process
+        _fill_prompt(state, raw)
         metrics = raw.metrics
         if finished and not raw.finished and metrics is not None and metrics.finished_time is None:
             metrics.finished_time = metrics.last_token_time  # finished here, by a stop string
@@ -352,10 +356,7 @@ class OutputProcessor:
             c.text = stream.text[sample.sent_text :]
         sample.sent_text += len(c.text)
         sample.sent_tokens += len(c.token_ids)
-        if raw.prompt is None:
-            raw.prompt = state.prompt
-        if not raw.prompt_token_ids and state.prompt_token_ids:
-            raw.prompt_token_ids = state.prompt_token_ids
+        _fill_prompt(state, raw)
         return raw
 
     def _append(self, sample: _Sample, params: SamplingParams, c: CompletionOutput) -> None:
