@@ -152,6 +152,7 @@ def single_request(args: argparse.Namespace) -> dict[str, Any]:
         plugins={"attention": args.attention},
         kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=4096,
+        programmatic_dependent_launch=args.programmatic_dependent_launch,
     )
     rng = random.Random(0)
     prompt = [rng.randint(0, 10000) for _ in range(args.prompt_len)]
@@ -213,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     single.add_argument("--output-len", type=int, default=512)
     single.add_argument("--attention", default="triton")
     single.add_argument("--kv-cache-dtype", default="auto")
+    single.add_argument(
+        "--programmatic-dependent-launch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine setting of that name (default: on, as the engine's)",
+    )
     single.add_argument("--json", type=Path, help="with --single: write the figures here")
     return parser
 

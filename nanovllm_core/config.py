@@ -105,6 +105,12 @@ class EngineConfig(BaseModel):
         description="On CUDA, fuse the small ops: RMSNorm (with its residual add), SiLU-and-mul, q/k norm + rotary "
         "and temperature sampling with hand-written Triton kernels; the other norms and rotary with torch.compile.",
     )
+    programmatic_dependent_launch: bool = Field(
+        True,
+        description="On GPUs of compute capability 9.0 and newer, launch the Triton kernels with programmatic "
+        "dependent launch: a kernel starts launching while the one before it finishes, instead of after, which "
+        "hides part of each launch in the chain of short kernels a decode step is.",
+    )
     async_scheduling: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Schedule and prepare step N+1 while the device runs step N. `auto`: on for CUDA (any "

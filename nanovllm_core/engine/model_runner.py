@@ -35,6 +35,7 @@ from nanovllm_core.interfaces import AttentionBackend, SchedulerOutput
 from nanovllm_core.layers.attention import Attention
 from nanovllm_core.layers.fused import set_compile
 from nanovllm_core.layers.sampler import Sampler
+from nanovllm_core.layers.triton_jit import set_pdl
 from nanovllm_core.loader import iter_safetensors
 from nanovllm_core.sequence import Sequence
 
@@ -60,6 +61,7 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.max_model_len = config.max_model_len
         set_compile(device.type == "cuda" and config.compile_small_ops)
+        set_pdl(device.type == "cuda" and config.programmatic_dependent_launch)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:

@@ -18,7 +18,7 @@ from nanovllm_core.layers.linear import (
 )
 from nanovllm_core.layers.norm import RMSNorm
 from nanovllm_core.layers.rotary import RotaryEmbedding, get_rope
-from nanovllm_core.layers.triton_jit import wrap_kernel
+from nanovllm_core.layers.triton_jit import launch_options, wrap_kernel
 
 __all__ = [
     "Attention",
@@ -34,5 +34,6 @@ __all__ = [
     "VocabParallelEmbedding",
     "fused_enabled",
     "get_rope",
+    "launch_options",
     "wrap_kernel",
 ]

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm_core.layers.triton_jit import wrap_kernel
+from nanovllm_core.layers.triton_jit import launch_options, wrap_kernel
 
 MAX_WIDTH = 16384  # one row a program, held in registers: 32 values a thread at 16 warps
 
@@ -39,9 +39,13 @@ def _rms_norm_kernel(
     stride_r,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program per row: ``OUT = weight * rms_norm(x [+ residual])``; with a residual also ``RESIDUAL_OUT = x +
     residual``. ``OUT`` and ``RESIDUAL_OUT`` are contiguous rows of ``width``."""
+    if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
@@ -106,5 +110,6 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=max(1, min(16, block // 256)),
+            **launch_options(x),
         )
     return out if residual is None else (out, residual_out)

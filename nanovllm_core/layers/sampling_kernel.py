@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from nanovllm_core.layers.triton_jit import wrap_kernel
+from nanovllm_core.layers.triton_jit import launch_options, wrap_kernel
 
 _INDEX_SENTINEL = tl.constexpr(2**31 - 1)
 # -log2(u) is at least ~8.6e-8 for u <= 1 - 2**-24; a fast approximate log2 can still round it to 0 or below
@@ -56,6 +56,7 @@ def _sample_kernel(
     QUARTER: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
     FAST_LOG2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row, split): best ``logits * log2(e) / T - log2(-log2 U)`` over the split's tiles.
 
@@ -67,6 +68,9 @@ def _sample_kernel(
     Uses builtins only (no ``@triton.jit`` library functions such as ``tl.randint4x`` or ``tl.max``, nor
     helpers), so that the same body runs in the interpreter without ``TRITON_INTERPRET`` set at import.
     """
+    if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.load(TEMPERATURES + row)
@@ -139,8 +143,11 @@ def _sample_kernel(
         tl.store(PART_INDEX + row * num_splits + split, index)
 
 
-def _merge_kernel(PART_VALUE, PART_INDEX, OUT, num_splits, SPLITS_P2: tl.constexpr):
+def _merge_kernel(PART_VALUE, PART_INDEX, OUT, num_splits, SPLITS_P2: tl.constexpr, PDL: tl.constexpr):
     """Program per row: the splits' best score, ties to the smallest index."""
+    if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.arange(0, SPLITS_P2)
     mask = offs < num_splits
@@ -223,9 +230,12 @@ def sample_temperature(
         ONE_SPLIT=splits == 1,
         FAST_LOG2=logits.is_cuda,
         num_warps=8 if block >= 4096 else 4,
+        **launch_options(logits),
     )
     if splits > 1:
-        merge[(rows,)](part_value, part_index, out, splits, SPLITS_P2=triton.next_power_of_2(splits))
+        merge[(rows,)](
+            part_value, part_index, out, splits, SPLITS_P2=triton.next_power_of_2(splits), **launch_options(logits)
+        )
     return out
 
 

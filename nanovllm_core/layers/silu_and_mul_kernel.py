@@ -21,13 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm_core.layers.triton_jit import wrap_kernel
+from nanovllm_core.layers.triton_jit import launch_options, wrap_kernel
 
 MAX_BLOCK = 1024  # columns a program: 8 a thread at 4 warps, one 16-byte load each of gate and up in 16-bit
 
 
-def _silu_and_mul_kernel(X, OUT, width, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, OUT, width, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, column block): ``OUT[row, c] = silu(X[row, c]) * X[row, width + c]``."""
+    if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -65,6 +68,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.size(0) and width:
         block = min(MAX_BLOCK, triton.next_power_of_2(width))
         _kernel(x.device.type != "cuda")[(rows.size(0), triton.cdiv(width, block))](
-            rows, out, width, rows.stride(0), out.stride(0), BLOCK=block, num_warps=4 if block >= 512 else 1
+            rows,
+            out,
+            width,
+            rows.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            num_warps=4 if block >= 512 else 1,
+            **launch_options(x),
         )
     return out.view(*x.shape[:-1], width)

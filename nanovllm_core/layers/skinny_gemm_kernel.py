@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm_core.layers.triton_jit import wrap_kernel
+from nanovllm_core.layers.triton_jit import launch_options, wrap_kernel
 
 # Where this kernel beats cuBLAS on an H200 (``benchmarks/decode_gemm.py --sweep``): a few rows of a small model's
 # matrices. With more rows cuBLAS's tensor-core tiles reuse each weight tile enough to win; a large matrix keeps
@@ -32,12 +32,16 @@ MAX_WEIGHT_ELEMENTS = 8 << 20
 def _skinny_gemm_kernel(
     X, W, Y, M, N, K, stride_x, stride_w, stride_y,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SILU_MUL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Program ``pid``: ``Y[:M, cols] = X[:M] @ W[cols].T`` for the ``BLOCK_N`` columns ``cols`` it owns.
 
     ``SILU_MUL``: ``W`` holds ``[gate; up]`` (``2N`` rows) and ``Y[:M, cols] = silu(X @ W[cols].T) * (X @
     W[N + cols].T)``, rounded as the separate GEMM and ``silu_and_mul_kernel`` round: the product once to the
     output dtype, SiLU in float32 rounded again, then their product in float32."""
+    if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, M_PAD)
     ks = tl.arange(0, BLOCK_K)
@@ -127,6 +131,6 @@ def skinny_linear(
         even = in_features % cfg["BLOCK_K"] == 0 and width % cfg["BLOCK_N"] == 0
         _kernel(x.device.type != "cuda")[(triton.cdiv(width, cfg["BLOCK_N"]),)](
             rows, weight, y, m, width, in_features, rows.stride(0), weight.stride(0), y.stride(0),
-            EVEN=even, SILU_MUL=silu_mul, **cfg,
+            EVEN=even, SILU_MUL=silu_mul, **cfg, **launch_options(x),
         )  # fmt: skip
     return y.view(*x.shape[:-1], width)

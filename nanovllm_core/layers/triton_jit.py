@@ -3,6 +3,18 @@
 Wrapping at first use instead of decorating with ``@triton.jit`` keeps ``triton`` an optional import and lets
 one kernel body serve both: the compiled ``JITFunction`` on CUDA tensors and an ``InterpretedFunction`` on
 anything else, so CI checks the same arithmetic on a CPU. Used by the core's kernels and by plugins'.
+
+Programmatic dependent launch (PDL, compute capability 9.0 and newer): a kernel launched with it may start while
+the kernel before it in the stream drains, so that one kernel's launch and set-up hide behind the tail of the
+previous one; a decode step of a small model is a chain of a few hundred short kernels, where those gaps add up.
+A kernel opts in with a ``PDL: tl.constexpr`` parameter and, before its first load::
+
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here on
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
+
+and its launch passes :func:`launch_options`. Every kernel waits before it reads, so a kernel that reads what two
+kernels back wrote is safe too: the one between finished its own wait before it finished.
 """
 
 from __future__ import annotations
@@ -34,6 +46,40 @@ def fix_interpreter_scalars() -> None:
 
     patch_lang_tensor._nanovllm_scalar_fix = True
     interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+_pdl = False
+
+
+def set_pdl(enabled: bool) -> None:
+    """Launch the kernels that opt in with programmatic dependent launch (True) where the GPU has it,
+    process-wide (config ``programmatic_dependent_launch``)."""
+    global _pdl
+    _pdl = enabled
+
+
+@functools.cache
+def _device_has_pdl(index: int) -> bool:
+    import torch
+
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return torch.version.cuda is not None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def launch_options(tensor: Any) -> dict[str, bool]:
+    """The keyword arguments of a launch, on ``tensor``'s device, of a kernel with a ``PDL: tl.constexpr``
+    parameter: ``PDL`` and Triton's ``launch_pdl``, on together where :func:`set_pdl` asked for it and the GPU
+    has it (never in the interpreter)."""
+    if _pdl and tensor.is_cuda:
+        import torch
+
+        index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        if _device_has_pdl(index):
+            return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 def wrap_kernel(fn: Callable, interpret: bool, **options: Any) -> Any:

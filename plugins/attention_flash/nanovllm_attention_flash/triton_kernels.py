@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm_core.layers import wrap_kernel
+from nanovllm_core.layers import launch_options, wrap_kernel
 
 # ----------------------------------------------------------------------------------------------------
 # Kernel bodies
@@ -68,6 +68,7 @@ def _store_kv_kernel(
     DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token: copy its ``[num_kv_heads, head_dim]`` key and value rows into the cache.
 
@@ -78,6 +79,9 @@ def _store_kv_kernel(
     (``KEY_CACHE``/``VALUE_CACHE`` are ``uint8``): no float-to-fp8 conversion, whose rounding differs between
     Triton's interpreter (a carry into the exponent is lost) and the GPU (-0 becomes +0).
     """
+    if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + token)
     if slot < 0:
@@ -156,6 +160,7 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,
     HALF_DOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (kv head, split, sequence): attention of the ``GROUP`` query heads over one split of the context.
 
@@ -178,6 +183,9 @@ def _decode_split_kernel(
     probabilities (a ``[heads, keys]`` tile) instead of the ``[keys, head_dim]`` values, times 256 so that small
     products stay clear of float16's subnormals; the output divides the 256 out.
     """
+    if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
@@ -279,11 +287,15 @@ def _decode_merge_kernel(
     stride_pl_head,
     HEAD_DIM: tl.constexpr,
     SPLITS_P2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (query head, sequence): merge the splits' partial outputs weighted by ``exp2(lse - max lse)``.
 
     A sequence with no keys at all (padding, ``seq_len == 0``) gets zeros.
     """
+    if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     head = tl.program_id(0)
     seq = tl.program_id(1)
     q_start = tl.load(QUERY_START_LOC + seq)
@@ -349,6 +361,7 @@ def _prefill_kernel(
     KV_FP8: tl.constexpr,
     HALF_DOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (query block, query head): ``BLOCK_M`` new tokens of one sequence against its paged context.
 
@@ -377,6 +390,9 @@ def _prefill_kernel(
     the decode kernel (key scales on the scores, value tiles dequantised before the dot; ``HALF_DOTS``: float16
     dots, the value scales on the probabilities, as there).
     """
+    if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # one flat grid axis: heads vary fastest (the group's programs read the same K/V tiles together),
     # query blocks last-first
     head = tl.program_id(0) % NUM_HEADS
@@ -693,6 +709,7 @@ def store_kv(
         BLOCK_SIZE=key_cache.shape[1],
         KV_FP8=fp8,
         num_warps=4,
+        **launch_options(k),
     )
 
 
@@ -774,6 +791,7 @@ def decode_attention(
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(q),
     )
     if one_split:
         return
@@ -792,6 +810,7 @@ def decode_attention(
         # one warp a (head, sequence): the merge reads only a few splits' partial rows, which four warps would
         # mostly leave idle
         num_warps=1,
+        **launch_options(q),
     )
 
 
@@ -908,4 +927,5 @@ def prefill_attention(
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(q),
     )

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from nanovllm_core.layers import launch_options
+
 tl: Any = None  # triton.language, bound by _kernel() on first use; the kernel body resolves it at compile time
 
 # elements of one program's [BLOCK_H, head_dim] tile: big enough to amortise a program, small enough to spread
@@ -60,8 +62,12 @@ def _qk_norm_rope_kernel(
     REST_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (token, head block): norm and rotate ``BLOCK_H`` heads of q (first blocks) or k (the rest)."""
+    if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     q_blocks = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -217,5 +223,6 @@ def qk_norm_rope(
         BLOCK_H=block_h,
         HAS_WEIGHT=has_weight,
         num_warps=max(1, min(8, tile // 256)),
+        **launch_options(q),
     )
     return q_out, k_out
