@@ -231,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.single:
         if args.prompt_len < 1 or args.output_len < 2:
             raise SystemExit("error: --prompt-len at least 1 and --output-len at least 2")
+        if args.dry_run:
+            print(
+                f"one request alone, {args.shape}: {args.prompt_len}-token prompt, {args.output_len} output tokens, "
+                f"{args.runs} runs, attention {args.attention}, KV cache {args.kv_cache_dtype}, "
+                f"programmatic dependent launch {'on' if args.programmatic_dependent_launch else 'off'}"
+            )
+            return 0
         result = single_request(args)
         bound = result["weights_read_bound_ms"]
         print(

@@ -1,8 +1,10 @@
 """Building blocks for model plugins: tensor-parallel-ready linears and embeddings, norms, rotary, attention.
 
 Also for kernel authors: :func:`wrap_kernel` runs a ``@triton.jit`` kernel compiled on CUDA or in Triton's
-interpreter on CPU (how CI tests kernels), and :func:`fused_enabled` says whether the engine asked for
-fused/compiled small ops on this device (``compile_small_ops``).
+interpreter on CPU (how CI tests kernels), :func:`fused_enabled` says whether the engine asked for
+fused/compiled small ops on this device (``compile_small_ops``), and :func:`launch_options` gives a launch's
+programmatic-dependent-launch arguments (``programmatic_dependent_launch``; ``triton_jit`` says how a kernel
+opts in).
 """
 
 from nanovllm_core.layers.activation import SiluAndMul
