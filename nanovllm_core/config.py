@@ -111,15 +111,6 @@ class EngineConfig(BaseModel):
         "dependent launch: a kernel starts launching while the one before it finishes, instead of after, which "
         "hides part of each launch in the chain of short kernels a decode step is.",
     )
-    enable_dbo: bool = Field(
-        False,
-        description="Dual-batch overlap: a decode step of at least dbo_decode_token_threshold sequences runs as two "
-        "halves on two CUDA streams inside its CUDA graph, so that one half's attention runs beside the other's "
-        "GEMMs (tensor_parallel_size 1).",
-    )
-    dbo_decode_token_threshold: int = Field(
-        32, ge=2, description="With enable_dbo: the fewest sequences of a decode step that runs as two halves."
-    )
     async_scheduling: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Schedule and prepare step N+1 while the device runs step N. `auto`: on for CUDA (any "

@@ -14,11 +14,6 @@ length 0: nothing attended), and replays. Backends opt in with ``supports_cuda_g
 ``build_metadata`` is called once per bucket on the static buffers and must keep only references to them
 (anything that depends on the values is computed inside ``forward``, hence inside the graph).
 
-Dual-batch overlap (``enable_dbo``): a decode graph of at least ``dbo_decode_token_threshold`` sequences runs the
-model over each half of its rows, the second half on a side stream, so the two halves' kernels run concurrently:
-one half's attention (reading the KV cache at the memory's rate) beside the other's GEMMs and small kernels (set
-by their latency, not by the GPU's throughput).
-
 Under tensor parallelism every rank captures its own graphs, and the layers' all-reduces (NCCL, or the
 symmetric-memory kernels of :mod:`nanovllm_core.distributed`) are captured inside them: a decode step replays
 the whole forward, communication included, with no Python in between.
@@ -27,7 +22,6 @@ the whole forward, communication included, with no Python in between.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
 from typing import Any
 
@@ -38,41 +32,18 @@ from nanovllm_core.distributed import get_tp_size
 from nanovllm_core.forward_context import forward_context
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch
 
-Part = tuple[int, int, Any]  # rows [start, end) of the static buffers, and their attention metadata
-
-
-def forward_parts(
-    model: nn.Module,
-    backend: AttentionBackend,
-    parts: list[Part],
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    hidden: torch.Tensor,
-    side_stream: torch.cuda.Stream | None = None,
-) -> None:
-    """The model over each part's rows, into ``hidden``; with ``side_stream`` the parts after the first run on it,
-    forked from and joined back into the current stream, concurrently with the first."""
-    if side_stream is not None:
-        side_stream.wait_stream(torch.cuda.current_stream())
-    for i, (start, end, metadata) in enumerate(parts):
-        stream = torch.cuda.stream(side_stream) if i and side_stream is not None else contextlib.nullcontext()
-        with stream, forward_context(backend, metadata):
-            hidden[start:end] = model(input_ids[start:end], positions[start:end])
-    if side_stream is not None:
-        torch.cuda.current_stream().wait_stream(side_stream)
-
 
 def capture_graphs(
     model: nn.Module,
     backend: AttentionBackend,
-    buckets: list[tuple[int, list[Part]]],
+    buckets: list[tuple[int, int, Any]],
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     hidden: torch.Tensor,
     pool: Any = None,
 ) -> tuple[dict[int, torch.cuda.CUDAGraph], Any]:
-    """One graph per ``(key, parts)`` bucket, largest first, all in one memory pool (``pool``, or a new one): the
-    model over the parts' rows of the static buffers, into ``hidden`` (two parts: concurrently)."""
+    """One graph per ``(key, num_tokens, metadata)`` bucket, largest first, all in one memory pool (``pool``, or a
+    new one): the model over the first ``num_tokens`` rows of the static buffers, into ``hidden``."""
     # Tensor parallel: the warm-up's collectives leave work that NCCL's watchdog thread polls with event
     # queries, which a process-wide ("global") capture forbids from any thread; capture in this thread's
     # mode only, after the warm-up has finished on the device. Every rank captures the same sizes in the
@@ -80,15 +51,14 @@ def capture_graphs(
     distributed = get_tp_size() > 1
     mode = "thread_local" if distributed else "global"
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
-    side_stream = torch.cuda.Stream() if any(len(parts) > 1 for _, parts in buckets) else None
-    for key, parts in buckets:
-        side = side_stream if len(parts) > 1 else None
-        forward_parts(model, backend, parts, input_ids, positions, hidden, side)  # warm-up
-        if distributed:
-            torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool, capture_error_mode=mode):
-            forward_parts(model, backend, parts, input_ids, positions, hidden, side)
+    for key, n, metadata in buckets:
+        with forward_context(backend, metadata):
+            hidden[:n] = model(input_ids[:n], positions[:n])  # warm-up
+            if distributed:
+                torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool, capture_error_mode=mode):
+                hidden[:n] = model(input_ids[:n], positions[:n])
         if pool is None:
             pool = graph.pool()
         graphs[key] = graph
@@ -156,26 +126,6 @@ class MixedStepBuffers:
         slots = self.batch.slot_mapping[:num_tokens]
         return dataclasses.replace(self.batch, slot_mapping=slots, num_tokens=num_tokens, max_query_len=num_tokens)
 
-    def decode_rows(self, start: int, end: int) -> AttentionBatch:
-        """Decode rows ``[start, end)`` of the static batch as a batch of their own (views; its query offsets
-        are the first rows', which count from 0 as every decode batch's do)."""
-        rows = end - start
-        head = self.batch.head(rows)
-        return dataclasses.replace(
-            head,
-            seq_lens=self.batch.seq_lens[start:end],
-            block_tables=self.batch.block_tables[start:end],
-            slot_mapping=self.batch.slot_mapping[start:end],
-            seq_lens_cpu=self.batch.seq_lens_cpu[start:end],
-        )
-
-    def parts(self, size: int, build: Any, overlap_min_batch: int | None) -> list[Part]:
-        """The bucket's rows as one part, or (decode, at least ``overlap_min_batch`` rows) as two halves."""
-        if not self.decode or overlap_min_batch is None or size < max(2, overlap_min_batch):
-            return [(0, size, build(self.bucket(size)))]
-        half = size // 2
-        return [(0, half, build(self.decode_rows(0, half))), (half, size, build(self.decode_rows(half, size)))]
-
     def can_run(self, batch: AttentionBatch) -> bool:
         if self.decode:
             return batch.max_query_len == 1 and batch.num_seqs <= self.max_seqs
@@ -225,14 +175,13 @@ class CudaGraphMixed(MixedStepBuffers):
         device: torch.device,
         pool: Any = None,
         decode: bool = False,
-        overlap_min_batch: int | None = None,
     ) -> None:
         super().__init__(max_seqs, max_tokens, max_model_len, block_size, device, decode)
         self.hidden = torch.zeros((self.max_tokens, hidden_size), dtype=dtype, device=device)
         self.num_replays = 0  # steps run from a graph (tests and benchmarks read it)
         build = backend.build_metadata if decode else backend.build_graph_metadata
         with torch.inference_mode():
-            buckets = [(t, self.parts(t, build, overlap_min_batch)) for t in reversed(self.sizes)]
+            buckets = [(t, t, build(self.bucket(t))) for t in reversed(self.sizes)]
             self.graphs, self.pool = capture_graphs(
                 model, backend, buckets, self.input_ids, self.positions, self.hidden, pool
             )
@@ -256,10 +205,9 @@ class CudaGraphDecoder(CudaGraphMixed):
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        overlap_min_batch: int | None = None,
     ) -> None:
         super().__init__(model, backend, max_batch, max_batch, max_model_len, block_size, hidden_size, dtype, device,
-                         decode=True, overlap_min_batch=overlap_min_batch)  # fmt: skip
+                         decode=True)  # fmt: skip
         self.max_batch = self.max_seqs
 
 
@@ -278,11 +226,10 @@ def capture_cuda_graphs(
         return None, None
     shape = dict(max_model_len=config.max_model_len, block_size=config.kvcache_block_size, hidden_size=hidden_size,
                  dtype=dtype, device=device)  # fmt: skip
-    overlap = config.dbo_decode_token_threshold if config.enable_dbo and get_tp_size() == 1 else None
-    max_batch = min(config.max_num_seqs, 512)
-    graphs = CudaGraphDecoder(model, backend, max_batch=max_batch, overlap_min_batch=overlap, **shape)
+    graphs = CudaGraphDecoder(model, backend, max_batch=min(config.max_num_seqs, 512), **shape)
     mixed_tokens = min(config.cuda_graph_max_mixed_tokens, config.max_num_batched_tokens)
     if mixed_tokens <= 1 or not backend.supports_cuda_graph_mixed:
         return graphs, None
     mixed = CudaGraphMixed(model, backend, graphs.max_batch, mixed_tokens, pool=graphs.pool, **shape)
     return graphs, mixed
+

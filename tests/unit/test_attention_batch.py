@@ -150,38 +150,3 @@ def test_decode_step_buffers_pad_the_rows_of_its_batch_size_bucket():
     assert static.seq_lens.tolist() == [5, 1, 10, 0]
     assert static.slot_mapping.tolist() == step.slot_mapping.tolist() + [-1]
     assert buffers.input_ids[:3].tolist() == [1, 2, 3] and buffers.positions[:3].tolist() == [4, 0, 9]
-
-
-def test_dual_batch_overlap_splits_a_large_decode_bucket_into_two_halves_of_the_static_buffers():
-    """``enable_dbo``: a decode bucket of at least the threshold is two parts, each a batch of views of the static
-    buffers whose query offsets count from 0; the model over the two parts fills the same rows as over one."""
-    from nanovllm_core.engine.cuda_graph import MixedStepBuffers, forward_parts
-
-    device = torch.device("cpu")
-    buffers = MixedStepBuffers(max_seqs=20, max_tokens=20, max_model_len=100, block_size=BLOCK, device=device,
-                               decode=True)  # fmt: skip
-    step = AttentionBatch.from_spans([[i + 1] for i in range(6)], [(i, i + 1) for i in range(6)], BLOCK, device)
-    assert buffers.load(torch.arange(6), torch.arange(6), step) == 8
-    assert [len(buffers.parts(s, lambda b: b, None)) for s in (4, 8, 16)] == [1, 1, 1]
-    assert [len(buffers.parts(s, lambda b: b, 8)) for s in (4, 8, 16)] == [1, 2, 2]
-    (s0, e0, first), (s1, e1, second) = buffers.parts(8, lambda b: b, 8)
-    assert (s0, e0, s1, e1) == (0, 4, 4, 8)
-    for batch, rows in ((first, range(0, 4)), (second, range(4, 8))):
-        assert batch.query_start_loc.tolist() == [0, 1, 2, 3, 4] and (batch.num_seqs, batch.num_tokens) == (4, 4)
-        assert batch.seq_lens.tolist() == [buffers.batch.seq_lens[r].item() for r in rows]
-        assert batch.block_tables[:, 0].tolist() == [buffers.batch.block_tables[r, 0].item() for r in rows]
-        assert batch.slot_mapping.tolist() == [buffers.batch.slot_mapping[r].item() for r in rows]
-    assert second.seq_lens.data_ptr() == buffers.batch.seq_lens[4:].data_ptr()  # a view: replays see each step
-    assert second.seq_lens.tolist() == [5, 6, 0, 0]
-
-    class Toy(nn.Module):
-        def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return (input_ids * 10 + positions).float().unsqueeze(1).expand(-1, 4)
-
-    backend = _Recording(
-        num_heads=1, num_kv_heads=1, head_dim=8, scale=1.0, block_size=BLOCK, dtype=torch.float32, device=device
-    )
-    whole, halves = torch.zeros(8, 4), torch.zeros(8, 4)
-    forward_parts(Toy(), backend, buffers.parts(8, lambda b: b, None), buffers.input_ids, buffers.positions, whole)
-    forward_parts(Toy(), backend, buffers.parts(8, lambda b: b, 8), buffers.input_ids, buffers.positions, halves)
-    assert torch.equal(whole, halves) and whole[:6, 0].tolist() == [11.0 * i for i in range(6)]
