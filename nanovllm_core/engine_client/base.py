@@ -349,7 +349,7 @@ class _Puller:
                 call_id = next(self.call_ids)
                 answers.append((request_id, None))
                 commands.append((call_id, "add", (sent, engine_params(params or SamplingParams()), request_id)))
-            waiting = {command[0]: command[2][2] for command in commands}
+            waiting = {call_id: args[2] for call_id, _, args in commands}  # call id -> request id
             try:
                 self.client.submit(commands)
                 while any(c not in self.results for c in waiting):

@@ -383,11 +383,13 @@ class DataParallelClient(EngineClient):
         loads = self._loads
         for i in sorted(costs, key=lambda i: -(costs[i][0] + costs[i][1])):
             prompt_tokens, budget, kind = costs[i]
-            r = self._router.route(commands[i][2][0], self._up)
-            owned = _Owned(r, budget, prompt_tokens + budget, kind, args=commands[i][2])
+            args = commands[i][2]
+            prompt, request_id = args[0], args[2]
+            r = self._router.route(prompt, self._up)
+            owned = _Owned(r, budget, prompt_tokens + budget, kind, args=args)
             loads[r] += owned.remaining
-            self._owners[commands[i][2][2]] = owned
-            targets[i] = (r, SentCommand("add", commands[i][2][2], owned, new_owner=True, command=commands[i]))
+            self._owners[request_id] = owned
+            targets[i] = (r, SentCommand("add", request_id, owned, new_owner=True, command=commands[i]))
         for i, (_, kind, args) in enumerate(commands):
             if kind == "add" and targets[i] is None:
                 request_id = args[2] if len(args) > 2 else None
