@@ -13,8 +13,9 @@ A kernel opts in with a ``PDL: tl.constexpr`` parameter and, before its first lo
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here on
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
 
-and its launch passes :func:`launch_options`. Every kernel waits before it reads, so a kernel that reads what two
-kernels back wrote is safe too: the one between finished its own wait before it finished.
+and its launch passes :func:`launch_options`. A kernel that reads what an earlier kernel than the previous one
+wrote is safe too: the previous kernel cannot finish before its own wait returns, after the earlier one finished.
+Kernels launched without PDL (cuBLAS, torch) wait for the whole previous kernel, as always.
 """
 
 from __future__ import annotations
