@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import re
 import shlex
 import subprocess
@@ -130,3 +131,14 @@ def test_each_quoted_command_exists_and_parses(command: str, tmp_path: Path) -> 
     else:  # a script that runs a model at once: its arguments parse
         parse = getattr(module, "parse_args", None) or (lambda a: module.build_parser().parse_args(a))
         parse(argv[2:])
+
+
+def test_the_outside_harness_runs_nano_vllms_workload_through_the_public_api(tmp_path: Path) -> None:
+    out = tmp_path / "nano_bench.json"
+    args = ["--shape", "tiny", "--attention", "torch", "--num-seqs", "2", "--max-input-len", "100"]
+    proc = run_script(BENCHMARKS / "nano_bench.py", *args, "--max-output-len", "100", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Throughput:" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["output_tokens"] == 200  # two requests of randint(100, 100) tokens, none stopped early
+    assert result["output_tok_per_s"] == pytest.approx(200 / result["seconds"])
