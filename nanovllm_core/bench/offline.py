@@ -40,6 +40,7 @@ from nanovllm_core.bench.probes import (
 from nanovllm_core.config import EngineConfig, read_config_file
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.gc_heap import GCPauses
+from nanovllm_core.layers.triton_jit import launch_options
 
 QWEN3_0_6B = dict(
     vocab_size=151936,
@@ -354,6 +355,8 @@ def _engine_report(llm: Any, stats: Any, in_process: bool, data_parallel: int) -
             "num_kvcache_blocks": llm.runner.num_kvcache_blocks,
             "cuda_graphs": llm.runner.graphs is not None,
             "async_scheduling": llm.async_scheduling,
+            # whether the kernels launched with it: the setting, on a GPU that has it
+            "programmatic_dependent_launch": launch_options(torch.empty(0, device=llm.runner.device))["PDL"],
         }
     return {  # what the replicas report: the settings and their stats (the rest lives in their processes)
         "attention": llm.config.plugins.attention,
@@ -363,6 +366,7 @@ def _engine_report(llm: Any, stats: Any, in_process: bool, data_parallel: int) -
         "num_kvcache_blocks": stats.num_kv_blocks,
         "cuda_graphs": None,  # decided inside each replica
         "async_scheduling": llm.config.async_scheduling,  # the setting ("auto": each replica decides)
+        "programmatic_dependent_launch": llm.config.programmatic_dependent_launch,  # the setting, as above
         "data_parallel_size": data_parallel,
         "replica_output_tokens": [s.num_generation_tokens for s in llm.replica_stats()],
     }
@@ -399,6 +403,7 @@ def _print_report(result: dict[str, Any], rates: dict[str, float], args: argpars
     print(
         f"attention={result['attention']} device={result['device']} blocks={result['num_kvcache_blocks']} "
         f"cuda_graphs={result['cuda_graphs']} async_scheduling={result['async_scheduling']} "
+        f"programmatic_dependent_launch={result['programmatic_dependent_launch']} "
         f"preemptions={result['num_preemptions']} prefix_cache_hit_rate={100 * result['prefix_cache_hit_rate']:.1f}%"
     )
     produced, elapsed = result["output_tokens"], result["seconds"]

@@ -154,6 +154,7 @@ def test_a_config_file_without_a_model_runs_on_the_random_weights(tmp_path):
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["model"].startswith("/tmp/nanovllm-bench-tiny") and result["attention"] == "torch"
     assert "bound_s" not in result  # no device rates on the CPU, so no bound
+    assert result["programmatic_dependent_launch"] is False  # the setting is on; a CPU has no such launch
 
 
 def test_bench_counts_the_running_cache_in_its_bound(tmp_path, monkeypatch, capsys):
