@@ -215,6 +215,7 @@ def sample_temperature(
     if splits > 1:
         part_value = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
         part_index = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    options = launch_options(logits)
     sample[(rows, splits)](
         logits,
         temperatures,
@@ -230,12 +231,10 @@ def sample_temperature(
         ONE_SPLIT=splits == 1,
         FAST_LOG2=logits.is_cuda,
         num_warps=8 if block >= 4096 else 4,
-        **launch_options(logits),
+        **options,
     )
     if splits > 1:
-        merge[(rows,)](
-            part_value, part_index, out, splits, SPLITS_P2=triton.next_power_of_2(splits), **launch_options(logits)
-        )
+        merge[(rows,)](part_value, part_index, out, splits, SPLITS_P2=triton.next_power_of_2(splits), **options)
     return out
 
 

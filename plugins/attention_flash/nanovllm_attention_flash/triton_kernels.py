@@ -759,6 +759,7 @@ def decode_attention(
         po_strides = part_out.stride()[:3]
         pl_strides = part_lse.stride()[:2]
     scale_log2 = scale * math.log2(math.e)
+    options = launch_options(q)
     kernels.decode_split[(num_kv_heads, num_splits, num_seqs)](
         q,
         key_cache,
@@ -791,7 +792,7 @@ def decode_attention(
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **launch_options(q),
+        **options,
     )
     if one_split:
         return
@@ -810,7 +811,7 @@ def decode_attention(
         # one warp a (head, sequence): the merge reads only a few splits' partial rows, which four warps would
         # mostly leave idle
         num_warps=1,
-        **launch_options(q),
+        **options,
     )
 
 
