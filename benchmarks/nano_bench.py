@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
@@ -40,19 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from nanovllm_core import LLM, SamplingParams
-    from nanovllm_core.bench.offline import random_checkpoint
+    from nanovllm_core.bench.offline import random_checkpoint, workload
 
     model = args.model or str(random_checkpoint(args.shape, torch.bfloat16))
     llm = LLM(model, plugins={"attention": args.attention}, kv_cache_dtype=args.kv_cache_dtype)
-
-    random.seed(0)
-    prompts = [
-        [random.randint(0, 10000) for _ in range(random.randint(100, args.max_input_len))] for _ in range(args.num_seqs)
-    ]
-    params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, args.max_output_len))
-        for _ in range(args.num_seqs)
-    ]
+    prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)  # nano-vllm's draws
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
     start = time.time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
