@@ -16,6 +16,10 @@ Workloads:
   waiting prompts in prompt-only steps, so running requests wait for them; this is where ``mixed`` pays.
 - ``nano``: nano-vllm's benchmark (prompts and outputs of 100-1,024 tokens), 512 requests.
 - ``sharegpt-synth``: a ShareGPT-like length mix (short prompts and outputs with long tails), 1,000 requests.
+- ``long-docs``: long documents among chat turns: sharegpt-synth's 1,000 lengths where every 20th request is a
+  document of 8,192-32,768 prompt tokens and 128-512 output tokens (a trace file, ``long-docs.jsonl`` in the
+  results folder; the servers then take ``--max-model-len 40960``). Where ``fifo``'s long prompt steps stall the
+  chat turns' decodes.
 
 Loads are fractions of the workload's saturation rate: the request rate of the first policy's server with every
 request sent at once (``fifo``'s by default), so every policy sees the same arrival rates; ``inf`` sends every
@@ -62,6 +66,8 @@ def installed_schedulers() -> list[str]:
     from nanovllm_core.plugins import get_registry
 
     return get_registry().names("scheduler")
+
+
 WORKLOADS: dict[str, dict[str, Any]] = {  # bench serve flags, requests sent at once for saturation, requests a load
     "long-prompts": {
         "flags": [
@@ -79,12 +85,39 @@ WORKLOADS: dict[str, dict[str, Any]] = {  # bench serve flags, requests sent at 
     },
     "nano": {"flags": ["--dataset", "nano"], "saturation_prompts": 512, "prompts": 512},
     "sharegpt-synth": {"flags": ["--dataset", "sharegpt-synth"], "saturation_prompts": 1000, "prompts": 1000},
+    "long-docs": {"flags": ["--dataset", "TRACE"], "saturation_prompts": 1000, "prompts": 1000, "max_model_len": 40960},
 }
+LONG_DOCS_TRACE = "long-docs.jsonl"
+MAX_MODEL_LEN = 8192  # every workload's requests fit, unless it says otherwise
+
+
+def write_long_documents_trace(path: Path) -> None:
+    """The ``long-docs`` trace: sharegpt-synth's 1,000 requests (seed 0) with every 20th (from the 11th) a long
+    document; ``nanovllm simulate --dataset`` reads the same file."""
+    import json
+    import random
+
+    from nanovllm_core.serving.bench import synthetic_sharegpt
+
+    rng = random.Random(0)
+    rows = []
+    for i, chat in enumerate(synthetic_sharegpt(1000, 10000, seed=0)):
+        long = i % 20 == 10
+        rows.append(
+            {
+                "prompt_len": rng.randint(8192, 32768) if long else len(chat.prompt),
+                "max_tokens": rng.randint(128, 512) if long else chat.max_tokens,
+            }
+        )
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
 IDLE_RATE = 2.0
 
 
-def server_command(policy: str, args: argparse.Namespace, checkpoint: str) -> list[str]:
+def server_command(policy: str, args: argparse.Namespace, checkpoint: str, workloads: list[str]) -> list[str]:
     flags = ["--attention", args.attention]
+    max_model_len = max(WORKLOADS[w].get("max_model_len", MAX_MODEL_LEN) for w in workloads)
     if policy != "fifo":
         flags += ["--scheduler", policy, "--max-num-batched-tokens", str(args.step_tokens)]
     return nanovllm(
@@ -95,19 +128,20 @@ def server_command(policy: str, args: argparse.Namespace, checkpoint: str) -> li
         "--port",
         str(args.port),
         "--max-model-len",
-        "8192",
+        str(max_model_len),
         *flags,
         *shlex.split(args.engine_args),
     )
 
 
 def client(args: argparse.Namespace, workload: str, result: Path, prompts: int, rates: str) -> list[str]:
+    trace = str(result.parent / LONG_DOCS_TRACE)
     return nanovllm(
         "bench",
         "serve",
         "--base-url",
         f"http://127.0.0.1:{args.port}",
-        *WORKLOADS[workload]["flags"],
+        *(trace if flag == "TRACE" else flag for flag in WORKLOADS[workload]["flags"]),
         "--num-prompts",
         str(prompts),
         "--rates",
@@ -252,11 +286,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --idle-prompts {args.idle_prompts}: 0 or more")
     folder = out_dir(args.results_dir, "policies", make=not args.dry_run)
     checkpoint = f"/tmp/nanovllm-bench-{args.shape}-bfloat16" if args.dry_run else str(random_checkpoint(args.shape))
+    if "long-docs" in workloads and not args.dry_run:
+        write_long_documents_trace(folder / LONG_DOCS_TRACE)
     needs_saturation = any(x != float("inf") for x in loads)
     saturation: dict[str, float] = {}
     failed: list[str] = []
     for i, policy in enumerate(policies):
-        server = server_command(policy, args, checkpoint)
+        server = server_command(policy, args, checkpoint, workloads)
         steps: list[tuple[str, str, list[str]]] = []  # (what, workload, command)
         for workload in workloads:
             spec = WORKLOADS[workload]

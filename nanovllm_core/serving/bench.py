@@ -55,6 +55,7 @@ class BenchRequest:
     prompt: list[int]
     max_tokens: int
     priority: int | None = None  # sent as vLLM's extra field ``priority`` (lower is more urgent)
+    arrival: float | None = None  # seconds from the start, from a trace that gives them
 
 
 @dataclass
@@ -110,6 +111,60 @@ def random_dataset(
         return max(1, rng.randint(round(length * (1 - range_ratio)), round(length * (1 + range_ratio))))
 
     return draw_requests(num_prompts, vocab_size, rng, lambda: (draw(input_len), draw(output_len)))
+
+
+DATASETS = ("nano", "sharegpt-synth", "random")
+
+
+def read_trace(path: str, seed: int, vocab_size: int) -> list[BenchRequest]:
+    """A JSONL trace: one request a line, ``{"arrival": s, "prompt": [ids] | "prompt_len": n, "max_tokens": n,
+    "priority": p}`` (``arrival`` and ``priority`` optional; ``arrival`` on every line or on none). A
+    ``prompt_len`` prompt is token ids uniform in ``[0, vocab_size)``, drawn from ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    requests = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"--dataset {path}: cannot read the trace ({exc})") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--dataset {path} line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: not JSON ({exc})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: a JSON object per line, not {type(row).__name__}")
+        if "prompt" in row:
+            prompt = row["prompt"]
+            if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+                raise ConfigError(f"{where}: 'prompt' is a non-empty list of token ids")
+        elif isinstance(row.get("prompt_len"), int) and row["prompt_len"] >= 1:
+            prompt = [rng.randrange(vocab_size) for _ in range(row["prompt_len"])]
+        else:
+            raise ConfigError(f"{where}: give 'prompt' (token ids) or 'prompt_len' (an integer >= 1)")
+        max_tokens = row.get("max_tokens")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ConfigError(f"{where}: 'max_tokens' is an integer >= 1, not {max_tokens!r}")
+        arrival = row.get("arrival")
+        if arrival is not None and (not isinstance(arrival, (int, float)) or arrival < 0):
+            raise ConfigError(f"{where}: 'arrival' is seconds from the start (>= 0), not {arrival!r}")
+        priority = row.get("priority")
+        if priority is not None and not isinstance(priority, int):
+            raise ConfigError(f"{where}: 'priority' is an integer, not {priority!r}")
+        requests.append(BenchRequest(prompt, max_tokens, priority, None if arrival is None else float(arrival)))
+    if not requests:
+        raise ConfigError(f"--dataset {path}: the trace holds no request")
+    timed = [r.arrival is not None for r in requests]
+    if any(timed) and not all(timed):
+        raise ConfigError(f"--dataset {path}: give 'arrival' on every line or on none (then --request-rate sets them)")
+    return requests
+
+
+def check_dataset(name: str) -> None:
+    if name not in DATASETS and not name.endswith(".jsonl"):
+        raise ConfigError(f"--dataset {name!r}: one of {', '.join(DATASETS)} or a trace file ending in .jsonl")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -328,9 +383,11 @@ async def send_share(
     request_rate: float,
     max_concurrency: int | None,
     seed: int,
+    arrivals: list[float] | None = None,
     start_at: float | None = None,
 ) -> ClientShare:
-    """Send ``bodies`` in order, Poisson arrivals at ``request_rate`` (the first at once, or at ``start_at``)."""
+    """Send ``bodies`` in order, Poisson arrivals at ``request_rate`` (the first at once, or at ``start_at``), or
+    each at its ``arrivals`` time (seconds from the start)."""
     lags: list[float] = []
     watcher = asyncio.ensure_future(watch_loop_lag(lags))
     if start_at is not None:
@@ -346,7 +403,9 @@ async def send_share(
         tasks = []
         start = time.monotonic()
         for i, body in enumerate(bodies):
-            if i and math.isfinite(request_rate):
+            if arrivals is not None:
+                await asyncio.sleep(max(0.0, start + arrivals[i] - time.monotonic()))
+            elif i and math.isfinite(request_rate):
                 await asyncio.sleep(rng.expovariate(request_rate))
             tasks.append(asyncio.ensure_future(one(body)))
         results = list(await asyncio.gather(*tasks))
@@ -422,7 +481,7 @@ def run_workload(
     With ``processes`` above 1, from that many client processes, each an event loop of its own: request ``i`` goes
     to process ``i % processes``, whose arrivals are Poisson at ``request_rate / processes`` (together, Poisson at
     ``request_rate``), and each process may have its share of ``max_concurrency`` in flight. All start at one
-    moment."""
+    moment. Requests that carry their ``arrival`` (a timed trace) are sent at those times instead."""
     if max_concurrency and max_concurrency < processes:
         raise ConfigError(
             f"--max-concurrency {max_concurrency} with --client-processes {processes}: each process needs at "
@@ -437,7 +496,8 @@ def run_workload(
     for k, indices in enumerate(order):  # a process's share of max_concurrency (0 or None: no cap)
         limit = max_concurrency // processes + (k < max_concurrency % processes) if max_concurrency else None
         bodies = [request_body(requests[i], model, temperature) for i in indices]
-        jobs.append((url, headers, bodies, request_rate / processes, limit, seed + k))
+        arrivals = [requests[i].arrival for i in indices] if requests[0].arrival is not None else None
+        jobs.append((url, headers, bodies, request_rate / processes, limit, seed + k, arrivals))
     shares = [event_loop_runner()(send_share(*jobs[0]))] if len(jobs) == 1 else send_shares_in_processes(jobs)
     summary = combined_summary(shares, order, extra)
     summary.update(request_rate=request_rate, max_concurrency=max_concurrency, num_prompts=len(requests))
@@ -501,7 +561,14 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", dest="served_model", help="model name to send instead of --model")
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument(
-        "--dataset", "--dataset-name", dest="dataset", choices=["nano", "sharegpt-synth", "random"], default="nano"
+        "--dataset",
+        "--dataset-name",
+        dest="dataset",
+        default="nano",
+        help=f'{", ".join(DATASETS)}, or a trace FILE.jsonl: one request a line, {{"prompt": [ids] or '
+        '"prompt_len": n, "max_tokens": n, "priority": p, "arrival": s} (priority and arrival optional; '
+        "with arrivals on every line they are the send times) - the trace format of nanovllm simulate (default: "
+        "%(default)s)",
     )
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: inf)")
@@ -734,9 +801,24 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             classes = [int(p) for p in args.priorities.split(",")]
         except ValueError:
             raise ConfigError(f"--priorities {args.priorities!r}: comma-separated integers, e.g. 0,1") from None
+    check_dataset(args.dataset)
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     vocab = args.vocab_size or DEFAULT_VOCAB_SIZE
-    if args.dataset == "nano":
+    if args.dataset.endswith(".jsonl"):
+        requests = read_trace(args.dataset, args.seed, vocab)
+        if len(requests) > args.num_prompts:
+            print(
+                f"bench serve: the trace holds {len(requests)} requests; sending the first {args.num_prompts} "
+                "(--num-prompts)",
+                file=sys.stderr,
+                flush=True,
+            )
+            requests = requests[: args.num_prompts]
+        if requests[0].arrival is not None and (args.rates or math.isfinite(args.request_rate)):
+            raise ConfigError(
+                f"--dataset {args.dataset}: its requests carry their arrival times; drop --request-rate/--rates"
+            )
+    elif args.dataset == "nano":
         requests = nano_workload(args.num_prompts, args.max_input_len, args.max_output_len)
     elif args.dataset == "random":
         requests = random_dataset(
@@ -772,6 +854,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             extra=(metrics, percentiles) if percentiles else None,
         )
         summary["dataset"] = args.dataset
+        if requests[0].arrival is not None:
+            summary["arrivals"] = "trace"
         summary["model_id"] = model
         runs.append(summary)
         print_summary(summary, metrics, percentiles)

@@ -14,11 +14,14 @@ from typing import Any
 
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.serving.bench import (
+    DATASETS,
     RequestResult,
+    check_dataset,
     nano_workload,
     parse_rates,
     print_summary,
     random_dataset,
+    read_trace,
     summarize,
     synthetic_sharegpt,
 )
@@ -32,7 +35,6 @@ from nanovllm_core.simulate.cost import (
 from nanovllm_core.simulate.engine import RequestTimes, SimulatedEngine, TraceRequest
 
 DEFAULT_CALIBRATION = "h200-qwen3-0.6b-bf16"
-DATASETS = ("sharegpt-synth", "nano", "random")
 TIMELINE_POINTS = 200  # the KV-cache/preemption timeline in the JSON, evenly thinned to about this many points
 
 
@@ -55,51 +57,6 @@ def poisson_arrivals(n: int, rate: float, seed: int, processes: int = 1) -> list
     return times
 
 
-def read_trace(path: str, seed: int, vocab_size: int) -> tuple[list[TraceRequest], bool]:
-    """A JSONL trace: one request a line, ``{"arrival": s, "prompt": [ids] | "prompt_len": n, "max_tokens": n,
-    "priority": p}`` (``arrival`` and ``priority`` optional). Also whether every line has its arrival time."""
-    rng = random.Random(seed)
-    requests, timed = [], []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"--dataset {path}: cannot read the trace ({exc})") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"--dataset {path} line {number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where}: not JSON ({exc})") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{where}: a JSON object per line, not {type(row).__name__}")
-        if "prompt" in row:
-            prompt = row["prompt"]
-            if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
-                raise ConfigError(f"{where}: 'prompt' is a non-empty list of token ids")
-        elif isinstance(row.get("prompt_len"), int) and row["prompt_len"] >= 1:
-            prompt = [rng.randrange(vocab_size) for _ in range(row["prompt_len"])]
-        else:
-            raise ConfigError(f"{where}: give 'prompt' (token ids) or 'prompt_len' (an integer >= 1)")
-        max_tokens = row.get("max_tokens")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ConfigError(f"{where}: 'max_tokens' is an integer >= 1, not {max_tokens!r}")
-        arrival = row.get("arrival")
-        if arrival is not None and (not isinstance(arrival, (int, float)) or arrival < 0):
-            raise ConfigError(f"{where}: 'arrival' is seconds from the start (>= 0), not {arrival!r}")
-        priority = row.get("priority")
-        if priority is not None and not isinstance(priority, int):
-            raise ConfigError(f"{where}: 'priority' is an integer, not {priority!r}")
-        timed.append(arrival is not None)
-        requests.append(TraceRequest(float(arrival or 0.0), prompt, max_tokens, priority))
-    if not requests:
-        raise ConfigError(f"--dataset {path}: the trace holds no request")
-    if any(timed) and not all(timed):
-        raise ConfigError(f"--dataset {path}: give 'arrival' on every line or on none (then --request-rate sets them)")
-    return requests, all(timed)
-
-
 def build_workload(args: argparse.Namespace, rate: float) -> list[TraceRequest]:
     """The requests of ``args.dataset`` with Poisson arrivals at ``rate`` (a timed trace keeps its own)."""
     if args.num_prompts < 1:
@@ -120,10 +77,11 @@ def build_workload(args: argparse.Namespace, rate: float) -> list[TraceRequest]:
             )
         ]
     elif args.dataset.endswith(".jsonl"):
-        reqs, timed = read_trace(args.dataset, args.seed, 10000)
-        reqs = reqs[: args.num_prompts]
+        rows = read_trace(args.dataset, args.seed, 10000)[: args.num_prompts]
+        timed = rows[0].arrival is not None
+        reqs = [TraceRequest(r.arrival or 0.0, r.prompt, r.max_tokens, r.priority) for r in rows]
     else:
-        raise ConfigError(f"--dataset {args.dataset!r}: one of {', '.join(DATASETS)} or a trace file ending in .jsonl")
+        check_dataset(args.dataset)
     if not timed:
         for req, t in zip(reqs, poisson_arrivals(len(reqs), rate, args.seed, args.client_processes)):
             req.arrival = t

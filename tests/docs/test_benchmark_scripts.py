@@ -101,6 +101,23 @@ def test_a_bad_selection_is_named_with_the_choices(tmp_path: Path) -> None:
     assert "--policies 'fifo,lifo': choose from fifo, mixed, priority" in proc.stderr
 
 
+def test_the_long_documents_trace_is_what_both_bench_serve_and_simulate_read(tmp_path: Path) -> None:
+    from nanovllm_core.serving.bench import read_trace
+
+    policies = load(BENCHMARKS / "policies.py")
+    trace = tmp_path / policies.LONG_DOCS_TRACE
+    policies.write_long_documents_trace(trace)
+    requests = read_trace(str(trace), 0, 10000)
+    documents = [r for r in requests if len(r.prompt) >= 8192]
+    assert len(requests) == 1000 and len(documents) == 50
+    assert all(len(r.prompt) <= 32768 and 128 <= r.max_tokens <= 512 for r in documents)
+    proc = run_script(
+        BENCHMARKS / "policies.py", "--dry-run", "--workloads", "long-docs", "--results-dir", str(tmp_path)
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--max-model-len 40960" in proc.stdout and f"--dataset {tmp_path}/policies/long-docs.jsonl" in proc.stdout
+
+
 COMMANDS = table_commands()
 
 

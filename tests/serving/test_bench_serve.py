@@ -92,6 +92,45 @@ def test_failed_requests_make_the_exit_status_1(bench_server, capsys):
     assert "HTTP 400" in capsys.readouterr().out
 
 
+def test_trace_file_sends_its_requests_at_their_arrivals(bench_server, tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    rows = [
+        {"arrival": 0.0, "prompt_len": 30, "max_tokens": 4, "priority": 1},
+        {"arrival": 0.6, "prompt": [1, 2, 3], "max_tokens": 2, "priority": 0},
+        {"arrival": 0.3, "prompt_len": 5, "max_tokens": 3},
+    ]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result_file = tmp_path / "trace.json"
+    argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset", str(trace), "--warmup", "0"]
+    assert main([*argv, "--client-processes", "2", "--result-file", str(result_file)]) == 0
+    result = json.loads(result_file.read_text())
+    assert result["completed"] == 3 and result["arrivals"] == "trace"
+    assert result["total_input_tokens"] == 38 and result["total_output_tokens"] == 9
+    assert result["duration"] >= 0.6  # the last request went at its arrival, not at once
+    assert sorted(result["by_priority"]) == ["0", "1"]
+    assert main([*argv, "--num-prompts", "2", "--request-rate", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "sending the first 2" in err and "carry their arrival times" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"prompt_len": 3}'], "line 1: 'max_tokens'"),
+        (['{"prompt_len": 3, "max_tokens": 2, "arrival": 1}', '{"prompt_len": 3, "max_tokens": 2}'], "on every line"),
+        (["[1, 2]"], "a JSON object per line"),
+    ],
+)
+def test_bad_trace_is_one_clear_line(bench_server, tmp_path, lines, message, capsys):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    assert main(["bench", "serve", "--base-url", bench_server.url, "--dataset", str(trace)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+    assert main(["bench", "serve", "--base-url", bench_server.url, "--dataset", "bogus"]) == 2
+    assert "trace file ending in .jsonl" in capsys.readouterr().err
+
+
 def test_workloads():
     prompts, max_tokens = workload(8, 1024, 1024)
     assert [(r.prompt, r.max_tokens) for r in nano_workload(8, 1024, 1024)] == list(zip(prompts, max_tokens))
