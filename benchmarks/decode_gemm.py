@@ -1,7 +1,8 @@
 """How fast the decode step's projections read their weights: each layer's GEMM at the batch sizes decode meets.
 
     python benchmarks/decode_gemm.py [--shape qwen3-0.6b] [--rows 1,16,64,128,256,512] [--blas default,cublaslt]
-                                     [--skinny] [--sweep] [--iters 50] [--json PATH] [--results-dir results]
+                                     [--skinny] [--sweep] [--norm] [--iters 50] [--json PATH]
+                                     [--results-dir results]
 
 A decode step multiplies ``rows`` activations (one per running sequence) by every weight matrix once: at small
 ``rows`` the step should stream the weights at the copy rate. For each projection of the shape (``qkv``, ``o``,
@@ -14,10 +15,13 @@ and reports microseconds, TFLOP/s and the weights' read rate in TB/s against the
 (``torch.backends.cuda.preferred_blas_library``); ``--skinny`` adds the engine's kernel for a few rows
 (``nanovllm_core.layers.skinny_gemm_kernel``, rows up to its ``MAX_ROWS``) as the ``skinny`` row, and ``--sweep``
 times every block configuration of it instead of its default one, printing the fastest per layer and row count
-(how ``launch_config`` is chosen). At a few rows a GEMM's fixed latency, not its bytes, can set
-its time: this says, layer by layer, how far each projection is from reading its weights at the copy rate. On a
-machine without CUDA it runs on the CPU with ``--rows`` as given (a check of the script, not a measurement of
-interest). Without ``--json`` the report goes to RESULTS_DIR/kernels/decode_gemm_SHAPE.json.
+(how ``launch_config`` is chosen). ``--norm`` times the residual add and RMSNorm before the ``qkv`` and ``gate_up``
+projections in the skinny kernel's prologue (``skinny_norm_linear``, ``norm`` = ``prologue``) against
+``rms_norm_kernel`` then the skinny kernel (``norm`` = ``separate``), gate-up with its SiLU in both. At a few rows a
+GEMM's fixed latency, not its bytes, can set its time: this says, layer by layer, how far each projection is from
+reading its weights at the copy rate. On a machine without CUDA it runs on the CPU with ``--rows`` as given (a check
+of the script, not a measurement of interest). Without ``--json`` the report goes to
+RESULTS_DIR/kernels/decode_gemm_SHAPE.json.
 """
 
 from __future__ import annotations
@@ -136,7 +140,13 @@ def result_row(
 
 
 def measure(
-    shape_name: str, rows: list[int], blas: list[str], iters: int, skinny: bool = False, sweep: bool = False
+    shape_name: str,
+    rows: list[int],
+    blas: list[str],
+    iters: int,
+    skinny: bool = False,
+    sweep: bool = False,
+    norm: bool = False,
 ) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -156,6 +166,8 @@ def measure(
             torch.backends.cuda.preferred_blas_library("default")
     if skinny or sweep:
         results += measure_skinny(shape_name, rows, iters, sweep, device, dtype)
+    if norm:
+        results += measure_norm(shape_name, rows, iters, device, dtype)
     return {
         "shape": shape_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -187,6 +199,46 @@ def measure_skinny(
     return results
 
 
+NORMED = ("qkv", "gate_up")  # the projections a decoder layer's RMSNorm precedes
+
+
+def _norm_in_prologue(x, w, norm_weight, residual, silu_mul):
+    from nanovllm_core.layers.skinny_gemm_kernel import skinny_norm_linear
+
+    return skinny_norm_linear(x, w, norm_weight, 1e-6, residual, silu_mul=silu_mul)
+
+
+def _norm_then_gemm(x, w, norm_weight, residual, silu_mul):
+    from nanovllm_core.layers.rms_norm_kernel import rms_norm
+    from nanovllm_core.layers.skinny_gemm_kernel import skinny_linear
+
+    h, residual = rms_norm(x, norm_weight, 1e-6, residual)
+    return skinny_linear(h, w, silu_mul=silu_mul), residual
+
+
+def measure_norm(
+    shape_name: str, rows: list[int], iters: int, device: torch.device, dtype: torch.dtype
+) -> list[dict[str, Any]]:
+    """The add + RMSNorm and the projection after it (``blas`` = ``skinny``), in one kernel (``norm`` =
+    ``prologue``) and in two (``separate``)."""
+    from nanovllm_core.layers.skinny_gemm_kernel import MAX_ROWS
+
+    results = []
+    for name, (k, n) in projections(SHAPES[shape_name]).items():
+        if name not in NORMED:
+            continue
+        weights, weight_bytes = cold_copies(n, k, device, dtype)
+        norm_weight = torch.ones(k, dtype=dtype, device=device)
+        for m in (r for r in rows if r <= MAX_ROWS):
+            x, residual = torch.randn(2, m, k, dtype=dtype, device=device)
+            for norm, fn in (("prologue", _norm_in_prologue), ("separate", _norm_then_gemm)):
+                fn = functools.partial(fn, norm_weight=norm_weight, residual=residual, silu_mul=name == "gate_up")
+                seconds = time_linear(x, weights, iters if device.type == "cuda" else 1, fn)
+                results.append(result_row("skinny", name, m, k, n, seconds, weight_bytes, norm=norm))
+        del weights
+    return results
+
+
 def print_table(report: dict[str, Any]) -> None:
     copy = report["copy_tb_per_s"]
     print(
@@ -197,7 +249,9 @@ def print_table(report: dict[str, Any]) -> None:
         share = f" ({100 * r['weight_tb_per_s'] / copy:.0f}%)" if copy else ""
         print(
             f"{r['blas']:9} {r['layer']:8} {r['in']:>6} x {r['out']:<6} {r['rows']:>5} {r['us']:>9.1f} "
-            f"{r['tflops']:>8.1f} {r['weight_tb_per_s']:>7.2f}{share}" + (f"  {r['config']}" if "config" in r else "")
+            f"{r['tflops']:>8.1f} {r['weight_tb_per_s']:>7.2f}{share}"
+            + (f"  {r['config']}" if "config" in r else "")
+            + (f"  norm {r['norm']}" if "norm" in r else "")
         )
 
 
@@ -208,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--blas", default="default,cublaslt", help="comma-separated BLAS back-ends to compare")
     parser.add_argument("--skinny", action="store_true", help="also time the engine's kernel for a few rows")
     parser.add_argument("--sweep", action="store_true", help="time every block configuration of that kernel")
+    parser.add_argument(
+        "--norm",
+        action="store_true",
+        help="time the add + RMSNorm in that kernel's prologue against a kernel before it",
+    )
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", help="write the report here ('-': stdout; default: in --results-dir)")
     parser.add_argument(
@@ -226,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows or min(rows) < 1:
         parser.error(f"--rows {args.rows!r}: comma-separated positive integers, e.g. 1,64,256")
     blas = [b.strip() for b in args.blas.split(",") if b.strip()]
-    report = measure(args.shape, rows, blas, args.iters, skinny=args.skinny, sweep=args.sweep)
+    report = measure(args.shape, rows, blas, args.iters, skinny=args.skinny, sweep=args.sweep, norm=args.norm)
     print_table(report)
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)

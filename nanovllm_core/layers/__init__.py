@@ -1,4 +1,5 @@
-"""Building blocks for model plugins: tensor-parallel-ready linears and embeddings, norms, rotary, attention.
+"""Building blocks for model plugins: tensor-parallel-ready linears and embeddings, norms, rotary, attention;
+:func:`norm_linear` runs a norm and the projection after it (one kernel for a decode step's few rows).
 
 Also for kernel authors: :func:`wrap_kernel` runs a ``@triton.jit`` kernel compiled on CUDA or in Triton's
 interpreter on CPU (how CI tests kernels), :func:`fused_enabled` says whether the engine asked for
@@ -17,6 +18,7 @@ from nanovllm_core.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    norm_linear,
 )
 from nanovllm_core.layers.norm import RMSNorm
 from nanovllm_core.layers.rotary import RotaryEmbedding, get_rope
@@ -37,5 +39,6 @@ __all__ = [
     "fused_enabled",
     "get_rope",
     "launch_options",
+    "norm_linear",
     "wrap_kernel",
 ]

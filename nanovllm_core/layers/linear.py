@@ -15,6 +15,7 @@ from torch import nn
 from nanovllm_core.distributed import all_reduce, get_tp_rank, get_tp_size
 from nanovllm_core.layers.activation import SiluAndMul
 from nanovllm_core.layers.fused import fused_enabled
+from nanovllm_core.layers.norm import RMSNorm
 from nanovllm_core.layers.triton_jit import kernel_module
 
 
@@ -41,6 +42,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, or the skinny kernel for a decode step's few rows (:func:`_skinny_kernels`)."""
     kernels = _skinny_kernels(x, weight) if bias is None else None
     return kernels.skinny_linear(x, weight) if kernels is not None else F.linear(x, weight, bias)
+
+
+def _is_gate_up(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a bias-free ``[gate; up]`` projection of two equal halves."""
+    sizes = getattr(layer, "output_sizes", None)
+    return layer.bias is None and sizes is not None and len(sizes) == 2 and sizes[0] == sizes[1]
+
+
+def norm_linear(
+    x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, layer: nn.Module, silu_mul: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layer(h), new_residual)`` where ``h, new_residual = norm(x, residual)`` (``norm(x)`` and ``x`` when
+    ``residual`` is None); with ``silu_mul`` ``layer.silu_and_mul(h)`` (a ``MergedColumnParallelLinear`` of
+    ``[gate, up]``). For a decode step's few rows the skinny kernel adds, normalises and projects in one launch
+    (``skinny_gemm_kernel.skinny_norm_linear``) when ``norm`` is an :class:`RMSNorm` and ``layer`` a bias-free
+    replicated or column-parallel linear; otherwise it is exactly the two calls."""
+    kernels = _norm_linear_kernels(x, norm, residual, layer, silu_mul)
+    if kernels is not None:
+        return kernels.skinny_norm_linear(x, layer.weight, norm.weight, norm.eps, residual, silu_mul=silu_mul)
+    h, residual = (norm(x), x) if residual is None else norm(x, residual)
+    return (layer.silu_and_mul(h) if silu_mul else layer(h)), residual
+
+
+def _norm_linear_kernels(
+    x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, layer: nn.Module, silu_mul: bool
+) -> ModuleType | None:
+    """``skinny_gemm_kernel`` when :func:`norm_linear` may fuse: the modules compute what the kernel does (no
+    subclass overrides their forward, no bias, a row-parallel layer's all-reduce never skipped) and the tensors
+    are what it takes."""
+    ok = type(norm).forward is RMSNorm.forward and norm.weight.dtype == x.dtype and norm.weight.is_contiguous()
+    ok = ok and type(layer).forward is _Linear.forward and layer.bias is None
+    if silu_mul:
+        ok = ok and getattr(type(layer), "silu_and_mul", None) is MergedColumnParallelLinear.silu_and_mul
+        ok = ok and _is_gate_up(layer)
+    if residual is not None:
+        ok = ok and residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+    return _skinny_kernels(x, layer.weight) if ok else None
 
 
 class _Linear(nn.Module):
@@ -95,8 +133,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``SiluAndMul()(self(x))`` for a ``[gate, up]`` projection; a decode step's few rows take one kernel for
         both, without writing the projection."""
-        gate_up = self.bias is None and len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
-        kernels = _skinny_kernels(x, self.weight) if gate_up else None
+        kernels = _skinny_kernels(x, self.weight) if _is_gate_up(self) else None
         if kernels is not None:
             return kernels.skinny_linear(x, self.weight, silu_mul=True)
         return _SILU_AND_MUL(self(x))

@@ -194,3 +194,20 @@ def test_decode_gemm_benchmark_reports_every_projection_and_row_count(tmp_path, 
     qkv = next(r for r in report["results"] if r["layer"] == "qkv")
     assert (qkv["in"], qkv["out"]) == (64, (4 + 2 * 2) * 32)  # the tiny shape's fused q, k and v
     assert "lm_head" in capsys.readouterr().out
+
+
+def test_decode_gemm_benchmark_times_the_norm_in_the_skinny_kernels_prologue(tmp_path, capsys):
+    """``--norm`` on the CPU: for the projections a norm precedes, one row with the norm in the prologue and one with
+    it separate, per row count the skinny kernel takes."""
+    import json
+
+    module = load_benchmark("decode_gemm")
+    out = tmp_path / "gemm.json"
+    argv = ["--shape", "tiny", "--rows", "1,8", "--iters", "2", "--norm", "--json", str(out)]
+    assert module.main(argv) == 0
+    normed = [r for r in json.loads(out.read_text())["results"] if "norm" in r]
+    assert {(r["layer"], r["rows"], r["norm"]) for r in normed} == {
+        (layer, 1, norm) for layer in ("qkv", "gate_up") for norm in ("prologue", "separate")
+    }
+    assert all(r["blas"] == "skinny" and r["us"] > 0 for r in normed)
+    assert "norm prologue" in capsys.readouterr().out

@@ -15,6 +15,7 @@ from nanovllm_core.layers.fused import set_compile  # noqa: E402
 from nanovllm_core.layers.linear import linear  # noqa: E402
 from nanovllm_core.layers.rms_norm_kernel import rms_norm  # noqa: E402
 from nanovllm_core.layers.silu_and_mul_kernel import silu_and_mul  # noqa: E402
+from nanovllm_core.layers.skinny_gemm_kernel import skinny_norm_linear  # noqa: E402
 from nanovllm_core.layers.triton_jit import set_pdl  # noqa: E402
 from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint  # noqa: E402
 
@@ -46,10 +47,22 @@ def _layers(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]]) -> torch.T
     return rms_norm(x, weights[0][0], 1e-6, residual)[0]
 
 
+def _norm_gemm_layers(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """The same chain with each norm in the gate-up projection's prologue (``skinny_norm_linear``, at most four
+    rows): the fused kernel reads the residual another fused kernel wrote two launches back."""
+    residual = None
+    for norm_weight, gate_up, down in weights:
+        h, residual = skinny_norm_linear(x, gate_up, norm_weight, 1e-6, residual, silu_mul=True)
+        x = linear(h, down)
+    return rms_norm(x, weights[0][0], 1e-6, residual)[0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_pdl(), reason="needs a GPU of compute capability 9.0 or newer")
-@pytest.mark.parametrize("rows", [1, 4, 64])
-def test_a_graph_of_pdl_kernels_gives_the_same_bits(rows):
+@pytest.mark.parametrize(
+    "chain,rows", [(_layers, 1), (_layers, 4), (_layers, 64), (_norm_gemm_layers, 1), (_norm_gemm_layers, 4)]
+)
+def test_a_graph_of_pdl_kernels_gives_the_same_bits(chain, rows):
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden, inter, layers = 1024, 3072, 8
     weights = [
@@ -67,10 +80,10 @@ def test_a_graph_of_pdl_kernels_gives_the_same_bits(rows):
         for pdl in (False, True):
             set_pdl(pdl)
             assert launch_options(x) == ({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False})
-            _layers(x, weights)  # compile outside the capture
+            chain(x, weights)  # compile outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = _layers(x, weights)
+                out = chain(x, weights)
             results = []
             for _ in range(3):
                 graph.replay()

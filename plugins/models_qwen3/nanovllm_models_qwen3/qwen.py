@@ -19,6 +19,7 @@ from nanovllm_core.layers import (
     VocabParallelEmbedding,
     fused_enabled,
     get_rope,
+    norm_linear,
 )
 from nanovllm_core.loader import load_weights
 from nanovllm_models_qwen3.qk_norm_rope import qk_norm_rope
@@ -46,7 +47,10 @@ class QwenAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
+        return self.attend(positions, self.qkv_proj(hidden_states))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention from the q/k/v projection ``qkv`` on: q/k norm, rotary, attention, output projection."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -98,12 +102,16 @@ class QwenDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        # the norms fold into the projections after them (norm_linear: one kernel for a decode step's few rows)
+        attn = self.self_attn
+        qkv, residual = norm_linear(hidden_states, self.input_layernorm, residual, attn.qkv_proj)
+        hidden_states = attn.attend(positions, qkv)
+        if type(self.mlp) is QwenMLP:  # a dense MLP (MoE blocks and subclasses run their own forward)
+            mlp = self.mlp
+            hidden_states, residual = norm_linear(
+                hidden_states, self.post_attention_layernorm, residual, mlp.gate_up_proj, silu_mul=True
+            )
+            return mlp.down_proj(hidden_states), residual
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
