@@ -37,7 +37,7 @@ MAX_WEIGHT_ELEMENTS = 8 << 20
 def _skinny_gemm_kernel(
     X, W, Y, RES, NW, RES_OUT, M, N, K, stride_x, stride_r, stride_w, stride_y, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SILU_MUL: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ONE_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program ``pid``: ``Y[:M, cols] = X[:M] @ W[cols].T`` for the ``BLOCK_N`` columns ``cols`` it owns.
 
@@ -47,7 +47,8 @@ def _skinny_gemm_kernel(
 
     ``NORM``: the rows multiplied are ``NW * rms_norm(X [+ RES])``, rounded as ``rms_norm_kernel`` rounds them;
     every program first sums the rows' squares over ``K`` (the rows are tiny and stay in cache), then normalises
-    each chunk as it loads it. With ``HAS_RESIDUAL`` program 0 also writes ``RES_OUT = X + RES`` (contiguous)."""
+    each chunk as it loads it; with ``ONE_CHUNK`` (``K <= BLOCK_K``) the rows are loaded once, for both. With
+    ``HAS_RESIDUAL`` program 0 also writes ``RES_OUT = X + RES`` (contiguous)."""
     if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -61,7 +62,7 @@ def _skinny_gemm_kernel(
     up_ptrs = w_ptrs + N * stride_w
     x_ptrs = X + rows[:, None] * stride_x + ks[None, :]
     r_ptrs = RES + rows[:, None] * stride_r + ks[None, :]
-    if NORM:
+    if NORM and not ONE_CHUNK:
         squares = tl.full([M_PAD, BLOCK_K], 0.0, dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             x_ok = row_ok[:, None] & ((k + ks) < K)[None, :]
@@ -97,7 +98,12 @@ def _skinny_gemm_kernel(
                 up = tl.load(up_ptrs + k, mask=w_ok, other=0.0)
         if HAS_RESIDUAL:
             x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+            if ONE_CHUNK and pid == 0:
+                tl.store(RES_OUT + rows[:, None] * K + ks[None, :], x, mask=row_ok[:, None] & (ks < K)[None, :])
         if NORM:
+            if ONE_CHUNK:  # the same sum as the first pass over its one chunk
+                rstd = tl.rsqrt(tl.reduce(x.to(tl.float32) * x.to(tl.float32), 1, tl.standard._sum_combine) / K + eps)
+                rstd = rstd[:, None]
             normed = (x.to(tl.float32) * rstd).to(x.dtype)
             x = (norm_weight.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
         x = x.to(tl.float32)[:, None, :]
@@ -217,6 +223,6 @@ def _launch(
             rows if res_out is None else res_out,  # unused pointers stand in for the inputs a launch lacks
             m, width, in_features, rows.stride(0), 0 if res is None else res.stride(0), weight.stride(0),
             y.stride(0), eps, EVEN=even, SILU_MUL=silu_mul, NORM=norm, HAS_RESIDUAL=res is not None,
-            **cfg, **launch_options(x),
+            ONE_CHUNK=in_features <= cfg["BLOCK_K"], **cfg, **launch_options(x),
         )  # fmt: skip
     return y.view(*x.shape[:-1], width), res_out
