@@ -118,6 +118,29 @@ def test_the_long_documents_trace_is_what_both_bench_serve_and_simulate_read(tmp
     assert "--max-model-len 40960" in proc.stdout and f"--dataset {tmp_path}/policies/long-docs.jsonl" in proc.stdout
 
 
+def test_simulate_policies_simulates_each_measured_run(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "policies"
+    folder.mkdir()
+    measured = {"request_throughput": 5.0, "median_ttft_ms": 10.0, "p99_ttft_ms": 20.0, "median_itl_ms": 2.0}
+    runs = [{"request_rate": rate, "num_prompts": 6, "p99_itl_ms": 4.0, **measured} for rate in (3.0, 6.0)]
+    (folder / "fifo_nano.json").write_text(json.dumps({"runs": runs}))
+    summary = {
+        "step_tokens": 2048,
+        "saturation_req_per_s": {"nano": 10.0},
+        "rows": [{"policy": "fifo", "workload": "nano"}],
+    }
+    (folder / "summary.json").write_text(json.dumps(summary))
+    script = load(BENCHMARKS / "simulate_policies.py")
+    assert script.main(["--results-dir", str(tmp_path), "--json", str(tmp_path / "rows.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| nano, 30%, 3 req/s | `fifo` |" in out and "| nano, 60%, 6 req/s | `fifo` |" in out
+    assert "of 10 cells within the goal" in out
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert [r["request_rate"] for r in rows] == [3.0, 6.0]
+    assert all("--warm-prefix-cache 6" in r["command"] for r in rows)  # fifo's loads follow its all-at-once run
+    assert rows[0]["simulated"]["request_throughput"] > 0
+
+
 COMMANDS = table_commands()
 
 

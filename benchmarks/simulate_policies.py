@@ -1,0 +1,126 @@
+"""Simulate what ``benchmarks/policies.py`` measured, cell by cell: the simulator checked against a GPU.
+
+    python benchmarks/policies.py --workloads sharegpt-synth --loads 0.3,0.5,0.7,0.9    # on the GPU
+    python benchmarks/simulate_policies.py --results-dir results                          # anywhere, no GPU
+
+For every policy, workload and load in RESULTS_DIR/policies/ (``POLICY_WORKLOAD.json`` and ``summary.json``, as
+``policies.py`` writes them), one ``nanovllm simulate`` of the same workload, arrivals (client processes, seed,
+priority classes), step size and ``--max-model-len``, with the prefix cache as that server had it: warm for every
+run after the first of a workload on a server, and for the first policy's loads, which follow its all-at-once
+run. Prints a table row per run, **simulated / measured (difference)** for request throughput and TTFT and ITL
+at p50 and p99, and how many cells are within the goal (throughput and p50s within 10%, p99s within 20%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_common_arguments, read_json, write_json  # noqa: E402
+from policies import LONG_DOCS_TRACE, MAX_MODEL_LEN, WORKLOADS  # noqa: E402
+
+METRICS = (("request_throughput", 10), ("median_ttft_ms", 10), ("p99_ttft_ms", 20), ("median_itl_ms", 10),
+           ("p99_itl_ms", 20))  # fmt: skip
+
+
+def measured_runs(folder: Path, policy: str, workload: str) -> list[dict[str, Any]]:
+    path = folder / f"{policy}_{workload}.json"
+    if not path.is_file():
+        return []
+    data = read_json(path)
+    return data.get("runs", [data])
+
+
+def simulate_command(
+    folder: Path, summary: dict[str, Any], policy: str, workload: str, run: dict[str, Any], warm: bool, args: Any
+) -> list[str]:
+    spec = WORKLOADS[workload]
+    workloads = sorted({r["workload"] for r in summary["rows"]})
+    max_model_len = max(WORKLOADS[w].get("max_model_len", MAX_MODEL_LEN) for w in workloads if w in WORKLOADS)
+    flags = [str(folder / LONG_DOCS_TRACE) if f == "TRACE" else f for f in spec["flags"]]
+    cmd = ["simulate", *flags, "--num-prompts", str(run.get("num_prompts", spec["prompts"]))]
+    cmd += ["--max-model-len", str(max_model_len), "--client-processes", str(args.client_processes)]
+    cmd += ["--priorities", "0,1", "--request-rate", f"{run['request_rate']:g}"]
+    if policy != "fifo":
+        cmd += ["--scheduler", policy, "--max-num-batched-tokens", str(summary["step_tokens"])]
+    if warm:
+        cmd += ["--warm-prefix-cache", str(run.get("num_prompts", spec["prompts"]))]
+    if args.calibration:
+        cmd += ["--calibration", args.calibration]
+    return cmd
+
+
+def simulate(cmd: list[str]) -> dict[str, Any]:
+    from nanovllm_core.cli import main as cli_main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "simulated.json"
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = cli_main([*cmd, "--result-file", str(result)])
+        if code != 0:
+            raise SystemExit(f"error: nanovllm {' '.join(cmd)} exited with {code}")
+        return read_json(result)
+
+
+def cell(simulated: float, measured: float, goal: float) -> tuple[str, bool]:
+    def shown(v: float) -> str:
+        return f"{v:,.1f}" if v < 100 else f"{v:,.0f}"
+
+    diff = 100 * (simulated / measured - 1)
+    within = abs(diff) <= goal
+    return f"{shown(simulated)} / {shown(measured)} ({diff:+.0f}%{'' if within else ' **miss**'})", within
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Simulate every run benchmarks/policies.py measured (RESULTS_DIR/policies/) and print "
+        "simulated / measured rows."
+    )
+    parser.add_argument("--calibration", help="the simulator's calibration (default: its own default)")
+    parser.add_argument("--client-processes", type=int, default=4, help="policies.py's --client-processes (default 4)")
+    parser.add_argument("--json", help="also write the rows as JSON here")
+    add_common_arguments(parser, dry_run=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    folder = Path(args.results_dir) / "policies"
+    if not (folder / "summary.json").is_file():
+        raise SystemExit(f"error: {folder / 'summary.json'} not found: run benchmarks/policies.py first")
+    summary = read_json(folder / "summary.json")
+    policies = list(dict.fromkeys(r["policy"] for r in summary["rows"]))
+    workloads = list(dict.fromkeys(r["workload"] for r in summary["rows"]))
+    saturation = summary.get("saturation_req_per_s", {})
+    rows, within, total = [], 0, 0
+    print("| workload, load | policy | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for i, policy in enumerate(policies):
+        for workload in workloads:
+            for j, run in enumerate(measured_runs(folder, policy, workload)):
+                cmd = simulate_command(folder, summary, policy, workload, run, j > 0 or i == 0, args)
+                simulated = simulate(cmd)
+                cells = [cell(simulated[k], run[k], goal) for k, goal in METRICS]
+                within += sum(ok for _, ok in cells)
+                total += len(cells)
+                rate = run["request_rate"]
+                known = workload in saturation and rate != float("inf")
+                load = f"{100 * rate / saturation[workload]:.0f}%, " if known else ""
+                print(f"| {workload}, {load}{rate:g} req/s | `{policy}` | " + " | ".join(c for c, _ in cells) + " |")
+                rows.append({"policy": policy, "workload": workload, "request_rate": rate, "command": "nanovllm " +
+                             " ".join(cmd), "simulated": {k: simulated[k] for k, _ in METRICS},
+                             "measured": {k: run[k] for k, _ in METRICS}})  # fmt: skip
+    print(f"\n{within} of {total} cells within the goal (throughput and p50s within 10%, p99s within 20%)")
+    if args.json:
+        write_json(Path(args.json), {"rows": rows, "within": within, "cells": total})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
