@@ -141,6 +141,20 @@ def test_simulate_policies_simulates_each_measured_run(tmp_path: Path, capsys) -
     assert rows[0]["simulated"]["request_throughput"] > 0
 
 
+def test_policy_map_prints_a_row_per_policy_and_load(tmp_path: Path, capsys) -> None:
+    script = load(BENCHMARKS / "policy_map.py")
+    script.GRID = [("nano", 0.5, ["fifo", "priority"])]
+    assert script.main(["--saturation", "nano=20", "--json", str(tmp_path / "map.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| nano-vllm, 50% | `fifo` |" in out and "| nano-vllm, 50% | `priority` |" in out
+    rows = json.loads((tmp_path / "map.json").read_text())["rows"]
+    assert [r["request_rate"] for r in rows] == [10.0, 10.0]
+    assert "--scheduler priority --max-num-batched-tokens 2048" in rows[1]["command"]
+    assert rows[0]["result"]["by_priority"]["1"]["completed"] == 256
+    with pytest.raises(SystemExit, match="WORKLOAD=REQ_PER_S"):
+        script.main(["--saturation", "chat=3"])
+
+
 COMMANDS = table_commands()
 
 
