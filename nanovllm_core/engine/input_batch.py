@@ -140,6 +140,16 @@ class PromptLogprobsPlan:
     targets: list[int] = field(default_factory=list)
 
 
+def prompt_pairs(host: HostBatch) -> float:
+    """The query-key pairs of a step's causal prompt attention: a chunk of ``n`` tokens after ``c`` cached ones
+    attends to ``n * c + n * (n + 1) / 2`` keys (the simulator's step-time model prices them)."""
+    if len(host.input_ids) == len(host.seq_lens):
+        return 0.0
+    starts = host.query_start_loc
+    counts = [b - a for a, b in zip(starts, starts[1:])]
+    return float(sum(n * (length - n + (n + 1) / 2) for n, length in zip(counts, host.seq_lens) if n > 1))
+
+
 def plan_prompt_logprobs(batch: SchedulerOutput, host: HostBatch) -> PromptLogprobsPlan | None:
     """Which prompt tokens this step can score, and the flattened tokens whose logits score them (appended to
     ``host.prompt_logits_indices``); ``None`` when no row asks (the common case, found without a pass in

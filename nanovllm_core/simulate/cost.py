@@ -1,8 +1,9 @@
 """The step-time model: how long one engine step takes on a GPU, from the shape of the step alone.
 
 A step is described as the model runner records it (``ModelRunner.step_records``): its sequences ``S``, its query
-tokens ``Q`` and the KV tokens its attention reads ``K`` (each sequence's context, new tokens included). Prompt
-chunks add ``Q - S`` tokens over one a sequence, and ``pairs`` query-key pairs of causal prompt attention. A
+tokens ``Q``, the KV tokens its attention reads ``K`` (each sequence's context, new tokens included) and the
+``pairs`` of query and key its prompt chunks' causal attention computes. Prompt chunks add ``Q - S`` tokens over
+one a sequence. A
 step replayed from a CUDA graph (every decode step, and a step with prompt tokens of up to
 ``graph_max_tokens``) costs::
 
@@ -119,19 +120,32 @@ def load_calibration(name_or_path: str) -> Calibration:
     return Calibration.from_dict(data, where)
 
 
-def record_pairs(s: Any, q: Any, k: Any) -> Any:
-    """Causal prompt attention's query-key pairs of records ``(S, Q, K)`` (tensors), which do not say how a step's
-    tokens split among its sequences: a pure prefill (``K == Q``) as ``S`` equal prompts (exact for one), any other
-    step with prompt tokens as one chunk of ``Q - S + 1`` tokens from the start of its prompt (a lower bound)."""
+def records_tensor(records: list[tuple]) -> Any:
+    """``(S, Q, K, ms[, pairs])`` step records as a float64 tensor of five columns, the pairs column filled in
+    where a record lacks it (from a runner that did not record them): see :func:`record_pairs`."""
     import torch
 
+    rows = [tuple(r) + (float("nan"),) * (5 - len(r)) for r in records]
+    return torch.tensor(rows, dtype=torch.float64).reshape(-1, 5)
+
+
+def record_pairs(records: Any) -> Any:
+    """Causal prompt attention's query-key pairs of :func:`records_tensor` rows: the fifth column where the
+    runner recorded it (exact), else estimated from the step's shape, which does not say how its tokens split
+    among its sequences: a pure prefill (``K == Q``) as ``S`` equal prompts (exact for one), any other step with
+    prompt tokens as one chunk of ``Q - S + 1`` tokens from the start of its prompt (a lower bound: a chunk deep
+    into a long prompt attends to every token before it)."""
+    import torch
+
+    s, q, k, recorded = records[:, 0], records[:, 1], records[:, 2], records[:, 4]
     chunk = q - s + 1
     pairs = torch.where(k == q, q * q / (2 * s) + q / 2, chunk * (chunk + 1) / 2)
-    return torch.where(q > s, pairs, torch.zeros_like(q))
+    estimated = torch.where(q > s, pairs, torch.zeros_like(q))
+    return torch.where(torch.isnan(recorded), estimated, recorded)
 
 
 def predict_records(coef: dict[str, float], graph_max_tokens: int | None, records: Any) -> Any:
-    """:meth:`Calibration.step_ms` of each ``(S, Q, K, ...)`` row of a tensor, pairs as :func:`record_pairs`."""
+    """:meth:`Calibration.step_ms` of each row of a :func:`records_tensor`."""
     import torch
 
     s, q, k = records[:, 0], records[:, 1], records[:, 2]
@@ -140,7 +154,7 @@ def predict_records(coef: dict[str, float], graph_max_tokens: int | None, record
         + coef["per_seq"] * s
         + coef["per_kv_token"] * k
         + coef["per_prompt_token"] * (q - s)
-        + coef.get("per_prompt_pair", 0.0) * record_pairs(s, q, k)
+        + coef.get("per_prompt_pair", 0.0) * record_pairs(records)
         + coef.get("per_prompt_step", 0.0) * (q > s).double()
     )
     if graph_max_tokens is None:
@@ -154,7 +168,7 @@ def fit_quality(coef: dict[str, float], graph_max_tokens: int | None, records: l
     """r2 and mean absolute error (%) of the model over all records, the decode steps and the prompt steps."""
     import torch
 
-    data = torch.tensor(records, dtype=torch.float64)
+    data = records_tensor(records)
     y, predicted = data[:, 3], predict_records(coef, graph_max_tokens, data)
     prompt = data[:, 1] > data[:, 0]
 
@@ -175,9 +189,9 @@ def fit_quality(coef: dict[str, float], graph_max_tokens: int | None, records: l
 
 
 def fit_records(
-    records: list[tuple[int, int, int, float]], graph_max_tokens: int | None = None, pair_ms: float = 0.0
+    records: list[tuple], graph_max_tokens: int | None = None, pair_ms: float = 0.0
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Least squares of the step model over ``(S, Q, K, ms)`` records: its coefficients (ms) and the fit's
+    """Least squares of the step model over ``(S, Q, K, ms[, pairs])`` records: its coefficients (ms) and the fit's
     quality, with the graph limit it priced (``graph_max_tokens``: None where the records hold too few
     graph-replayed prompt steps to tell eager steps apart, and the first format's line is fitted over every step).
     ``pair_ms``: the price of a prompt pair where it cannot be fitted (FLOPs at the GEMM rate)."""
@@ -185,7 +199,7 @@ def fit_records(
 
     if len(records) < len(FEATURES) + 1:
         raise ConfigError(f"{len(records)} step records: a fit needs at least {len(FEATURES) + 1}")
-    data = torch.tensor(records, dtype=torch.float64)
+    data = records_tensor(records)
     s, q, k, y = data[:, 0], data[:, 1], data[:, 2], data[:, 3]
     prompt = q > s
     if not bool(prompt.any()):
@@ -194,7 +208,7 @@ def fit_records(
     if int((prompt & ~eager).sum()) < MIN_GRAPH_PROMPT_STEPS:
         graph_max_tokens, eager = None, torch.zeros_like(prompt)
     line = ~eager
-    pairs = record_pairs(s, q, k)
+    pairs = record_pairs(data)
     columns = [torch.ones_like(s), s, k, q - s]
     fit_pairs = graph_max_tokens is not None
     x = torch.stack(columns + [prompt.double(), pairs] if fit_pairs else columns, dim=1)
@@ -332,7 +346,7 @@ def calibrate(
             results.append(json.loads(Path(p).read_text()))
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"--calibrate {p}: cannot read a bench JSON ({exc})") from None
-    records: list[tuple[int, int, int, float]] = []
+    records: list[tuple] = []
     for p, r in zip(paths, results):
         if not r.get("step_records"):
             raise ConfigError(

@@ -167,6 +167,38 @@ def test_fit_recovers_eager_steps_and_prompt_attention():
     assert small_calibration(coefficients_ms=coef).step_ms(1, 2500, 2500, 2500 * 1250.5) < 12.0
 
 
+def test_recorded_pairs_price_chunks_deep_into_long_prompts():
+    """A 2,048-token chunk after 30k cached tokens attends to 30x the keys of a first chunk: with the pairs the
+    runner records the fit recovers the model, while estimated from the step's shape alone (a chunk from the
+    start of its prompt) the pairs cannot explain such steps."""
+    rng = random.Random(4)
+    cal = small_calibration(coefficients_ms=dict(EAGER), graph_max_tokens=2048)
+    records = [(*r, r[1] * r[1] / 2 + r[1] / 2 if r[1] > r[0] else 0.0) for r in format2_records(rng) if r[1] <= 2048]
+    for _ in range(40):
+        cached, decodes = rng.randint(0, 30000), rng.randint(0, 64)
+        chunk = 2048 - decodes  # a step of 2,048 tokens: the decodes and a chunk of one prompt
+        pairs = chunk * cached + chunk * (chunk + 1) / 2
+        s, q, k = decodes + 1, 2048, decodes * 1000 + cached + chunk
+        records.append((s, q, k, cal.step_ms(s, q, k, pairs), pairs))
+    coef, quality = fit_records(records, graph_max_tokens=2048)
+    assert coef["per_prompt_pair"] == pytest.approx(EAGER["per_prompt_pair"], rel=1e-6)
+    assert quality["r2"] == pytest.approx(1.0)
+    _, estimated = fit_records([r[:4] for r in records], graph_max_tokens=2048)
+    assert estimated["r2_prompt_steps"] < 0.99
+
+
+def test_the_runner_records_the_pairs_the_simulator_prices():
+    from nanovllm_core.engine.input_batch import HostBatch, prompt_pairs
+
+    # a decode (1 token after 99), a 3-token chunk after 10 cached, a whole 5-token prompt
+    host = HostBatch(input_ids=[0] * 9, positions=[], slot_mapping=[], query_start_loc=[0, 1, 4, 9],
+                     seq_lens=[100, 13, 5], max_blocks=1, max_query_len=5, logits_indices=[],
+                     sample_rows=[])  # fmt: skip
+    assert prompt_pairs(host) == 3 * (10 + 4 / 2) + 5 * (0 + 6 / 2)
+    host.query_start_loc, host.seq_lens, host.input_ids = [0, 1, 2], [7, 9], [0, 0]
+    assert prompt_pairs(host) == 0.0
+
+
 def test_too_few_graph_replayed_prompt_steps_fit_the_first_format():
     records = [r for r in format2_records(random.Random(3)) if not r[1] > r[0] or r[1] > 2048]
     coef, quality = fit_records(records, graph_max_tokens=2048, pair_ms=3e-7)
