@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
-DRY_RUN = {"offline.py", "serving.py", "policies.py", "kernels.py"}  # the ones that run the engine's CLI
+DRY_RUN = {"offline.py", "serving.py", "policies.py", "kernels.py", "calibrate.py"}  # those that run the CLI
 PERFORMANCE = ROOT / "docs" / "performance.md"
 
 
@@ -139,6 +139,20 @@ def test_simulate_policies_simulates_each_measured_run(tmp_path: Path, capsys) -
     assert [r["request_rate"] for r in rows] == [3.0, 6.0]
     assert all("--warm-prefix-cache 6" in r["command"] for r in rows)  # fifo's loads follow its all-at-once run
     assert rows[0]["simulated"]["request_throughput"] > 0
+
+
+def test_calibrate_fits_every_run_it_benches(capsys) -> None:
+    script = load(BENCHMARKS / "calibrate.py")
+    assert script.main(["--dry-run", "--shape", "qwen3-8b", "--kv-cache-dtype", "fp8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    benches, fit = lines[:-1], lines[-1]
+    assert len(benches) == len(script.RUNS) and all("--kv-cache-dtype fp8" in line for line in benches)
+    assert "--max-num-batched-tokens 2048" in benches[2] and "--max-input-len 32768" in benches[3]
+    jsons = [line.split("--json ")[1] for line in benches]
+    assert fit.startswith("nanovllm simulate --calibrate " + " ".join(jsons))
+    assert fit.endswith("--out results/calibrate/qwen3-8b-fp8.json")
+    with pytest.raises(SystemExit, match="choose from nano"):
+        script.main(["--dry-run", "--runs", "long"])
 
 
 def test_policy_map_prints_a_row_per_policy_and_load(tmp_path: Path, capsys) -> None:

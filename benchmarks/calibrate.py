@@ -1,0 +1,97 @@
+"""A step-time calibration for ``nanovllm simulate``, from the ``nanovllm bench`` runs that cover its step kinds.
+
+    python benchmarks/calibrate.py                                  # 0.6B, bf16 KV cache, on this GPU
+    python benchmarks/calibrate.py --shape qwen3-8b --kv-cache-dtype fp8
+    python benchmarks/calibrate.py --dry-run                        # the commands, nothing run
+
+One ``nanovllm bench --json`` run per step kind the simulated policies produce (random weights of the shape,
+one run each, every step's GPU time recorded), then ``nanovllm simulate --calibrate`` over all of them:
+
+- ``nano``: nano-vllm's workload (256 sequences, 100-1,024 tokens in and out): decode steps of up to 256
+  sequences, and prefills of 14-16k tokens (above the CUDA graphs: eager).
+- ``4k``: prompts of up to 4,096 tokens in steps of at most 4,096: prefills on both sides of the graphs' limit.
+- ``long-2k``: 16 prompts of up to 32,768 tokens in 2,048-token steps, as ``mixed`` and ``priority`` serve long
+  documents: chunks deep into long prompts, whose attention reads every token before them.
+- ``long-16k``: the same prompts in the default 16,384-token steps, as ``fifo`` serves them.
+
+Results go to RESULTS_DIR/calibrate/: NAME.json and NAME.log per run, and the calibration (``--out``, default
+RESULTS_DIR/calibrate/CALIBRATION.json), which records the GPU, commit, date and its fit per source run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_common_arguments, check_cli, machine, nanovllm, out_dir, run, shown  # noqa: E402
+
+LONG = ["--num-seqs", "16", "--max-input-len", "32768", "--max-output-len", "256", "--max-model-len", "33024"]
+RUNS: dict[str, list[str]] = {  # nanovllm bench flags of each run
+    "nano": [],
+    "4k": ["--max-input-len", "4096", "--max-num-batched-tokens", "4096"],
+    "long-2k": [*LONG, "--max-num-batched-tokens", "2048"],
+    "long-16k": LONG,
+}
+
+
+def bench_command(name: str, args: argparse.Namespace, folder: Path) -> list[str]:
+    return nanovllm(
+        "bench", "--shape", args.shape, "--attention", "triton", "--kv-cache-dtype", args.kv_cache_dtype,
+        "--runs", "1", "--no-progress", *RUNS[name], "--json", str(folder / f"{name}.json"),
+    )  # fmt: skip
+
+
+def calibrate_command(names: list[str], folder: Path, out: Path, frontend: list[str]) -> list[str]:
+    cmd = nanovllm("simulate", "--calibrate", *(str(folder / f"{n}.json") for n in names), "--out", str(out))
+    return cmd + (["--frontend-metrics", *frontend] if frontend else [])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Run the nanovllm bench workloads a simulator calibration needs, then fit it.",
+        epilog=f"runs: {', '.join(RUNS)}",
+    )
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "qwen3-8b"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset (default: all)")
+    parser.add_argument("--out", help="the calibration file (default: RESULTS_DIR/calibrate/CALIBRATION.json)")
+    parser.add_argument(
+        "--frontend-metrics",
+        nargs="+",
+        default=[],
+        metavar="METRICS_TXT",
+        help="a nanovllm serve /metrics scrape (and an earlier one of the same server): the front-end constants",
+    )
+    add_common_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = [n for n in args.runs.split(",") if n]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown or not names:
+        raise SystemExit(f"error: --runs {args.runs!r}: choose from {', '.join(RUNS)}")
+    folder = out_dir(args.results_dir, "calibrate", make=not args.dry_run)
+    kv = "bf16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    out = Path(args.out) if args.out else folder / f"{args.shape}-{kv}.json"
+    commands = [(n, bench_command(n, args, folder)) for n in names]
+    final = calibrate_command(names, folder, out, args.frontend_metrics)
+    for _, cmd in commands:
+        check_cli(cmd)
+    check_cli(final)
+    if args.dry_run:
+        for _, cmd in [*commands, ("calibrate", final)]:
+            print(shown(cmd))
+        return 0
+    print(f"# {machine()}")
+    for name, cmd in commands:
+        if run(cmd, folder / f"{name}.log") != 0:
+            raise SystemExit(f"error: the {name} run failed: see {folder / f'{name}.log'}")
+    return run(final, folder / "calibrate.log")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
