@@ -199,10 +199,6 @@ class ModelRunner:
         positions = dict(zip(plan.rows, plan.first_positions)) if plan is not None else None
         return PendingStep(batch, inputs.sample_rows, token_tensor, sample_lps, prompt_logprobs, positions, embeddings)
 
-    def execute(self, batch: SchedulerOutput) -> list[int | None]:
-        """Run one step; returns the sampled token for each sequence of ``batch`` (``None`` mid-prompt)."""
-        return self.launch(batch).tokens()
-
     def release_cuda_graphs(self) -> None:
         """Drop the captured graphs once the device is idle. Under tensor parallelism this comes before
         leaving the NCCL group: the abort of a communicator whose collectives live on in captured graphs hangs
