@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_arguments, out_dir, write_json  # noqa: E402
 from policies import LONG_DOCS_TRACE, MAX_MODEL_LEN, WORKLOADS, write_long_documents_trace  # noqa: E402
-from simulate_policies import simulate  # noqa: E402
+from simulate_policies import simulate, workload_command  # noqa: E402
 
 # fifo's all-at-once request rate on the H200, 0.6B bf16 (docs/evaluating-a-scheduler.md's validation runs)
 MEASURED_SATURATION = {"sharegpt-synth": 163.5, "nano": 49.0, "long-prompts": 31.5, "long-docs": 41.8}
@@ -80,14 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             spec = WORKLOADS[workload]
             rate = round(load * saturation[workload], 1)
             for name in chosen or list(policies):
-                flags = [str(trace) if f == "TRACE" else f for f in spec["flags"]]
-                cmd = ["simulate", *flags, "--num-prompts", str(spec["prompts"]), "--client-processes", "4",
-                       "--priorities", "0,1", "--request-rate", f"{rate:g}",
-                       "--max-model-len", str(spec.get("max_model_len", MAX_MODEL_LEN))]  # fmt: skip
-                if name != "fifo":
-                    cmd += ["--scheduler", policies[name], "--max-num-batched-tokens", str(args.step_tokens)]
-                if args.calibration:
-                    cmd += ["--calibration", args.calibration]
+                scheduler = None if name == "fifo" else policies[name]
+                max_model_len = spec.get("max_model_len", MAX_MODEL_LEN)
+                cmd = workload_command(workload, trace, spec["prompts"], rate, max_model_len, scheduler,
+                                       args.step_tokens, 4, args.calibration)  # fmt: skip
                 r = simulate(cmd)
                 by_class = r["by_priority"]
                 load_text = f"{load:.0%}" if load <= 1 else f"{rate:g} req/s ({load:g}x saturation)"

@@ -40,19 +40,47 @@ def measured_runs(folder: Path, policy: str, workload: str) -> list[dict[str, An
 def simulate_command(
     folder: Path, summary: dict[str, Any], policy: str, workload: str, run: dict[str, Any], warm: bool, args: Any
 ) -> list[str]:
-    spec = WORKLOADS[workload]
     workloads = sorted({r["workload"] for r in summary["rows"]})
     max_model_len = max(WORKLOADS[w].get("max_model_len", MAX_MODEL_LEN) for w in workloads if w in WORKLOADS)
-    flags = [str(folder / LONG_DOCS_TRACE) if f == "TRACE" else f for f in spec["flags"]]
-    cmd = ["simulate", *flags, "--num-prompts", str(run.get("num_prompts", spec["prompts"]))]
-    cmd += ["--max-model-len", str(max_model_len), "--client-processes", str(args.client_processes)]
-    cmd += ["--priorities", "0,1", "--request-rate", f"{run['request_rate']:g}"]
-    if policy != "fifo":
-        cmd += ["--scheduler", policy, "--max-num-batched-tokens", str(summary["step_tokens"])]
+    return workload_command(
+        workload,
+        folder / LONG_DOCS_TRACE,
+        run.get("num_prompts", WORKLOADS[workload]["prompts"]),
+        run["request_rate"],
+        max_model_len,
+        None if policy == "fifo" else policy,
+        summary["step_tokens"],
+        args.client_processes,
+        args.calibration,
+        warm,
+    )
+
+
+def workload_command(
+    workload: str,
+    trace: Path,
+    num_prompts: int,
+    rate: float,
+    max_model_len: int,
+    scheduler: str | None,
+    step_tokens: int,
+    client_processes: int,
+    calibration: str | None,
+    warm: bool = False,
+) -> list[str]:
+    """``nanovllm simulate`` of a ``policies.py`` workload as its servers ran it: two priority classes, ``fifo``
+    (``scheduler`` None) with its default steps, any other policy with ``step_tokens`` steps; ``warm``: the
+    workload's prompts already in the prefix cache. ``trace``: the long-documents trace file."""
+    flags = [str(trace) if f == "TRACE" else f for f in WORKLOADS[workload]["flags"]]
+    cmd = ["simulate", *flags, "--num-prompts", str(num_prompts)]
+    cmd += ["--max-model-len", str(max_model_len), "--client-processes", str(client_processes)]
+    cmd += ["--priorities", "0,1", "--request-rate", f"{rate:g}"]
+    if scheduler is not None:
+        cmd += ["--scheduler", scheduler, "--max-num-batched-tokens", str(step_tokens)]
     if warm:
-        cmd += ["--warm-prefix-cache", str(run.get("num_prompts", spec["prompts"]))]
-    if args.calibration:
-        cmd += ["--calibration", args.calibration]
+        cmd += ["--warm-prefix-cache", str(num_prompts)]
+    if calibration:
+        cmd += ["--calibration", calibration]
     return cmd
 
 
