@@ -4,6 +4,7 @@ sampling state (:class:`InputBatch`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -140,14 +141,20 @@ class PromptLogprobsPlan:
     targets: list[int] = field(default_factory=list)
 
 
+def causal_pairs(counts: Iterable[int], cached: Iterable[int]) -> float:
+    """The query-key pairs of prompt chunks' causal attention: a chunk of ``n`` tokens after ``c`` cached ones
+    attends to ``n * c + n * (n + 1) / 2`` keys; single tokens (decodes) count none. The runner records them per
+    step, the simulator's step-time model prices them."""
+    return float(sum(n * (c + (n + 1) / 2) for n, c in zip(counts, cached) if n > 1))
+
+
 def prompt_pairs(host: HostBatch) -> float:
-    """The query-key pairs of a step's causal prompt attention: a chunk of ``n`` tokens after ``c`` cached ones
-    attends to ``n * c + n * (n + 1) / 2`` keys (the simulator's step-time model prices them)."""
+    """:func:`causal_pairs` of a flattened step."""
     if len(host.input_ids) == len(host.seq_lens):
         return 0.0
     starts = host.query_start_loc
     counts = [b - a for a, b in zip(starts, starts[1:])]
-    return float(sum(n * (length - n + (n + 1) / 2) for n, length in zip(counts, host.seq_lens) if n > 1))
+    return causal_pairs(counts, [length - n for n, length in zip(counts, host.seq_lens)])
 
 
 def plan_prompt_logprobs(batch: SchedulerOutput, host: HostBatch) -> PromptLogprobsPlan | None:

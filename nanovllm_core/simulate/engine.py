@@ -16,6 +16,7 @@ from typing import Any
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import EngineCore
+from nanovllm_core.engine.input_batch import causal_pairs
 from nanovllm_core.engine.options import instantiate
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.interfaces import Scheduler, SchedulerOutput
@@ -125,7 +126,7 @@ class _CostRunner:
                 sampled.append(None)
         pairs = 0.0
         if query > len(seqs):  # some prompt chunk: its causal attention's query-key pairs
-            pairs = sum(n * (seq.num_computed_tokens + (n + 1) / 2) for seq, n in zip(seqs, counts) if n > 1)
+            pairs = causal_pairs(counts, [seq.num_computed_tokens for seq in seqs])
         duration = sim.calibration.step_ms(len(seqs), query, kv_tokens, pairs) / 1e3
         begin = max(sim.now, sim.gpu_free)
         sim.gpu_free = begin + duration
