@@ -27,8 +27,9 @@ request at once. ``priority`` also gets an idle run (``--idle-prompts`` requests
 urgent class's time to first token.
 
 Results go to RESULTS_DIR/policies/: POLICY_WORKLOAD.json (``nanovllm bench serve``'s, one run per load),
-saturation_WORKLOAD.json, each server's log and /metrics, and summary.json with the GPU, date and commit; the
-script ends with table rows in docs/performance.md's format.
+saturation_WORKLOAD.json, each server's log and /metrics (with ``--step-records``, steps_POLICY.json: every step's
+shape and GPU time), and summary.json with the GPU, date and commit; the script ends with table rows in
+docs/performance.md's format.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ def server_command(policy: str, args: argparse.Namespace, checkpoint: str, workl
     max_model_len = max(WORKLOADS[w].get("max_model_len", MAX_MODEL_LEN) for w in workloads)
     if policy != "fifo":
         flags += ["--scheduler", policy, "--max-num-batched-tokens", str(args.step_tokens)]
+    if args.step_records:
+        flags += ["--step-records-file", str(Path(args.results_dir) / "policies" / f"steps_{policy}.json")]
     return nanovllm(
         "serve",
         checkpoint,
@@ -265,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="processes sending the requests (default 4: one Python client reading hundreds of "
         "streams adds its own delay to what it measures)",
+    )
+    parser.add_argument(
+        "--step-records",
+        action="store_true",
+        help="each server times its steps on the GPU and writes them to steps_POLICY.json at exit "
+        "(nanovllm simulate --calibrate reads them)",
     )
     parser.add_argument("--idle-prompts", type=int, default=60, help="priority's idle run (0: none; default 60)")
     parser.add_argument("--port", type=int, default=8000)

@@ -116,6 +116,13 @@ class EngineConfig(BaseModel):
         description="Schedule and prepare step N+1 while the device runs step N. `auto`: on for CUDA (any "
         "tensor_parallel_size); `on` also on CPU (no speed-up there, same tokens); `off`: one step at a time.",
     )
+    step_records_file: str | None = Field(
+        None,
+        description="On CUDA, time every step on the GPU and write each step's shape and time to this JSON file at "
+        "shutdown, the records `nanovllm simulate --calibrate` fits (as `nanovllm bench --json` writes them): "
+        "calibrate the simulator on the steps a server really ran. It keeps two CUDA events a step: for "
+        "measurement runs, not for a long-lived server.",
+    )
     warmup: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Run a few throw-away requests at start-up (a first step of max_num_batched_tokens prompt tokens, "

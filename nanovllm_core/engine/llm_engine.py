@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import logging
@@ -304,6 +305,9 @@ class LLMEngine(EngineCore):
             async_scheduling=self._use_async_scheduling(),
         )
         warmup_s = self._warm_up()
+        if cfg.step_records_file is not None and self.device.type == "cuda":
+            self.runner.reset_step_tracking()  # the warm-up's steps are not the workload's
+            self.runner.track_gpu_time = True
         # Start-up leaves many objects that survived into the oldest generation without a full collection ever
         # running; the first one would then come due during the first generate (a pause that grows with the
         # heap). Run it now, as part of start-up.
@@ -438,7 +442,9 @@ class LLMEngine(EngineCore):
         return stats
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (also done when the engine is garbage-collected or at exit)."""
+        """Stop the tensor-parallel workers (also done when the engine is garbage-collected or at exit); write the
+        step records (``step_records_file``)."""
+        self._write_step_records()
         group = getattr(self, "tp_group", None)
         if group is not None:
             runner = getattr(self, "runner", None)
@@ -446,6 +452,33 @@ class LLMEngine(EngineCore):
             if runner is not None and not group.closed and healthy:  # (a stuck collective would never sync)
                 runner.release_cuda_graphs()  # before the NCCL group is left (see there)
             group.close()
+
+    def _write_step_records(self) -> None:
+        """The steps timed since start-up, as ``nanovllm bench --json`` writes them (``nanovllm simulate
+        --calibrate`` reads either); once, at the first shutdown."""
+        runner = getattr(self, "runner", None)
+        path = self.config.step_records_file
+        if path is None or runner is None or not runner.track_gpu_time:
+            return
+        runner.track_gpu_time = False
+        try:
+            result = {
+                "model": self.config.model,
+                "device": torch.cuda.get_device_name(self.device),
+                "attention": self.attention_backend_name,
+                "dtype": str(self.dtype),
+                "kv_cache_dtype": self.config.kv_cache_dtype,
+                "tensor_parallel_size": self.config.tensor_parallel_size,
+                "num_kvcache_blocks": runner.num_kvcache_blocks,
+                "cuda_graph_max_mixed_tokens": self.config.cuda_graph_max_mixed_tokens,
+                "date": datetime.date.today().isoformat(),
+                "steps": runner.num_steps,
+                "step_records": runner.step_records(),
+            }
+            Path(path).write_text(json.dumps(result) + "\n")
+            logger.info("wrote %d step records to %s", len(result["step_records"]), path)
+        except Exception:  # noqa: BLE001 - a failed device or an unwritable path: shutdown goes on
+            logger.warning("could not write the step records to %s", path, exc_info=True)
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -108,7 +108,7 @@ class ModelRunner:
         self.on_step: Callable[[HostBatch], None] | None = None  # tensor parallel: tell the workers
         self.track_gpu_time = False
         # with track_gpu_time, per step: its start and end events and its shape (see step_records)
-        self._step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, tuple[int, int, int, float]]] = []
+        self._step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, tuple[int, int, int, float, int]]] = []
 
     kv_block_bytes = kv_block_bytes
 
@@ -175,7 +175,8 @@ class ModelRunner:
         if self.track_gpu_time and self.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
-            shape = (len(host.seq_lens), len(host.input_ids), sum(host.seq_lens), prompt_pairs(host))
+            lens = host.seq_lens
+            shape = (len(lens), len(host.input_ids), sum(lens), prompt_pairs(host), max(lens))
             self._step_events.append((*events, shape))
         logits, hidden = self._forward(inputs)
         token_tensor = sample_lps = prompt_logprobs = embeddings = None
@@ -231,13 +232,13 @@ class ModelRunner:
             summary.update(gpu_busy_s=busy, gpu_idle_s=idle, gpu_idle_fraction=idle / max(busy + idle, 1e-9))
         return summary
 
-    def step_records(self) -> list[tuple[int, int, int, float, float]]:
+    def step_records(self) -> list[tuple[int, int, int, float, float, int]]:
         """With ``track_gpu_time``: each tracked step's (sequences, query tokens, KV tokens attended, GPU ms, query-key
-        pairs of its prompt chunks' causal attention)."""
+        pairs of its prompt chunks' causal attention, the longest sequence's KV tokens)."""
         if not self._step_events:
             return []
         torch.cuda.synchronize(self.device)
-        return [(s, q, k, start.elapsed_time(end), pairs) for start, end, (s, q, k, pairs) in self._step_events]
+        return [(s, q, k, start.elapsed_time(end), *rest) for start, end, (s, q, k, *rest) in self._step_events]
 
     def reset_step_tracking(self) -> None:
         self.num_steps, self.host_prepare_s = 0, 0.0

@@ -121,11 +121,11 @@ def load_calibration(name_or_path: str) -> Calibration:
 
 
 def records_tensor(records: list[tuple]) -> Any:
-    """``(S, Q, K, ms[, pairs])`` step records as a float64 tensor of five columns, the pairs column filled in
-    where a record lacks it (from a runner that did not record them): see :func:`record_pairs`."""
+    """``(S, Q, K, ms[, pairs[, longest]])`` step records as a float64 tensor of their first five columns, the pairs
+    column filled in where a record lacks it (from a runner that did not record them): see :func:`record_pairs`."""
     import torch
 
-    rows = [tuple(r) + (float("nan"),) * (5 - len(r)) for r in records]
+    rows = [tuple(r[:5]) + (float("nan"),) * (5 - len(r[:5])) for r in records]
     return torch.tensor(rows, dtype=torch.float64).reshape(-1, 5)
 
 

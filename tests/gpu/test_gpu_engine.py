@@ -307,3 +307,26 @@ def test_norms_in_the_projections_prologue_keep_tokens_and_logits(bf16_path, mon
     got, got_logits = run(llm)
     assert calls and max(calls) <= 4
     assert_runs_agree("norm in the GEMM prologue vs small ops off", got, want, got_logits, want_logits)
+
+
+def test_step_records_file_holds_the_served_steps_for_a_calibration(bf16_path, tmp_path):
+    """``step_records_file``: every step after start-up as (sequences, query tokens, KV tokens, GPU ms, prompt
+    pairs, longest context), written at shutdown in the form ``nanovllm simulate --calibrate`` fits."""
+    import json
+
+    from nanovllm_core.simulate.cost import calibrate
+
+    path = tmp_path / "steps.json"
+    lens = [40 + 30 * i for i in range(6)]
+    prompts = [[(5 * i + j) % 300 + 1 for j in range(n)] for i, n in enumerate(lens)]
+    with LLM(str(bf16_path), max_model_len=1024, step_records_file=str(path)) as llm:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    data = json.loads(path.read_text())
+    records = data["step_records"]
+    first = records[0]  # every prompt in one prefill: no warm-up step is recorded
+    assert first[:3] == [6, sum(lens), sum(lens)] and first[3] > 0
+    assert first[4] == sum(n * (n + 1) / 2 for n in lens) and first[5] == max(lens)
+    decode = [r for r in records[1:] if r[0] == r[1]]
+    assert len(decode) == 7 and all(r[4] == 0 and r[5] == max(lens) + i + 1 for i, r in enumerate(decode))
+    cal = calibrate([str(path)])
+    assert cal.gpu == torch.cuda.get_device_name() and cal.fit["records"] == len(records)

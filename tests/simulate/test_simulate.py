@@ -179,7 +179,7 @@ def test_recorded_pairs_price_chunks_deep_into_long_prompts():
         chunk = 2048 - decodes  # a step of 2,048 tokens: the decodes and a chunk of one prompt
         pairs = chunk * cached + chunk * (chunk + 1) / 2
         s, q, k = decodes + 1, 2048, decodes * 1000 + cached + chunk
-        records.append((s, q, k, cal.step_ms(s, q, k, pairs), pairs))
+        records.append((s, q, k, cal.step_ms(s, q, k, pairs), pairs, cached + chunk))  # and the longest context
     coef, quality = fit_records(records, graph_max_tokens=2048)
     assert coef["per_prompt_pair"] == pytest.approx(EAGER["per_prompt_pair"], rel=1e-6)
     assert quality["r2"] == pytest.approx(1.0)
