@@ -1,7 +1,8 @@
 """Micro-benchmarks of the paged-attention kernels: ``triton`` (ours), ``flash_attn`` (flash-attn-4), ``torch``.
 
-Decode: batch 1 / 32 / 256 x context 512 / 1024 / 4096. Prefill: a 16k-token ragged batch (16 prompts of about
-1k tokens) and chunked prefills over a cached context. 16 query / 8 KV heads, head_dim 128, bfloat16, block size
+Decode: batch 1 / 32 / 256 x context 512 / 1024 / 4096, and seven 20k-token documents among 80 1k-token turns
+(and each part alone). Prefill: a 16k-token ragged batch (16 prompts of about 1k tokens) and chunked prefills over
+a cached context. 16 query / 8 KV heads, head_dim 128, bfloat16, block size
 256 by default (see ``--help``). ``triton_fp8`` is the triton backend on an FP8 cache (``kv_cache_dtype =
 "fp8"``: e4m3 values, a float32 scale per token and KV head) holding the same context. Timings are
 ``triton.testing.do_bench`` medians of the attention alone (the step's keys/values are stored beforehand);
@@ -86,6 +87,17 @@ def decode_case(batch: int, context: int | tuple[int, int], args, seed: int = 0)
                      unused_fill=0.0, seed=seed)
 
 
+def long_context_decode_cases(args) -> dict[str, PagedCase]:
+    """A few long documents decoding among many chat turns (a server's batch), and each part alone: the batch
+    should take about as long as its parts, whose bytes it reads."""
+    common = dict(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                  block_size=args.block_size, dtype=args.dtype, device=args.device, unused_fill=0.0)
+    parts = {"80 x 1k": [1024] * 80, "7 x 20k": [20480] * 7}
+    cases = {"80 x 1k + 7 x 20k": parts["80 x 1k"] + parts["7 x 20k"], **parts}
+    return {f"B={len(lens)}: {label}": make_case([1] * len(lens), [n - 1 for n in lens], **common)
+            for label, lens in cases.items()}
+
+
 def prefill_cases(args) -> dict[str, PagedCase]:
     rnd = random.Random(0)
     common = dict(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
@@ -98,6 +110,9 @@ def prefill_cases(args) -> dict[str, PagedCase]:
         f"8 prompts 100..4096, {sum(long_ragged)} tokens": make_case(long_ragged, **common),
         "16 chunks of 1024 over 2048 cached": make_case([1024] * 16, [2048] * 16, **common),
         "4 chunks of 2048 over 8192 cached": make_case([2048] * 4, [8192] * 4, **common),
+        # a long document's chunks: a full one, and the short last one (few query tiles over a long context)
+        "a chunk of 2048 over 20480 cached": make_case([2048], [20480], **common),
+        "a chunk of 256 over 22528 cached": make_case([256], [22528], **common),
     }
 
 
@@ -146,6 +161,10 @@ def run_main(args, names: list[str]) -> list[Row]:
             measure("decode", f"B={batch} ctx={context}", case, use, rows)
             del case
             torch.cuda.empty_cache()
+    for label, case in long_context_decode_cases(args).items():
+        measure("decode", label, case, [n for n in names if n != "torch"], rows)
+        del case
+        torch.cuda.empty_cache()
     for label, case in prefill_cases(args).items():
         use = [n for n in names if n != "torch" or case.batch.num_tokens <= 4096]
         measure("prefill", label, case, use, rows)
