@@ -17,6 +17,7 @@ from nanovllm_attention_flash.fp8_cache import Fp8CacheSupport, fp8_views, is_fp
 from nanovllm_core import AttentionBackend, AttentionBatch, ConfigError
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+COUNTER_ROWS = 4096  # decode split counters made at once: any batch up to this many sequences
 
 
 def _kernels():
@@ -41,8 +42,9 @@ class TritonMetadata:
     ``decode_only``: every sequence has at most one query token (``max_query_len <= 1``): only the decode
     kernel runs. Otherwise the prefill kernel runs, and ``num_single_token_seqs > 0`` (known from
     ``query_start_loc_cpu``) routes the one-token sequences of a mixed batch to the decode kernel.
-    ``num_splits`` is the decode kernel's KV-split count, chosen from static sizes (batch rows, head count,
-    block-table width), so a captured CUDA graph stays valid for every replay of the same batch size.
+    ``num_splits`` is the decode kernel's KV splits a sequence on average, chosen from static sizes (batch rows,
+    head count, block-table width), so a captured CUDA graph stays valid for every replay of the same batch size;
+    the kernel deals them out by context length.
     """
 
     batch: AttentionBatch
@@ -76,7 +78,11 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
         model_config = ConfigDict(extra="forbid")
 
         num_kv_splits: int | None = Field(
-            None, ge=1, le=64, description="Fixed decode KV-split count (a power of two); default: per batch size."
+            None,
+            ge=1,
+            le=64,
+            description="Decode KV splits a sequence on average, dealt out by context length (a power of two); "
+            "default: per batch size.",
         )
         decode_block_n: int | None = Field(None, ge=16, le=256, description="Keys per decode tile (power of two).")
         decode_num_warps: int | None = Field(None, ge=1, le=16)
@@ -175,6 +181,7 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             raise ConfigError(f"num_kv_splits={opts.num_kv_splits} must be a power of two")
         self._num_sms = kernels.num_sms(torch.device(device))
         self._fp8_views: dict[tuple[int, tuple[int, ...]], tuple] = {}
+        self._counters: torch.Tensor | None = None  # the decode kernel's split counters (see _split_counters)
 
     def _num_splits(self, num_rows: int, batch: AttentionBatch) -> int:
         if self.options.num_kv_splits is not None:
@@ -184,6 +191,18 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
         return _kernels().choose_num_splits(
             num_rows, self.num_kv_heads, max_context, tile.block_n, self._num_sms, tile.num_warps
         )
+
+    def _split_counters(self, num_seqs: int) -> torch.Tensor:
+        """The decode kernel's zeroed counters, one per (sequence, KV head), shared by every layer and step (each
+        launch leaves them zero); made at the first decode, before any CUDA graph is captured, for
+        ``COUNTER_ROWS`` sequences, and remade larger (outside a capture) for a larger batch."""
+        counters = self._counters
+        if counters is None or counters.shape[0] < num_seqs:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"a captured decode step of {num_seqs} sequences needs its counters made before")
+            rows = max(COUNTER_ROWS, num_seqs)
+            counters = self._counters = _kernels().split_counters(rows, self.num_kv_heads, torch.device(self.device))
+        return counters
 
     def build_metadata(self, batch: AttentionBatch) -> TritonMetadata:
         if batch.max_query_len <= 1:
@@ -214,14 +233,13 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
     def warmup_steps(
         self, kv_cache: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, TritonMetadata]]:
-        """Tiny ``forward`` calls that together launch every kernel variant a step can: the KV store of this
-        cache's type; pure decode with one KV split and with each power-of-two split count up to
-        ``MAX_KV_SPLITS`` (the merge kernel is compiled per count; a fixed ``num_kv_splits`` needs only its
-        own); a prefill alone, and beside a one-token sequence (a mixed batch: the prefill kernel skips that one,
-        the decode kernel takes it). The prefill's K/V load path (pointers or TMA) is the one this cache takes.
-        Every key and value is stored at slot -1 (nowhere) and every context is block 0's first rows, so the
-        cache is only read. Every other argument a variant depends on (dtypes, 16-byte alignment, strides
-        divisible by 16) is the same as in the engine's steps; integers that vary per batch are not specialised
+        """Tiny ``forward`` calls that together launch every kernel variant a step can: the KV store of this cache's
+        type; pure decode with a batch in each of the decode kernel's ``SEQS_BUCKETS`` (larger batches than the last
+        compile when they come); a prefill alone, and beside a one-token sequence (a mixed batch: the prefill kernel
+        skips that one, the decode kernel takes it). The prefill's K/V load path (pointers or TMA) is the one this cache
+        takes. Every key and value is stored at slot -1 (nowhere) and every context is block 0's first rows, so the
+        cache is only read. Every other argument a variant depends on (dtypes, 16-byte alignment, strides divisible by
+        16) is the same as in the engine's steps; integers that vary per batch are not specialised
         (``triton_kernels._kernel_set``)."""
         kernels = _kernels()
         device = torch.device(self.device)
@@ -250,11 +268,12 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             decode_only = max(query_lens) == 1
             return q, kv, kv, TritonMetadata(batch, decode_only, splits, 0 if decode_only else single)
 
-        fixed = self.options.num_kv_splits
-        split_counts = [fixed] if fixed else [2**i for i in range(kernels.MAX_KV_SPLITS.bit_length())]
-        steps = [step([1, 1], 0, splits) for splits in split_counts]
+        # the decode kernel is compiled per batch-size bucket (its split plan's vector); the split count is not
+        # compiled in
+        sizes = [1] + [bucket + 1 for bucket in kernels.SEQS_BUCKETS[:-1]]
+        steps = [step([1] * n, 0, 2) for n in sizes]
         steps.append(step([2], 0, 1))  # the prefill kernel alone
-        steps.append(step([2, 1], 1, split_counts[0]))  # the prefill kernel beside the decode kernel
+        steps.append(step([2, 1], 1, 1))  # the prefill kernel beside the decode kernel
         return steps
 
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -297,5 +316,6 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             )
         if metadata.decode_only or metadata.num_single_token_seqs:
             config = self.fp8_decode_config if scales else self.decode_config
-            kernels.decode_attention(*common, batch.num_seqs, metadata.num_splits, config, **scales)
+            counters = self._split_counters(batch.num_seqs)
+            kernels.decode_attention(*common, batch.num_seqs, metadata.num_splits, config, counters, **scales)
         return out

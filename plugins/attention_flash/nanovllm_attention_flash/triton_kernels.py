@@ -12,9 +12,10 @@ Kernels (all of them take device tensors and never synchronise with the host):
 - ``store_kv``: writes the step's new keys/values at ``slot_mapping`` (``-1`` = padding, skipped), into an FP8
   cache quantised with one scale per (token, KV head).
 - ``decode_attention``: flash-decoding for sequences with exactly one query token. One program handles every
-  query head of one KV head (GQA: each KV tile is read once for the whole group) over one split of the context;
-  a second kernel merges the splits through their log-sum-exp. With one split the first kernel writes the
-  output itself.
+  query head of one KV head (GQA: each KV tile is read once for the whole group) over one split of a context;
+  the batch's tiles are dealt into equal splits, so a long context gets more of them than a short one, and the
+  last split of a sequence to finish merges them through their log-sum-exp. A sequence of one split is written
+  directly.
 - ``prefill_attention``: variable-length causal attention of the new tokens of each sequence against its whole
   context read from the paged cache (cached prefix + this chunk), causal with offset
   ``seq_len - query_len``: plain prefills, chunked prefills and prefix-cache hits take the same path. Its K/V
@@ -134,8 +135,10 @@ def _decode_split_kernel(
     OUT,
     PART_OUT,
     PART_LSE,
+    COUNTERS,
     scale_log2,
-    num_splits,
+    num_seqs,
+    target_splits,
     stride_q_tok,
     stride_q_head,
     stride_c_block,
@@ -146,31 +149,41 @@ def _decode_split_kernel(
     stride_bt,
     stride_o_tok,
     stride_o_head,
-    stride_po_seq,
+    stride_po_work,
     stride_po_head,
-    stride_po_split,
-    stride_pl_seq,
-    stride_pl_head,
+    stride_pl_work,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    ONE_SPLIT: tl.constexpr,
+    SEQS_P2: tl.constexpr,
+    MERGE_BLOCK: tl.constexpr,
     KV_FP8: tl.constexpr,
     HALF_DOTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (kv head, split, sequence): attention of the ``GROUP`` query heads over one split of the context.
+    """Program (kv head, work item): attention of the ``GROUP`` query heads over one split of one context.
+
+    The batch's decode work is dealt out evenly: every split holds ``per_split`` tiles of ``BLOCK_N`` keys, with
+    ``per_split = cdiv(total tiles, target_splits)``, so a sequence gets ``cdiv(its tiles, per_split)`` splits
+    and a few long contexts among many short ones are cut as finely as the batch needs (with one split a
+    sequence, the longest context alone would set the kernel's time). Work item ``w`` is split ``w - start(i)``
+    of the sequence ``i`` whose splits hold it; the grid has ``target_splits + num_seqs`` items a KV head, at
+    least as many as the splits (items past them exit). Every program derives the split plan from
+    ``SEQ_LENS`` and ``QUERY_START_LOC`` itself (``SEQS_P2`` rows at once), so nothing is computed per step
+    outside the kernel and the grid depends only on ``num_seqs`` and ``target_splits`` (CUDA graphs).
 
     The KV head is the fastest grid axis, so the programs reading the ``num_kv_heads`` interleaved
-    ``head_dim`` slices of the same cache rows run together (whole rows stream from DRAM).
+    ``head_dim`` slices of the same cache rows run together (whole rows stream from DRAM). Sequences whose
+    query length is not 1 get no split (the prefill kernel owns them); a padding row (``seq_len == 0``) gets
+    one, which writes zeros.
 
-    Skips sequences whose query length is not 1 (the prefill kernel owns them). The context's
-    ``cdiv(seq_len, BLOCK_N)`` tiles are dealt evenly over ``num_splits``; an empty split writes lse = -inf.
-    ``ONE_SPLIT``: normalise and write ``OUT`` directly. Otherwise write the normalised partial output to
-    ``PART_OUT[seq, head, split]`` and its base-2 log-sum-exp (of the scaled scores) to ``PART_LSE``.
+    A sequence of one split writes ``OUT`` itself. Otherwise each split writes its normalised partial output to
+    ``PART_OUT[w, head]`` and its base-2 log-sum-exp (of the scaled scores) to ``PART_LSE[w, head]``, then
+    counts itself done in ``COUNTERS[seq, kv_head]``; the last split of the sequence to finish merges them all
+    into ``OUT`` and resets the counter to 0 for the next launch (no second kernel).
 
     ``KV_FP8``: the cache holds e4m3 values with one float32 scale per (token, KV head) in ``KEY_SCALES`` /
     ``VALUE_SCALES`` (``[num_blocks, num_kv_heads, block_size]``, see ``fp8_cache``). Keys enter the dot as
@@ -187,17 +200,28 @@ def _decode_split_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(0)
-    split = tl.program_id(1)
-    seq = tl.program_id(2)
-    q_start = tl.load(QUERY_START_LOC + seq)
-    q_end = tl.load(QUERY_START_LOC + seq + 1)
-    if q_end - q_start != 1:
+    work = tl.program_id(1)
+    # the split plan, from the whole batch's lengths
+    offs_s = tl.arange(0, SEQS_P2)
+    in_batch = offs_s < num_seqs
+    starts = tl.load(QUERY_START_LOC + offs_s, mask=in_batch, other=0)
+    ends = tl.load(QUERY_START_LOC + offs_s + 1, mask=in_batch, other=0)
+    lens = tl.load(SEQ_LENS + offs_s, mask=in_batch, other=0)
+    tiles = tl.where(in_batch & (ends - starts == 1), tl.maximum((lens + BLOCK_N - 1) // BLOCK_N, 1), 0)
+    per_split = tl.maximum((tl.reduce(tiles, 0, tl.standard._sum_combine) + target_splits - 1) // target_splits, 1)
+    splits = (tiles + per_split - 1) // per_split
+    split_ends = tl.associative_scan(splits, 0, tl.standard._sum_combine)
+    seq = tl.reduce((split_ends <= work).to(tl.int32), 0, tl.standard._sum_combine)
+    if seq >= num_seqs:
         return
-    seq_len = tl.load(SEQ_LENS + seq)
-    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    mine = offs_s == seq
+    num_splits = tl.reduce(tl.where(mine, splits, 0), 0, tl.standard._sum_combine)
+    first_work = tl.reduce(tl.where(mine, split_ends, 0), 0, tl.standard._sum_combine) - num_splits
+    seq_len = tl.reduce(tl.where(mine, lens, 0), 0, tl.standard._sum_combine)
+    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N  # 0 for a padding row: its one split writes zeros
+    q_start = tl.reduce(tl.where(mine, starts, 0), 0, tl.standard._sum_combine)
+    tile_begin = (work - first_work) * per_split
+    tile_end = tl.minimum(tile_begin + per_split, num_tiles)
 
     offs_h = tl.arange(0, BLOCK_H)
     head_mask = offs_h < GROUP
@@ -255,76 +279,48 @@ def _decode_split_kernel(
     if HALF_DOTS:
         norm = norm * 256.0
     out = acc / norm[:, None]
-    if ONE_SPLIT:
-        o_ptrs = OUT + q_start.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
+    o_ptrs = OUT + q_start.to(tl.int64) * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
+    if num_splits == 1:
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=head_mask[:, None])
-    else:
-        po_ptrs = (
-            PART_OUT
-            + seq.to(tl.int64) * stride_po_seq
-            + heads[:, None] * stride_po_head
-            + split * stride_po_split
-            + offs_d[None, :]
-        )
-        tl.store(po_ptrs, out, mask=head_mask[:, None])
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        pl_ptrs = PART_LSE + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head + split
-        tl.store(pl_ptrs, lse, mask=head_mask)
-
-
-def _decode_merge_kernel(
-    QUERY_START_LOC,
-    OUT,
-    PART_OUT,
-    PART_LSE,
-    num_splits,
-    stride_o_tok,
-    stride_o_head,
-    stride_po_seq,
-    stride_po_head,
-    stride_po_split,
-    stride_pl_seq,
-    stride_pl_head,
-    HEAD_DIM: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Program (query head, sequence): merge the splits' partial outputs weighted by ``exp2(lse - max lse)``.
-
-    A sequence with no keys at all (padding, ``seq_len == 0``) gets zeros.
-    """
-    if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    head = tl.program_id(0)
-    seq = tl.program_id(1)
-    q_start = tl.load(QUERY_START_LOC + seq)
-    q_end = tl.load(QUERY_START_LOC + seq + 1)
-    if q_end - q_start != 1:
         return
-    offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, HEAD_DIM)
-    split_mask = offs_s < num_splits
-    lse = tl.load(
-        PART_LSE + seq.to(tl.int64) * stride_pl_seq + head * stride_pl_head + offs_s,
-        mask=split_mask,
-        other=float("-inf"),
-    )
-    lse_max = tl.reduce(lse, 0, tl.standard._elementwise_max)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(lse - lse_max)
-    po_ptrs = (
-        PART_OUT
-        + seq.to(tl.int64) * stride_po_seq
-        + head * stride_po_head
-        + offs_s[:, None] * stride_po_split
-        + offs_d[None, :]
-    )
-    parts = tl.load(po_ptrs, mask=split_mask[:, None], other=0.0)
-    total = tl.reduce(weights, 0, tl.standard._sum_combine)
-    out = tl.reduce(parts * weights[:, None], 0, tl.standard._sum_combine) / tl.where(total > 0.0, total, 1.0)
-    o_ptrs = OUT + q_start.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
-    tl.store(o_ptrs, out.to(OUT.dtype.element_ty))
+    po_ptrs = PART_OUT + work.to(tl.int64) * stride_po_work + heads[:, None] * stride_po_head + offs_d[None, :]
+    tl.store(po_ptrs, out, mask=head_mask[:, None])
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    tl.store(PART_LSE + work.to(tl.int64) * stride_pl_work + heads, lse, mask=head_mask)
+    # every thread's partial stores come before the count (the atomic releases them to the merging program,
+    # whose acquire makes them visible; its loads skip L1, which may hold an earlier launch's partials)
+    tl.debug_barrier()
+    counter = COUNTERS + seq * tl.num_programs(0) + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel") != num_splits - 1:
+        return
+    tl.atomic_xchg(counter, 0)
+    offs_w = tl.arange(0, MERGE_BLOCK)
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        m_all = tl.full([MERGE_BLOCK], float("-inf"), dtype=tl.float32)
+        for w0 in range(first_work, first_work + num_splits, MERGE_BLOCK):
+            w = w0 + offs_w
+            lse_w = tl.load(PART_LSE + w.to(tl.int64) * stride_pl_work + head,
+                            mask=w < first_work + num_splits, other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+            m_all = tl.maximum(m_all, lse_w)
+        m_max = tl.reduce(m_all, 0, tl.standard._elementwise_max)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        total = tl.full([MERGE_BLOCK], 0.0, dtype=tl.float32)
+        merged = tl.full([MERGE_BLOCK, HEAD_DIM], 0.0, dtype=tl.float32)
+        for w0 in range(first_work, first_work + num_splits, MERGE_BLOCK):
+            w = w0 + offs_w
+            in_seq = w < first_work + num_splits
+            lse_w = tl.load(PART_LSE + w.to(tl.int64) * stride_pl_work + head, mask=in_seq, other=float("-inf"),
+                            cache_modifier=".cg")  # fmt: skip
+            weight = tl.exp2(lse_w - m_max)
+            part = tl.load(PART_OUT + w.to(tl.int64)[:, None] * stride_po_work + head * stride_po_head
+                           + offs_d[None, :], mask=in_seq[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+            total += weight
+            merged += part * weight[:, None]
+        denom = tl.reduce(total, 0, tl.standard._sum_combine)
+        row = tl.reduce(merged, 0, tl.standard._sum_combine) / tl.where(denom > 0.0, denom, 1.0)
+        tl.store(OUT + q_start.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d,
+                 row.to(OUT.dtype.element_ty))  # fmt: skip
 
 
 def _prefill_kernel(
@@ -522,7 +518,6 @@ def _prefill_kernel(
 class _KernelSet:
     store_kv: object
     decode_split: object
-    decode_merge: object
     prefill: object
 
 
@@ -533,8 +528,7 @@ def _kernel_set(interpret: bool) -> _KernelSet:
     # multiple of 16 would compile a variant (and `TritonAttentionBackend.warmup` could not foresee it)
     return _KernelSet(
         store_kv=wrap(_store_kv_kernel),
-        decode_split=wrap(_decode_split_kernel, do_not_specialize=["num_splits", "stride_bt"]),
-        decode_merge=wrap(_decode_merge_kernel, do_not_specialize=["num_splits"]),
+        decode_split=wrap(_decode_split_kernel, do_not_specialize=["num_seqs", "target_splits", "stride_bt"]),
         prefill=wrap(_prefill_kernel, do_not_specialize=["num_seqs", "stride_bt"]),
     )
 
@@ -725,6 +719,7 @@ def decode_attention(
     num_seqs: int,
     num_splits: int,
     config: DecodeConfig,
+    counters: torch.Tensor,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
 ) -> None:
@@ -732,10 +727,12 @@ def decode_attention(
 
     ``q``/``out``: ``[num_tokens, num_heads, head_dim]`` (head_dim contiguous); sequence ``i``'s token is
     ``query_start_loc[i]`` and its context the first ``seq_lens[i]`` cache slots of ``block_tables[i]``.
-    Sequences with another query length are left untouched. The launch grid depends only on ``num_seqs``,
-    the head counts and ``num_splits``, never on device data, so a CUDA graph can capture it; the split
-    workspace has a static size too. ``key_scales``/``value_scales``: the scales of an FP8 cache
-    (``store_kv``).
+    Sequences with another query length are left untouched. ``num_splits``: KV splits a sequence on average
+    (the batch's tiles are dealt into ``num_seqs * num_splits`` equal splits; a long context takes more, a short
+    one fewer). The launch grid depends only on ``num_seqs``, the head counts and ``num_splits``, never on device
+    data, so a CUDA graph can capture it; the split workspace has a static size too. ``counters``: int32 zeros,
+    at least ``[num_seqs, num_kv_heads]``, left as zeros (:func:`split_counters`). ``key_scales``/
+    ``value_scales``: the scales of an FP8 cache (``store_kv``).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
@@ -745,22 +742,15 @@ def decode_attention(
     scales, strides = _cache_args(key_cache, value_cache, key_scales, value_scales)
     assert q.stride(-1) == 1 and out.stride(-1) == 1
     assert block_size % config.block_n == 0, "decode tiles must not cross a cache block"
+    assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads
     group = num_heads // num_kv_heads
     kernels = _kernels_for(q.device)
-    one_split = num_splits == 1
-    if one_split:
-        part_out = out  # unused
-        part_lse = out
-        po_strides = (0, 0, 0)
-        pl_strides = (0, 0)
-    else:
-        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        po_strides = part_out.stride()[:3]
-        pl_strides = part_lse.stride()[:2]
-    scale_log2 = scale * math.log2(math.e)
-    options = launch_options(q)
-    kernels.decode_split[(num_kv_heads, num_splits, num_seqs)](
+    target = num_seqs * num_splits
+    work_items = target + num_seqs  # enough for every split: each sequence's last one may be partly empty
+    part_out = torch.empty((work_items, num_heads, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((work_items, num_heads), dtype=torch.float32, device=q.device)
+    block_h = max(16, triton.next_power_of_2(group))
+    kernels.decode_split[(num_kv_heads, work_items)](
         q,
         key_cache,
         value_cache,
@@ -771,48 +761,47 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        scale_log2,
-        num_splits,
+        counters,
+        scale * math.log2(math.e),
+        num_seqs,
+        target,
         q.stride(0),
         q.stride(1),
         *strides,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        *po_strides,
-        *pl_strides,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_lse.stride(0),
         GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_H=block_h,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
-        ONE_SPLIT=one_split,
+        SEQS_P2=seqs_bucket(num_seqs),
+        MERGE_BLOCK=block_h,
         KV_FP8=key_scales is not None,
         HALF_DOTS=_half_dots(q, key_scales),
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **options,
+        **launch_options(q),
     )
-    if one_split:
-        return
-    kernels.decode_merge[(num_heads, num_seqs)](
-        query_start_loc,
-        out,
-        part_out,
-        part_lse,
-        num_splits,
-        out.stride(0),
-        out.stride(1),
-        *po_strides,
-        *pl_strides,
-        HEAD_DIM=head_dim,
-        SPLITS_P2=triton.next_power_of_2(num_splits),
-        # one warp a (head, sequence): the merge reads only a few splits' partial rows, which four warps would
-        # mostly leave idle
-        num_warps=1,
-        **options,
-    )
+
+
+SEQS_BUCKETS = (64, 256, 1024)  # batch sizes the decode kernel is compiled for (its split plan's vector length)
+
+
+def seqs_bucket(num_seqs: int) -> int:
+    """The decode kernel's ``SEQS_P2``: the smallest of ``SEQS_BUCKETS`` holding ``num_seqs`` rows (a power of two
+    beyond), so that a few compiled variants serve every batch size."""
+    return next((b for b in SEQS_BUCKETS if b >= num_seqs), triton.next_power_of_2(num_seqs))
+
+
+def split_counters(rows: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """Zeroed per-(sequence, KV head) counters for :func:`decode_attention`, which leaves them zero again."""
+    return torch.zeros((rows, num_kv_heads), dtype=torch.int32, device=device)
 
 
 @lru_cache(maxsize=16)

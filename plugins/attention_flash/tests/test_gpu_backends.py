@@ -226,6 +226,24 @@ def test_triton_decode_split_counts(num_kv_splits: int) -> None:
     torch.testing.assert_close(out.float(), reference(case, TorchAttentionBackend), **TOLERANCE[torch.bfloat16])
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_triton_decode_long_contexts_among_short_ones(fp8: bool) -> None:
+    """Three 20k-token contexts among 80 1k-token ones, one split a sequence on average: the long ones take many
+    splits, merged by their last; twice on one cache (the second launch finds its counters reset)."""
+    skip_unless_available(TritonAttentionBackend, torch.bfloat16, 128, 256)
+    case = make_case([1] * 83, [1023] * 80 + [20479] * 3, num_heads=16, num_kv_heads=8, head_dim=128,
+                     block_size=256, dtype=torch.bfloat16, device="cuda", unused_fill=float("nan"), seed=3)
+    if fp8:
+        skip_unless_fp8(TritonAttentionBackend)
+        case = case.fp8().prestored()  # both backends on the same cache bytes, as in test_matches_torch_backend
+    backend = case.backend(TritonAttentionBackend)
+    expected = reference(case, TorchAttentionBackend)
+    cache = case.kv_cache.clone()
+    for _ in range(2):
+        out = case.run(backend, cache)
+        torch.testing.assert_close(out.float(), expected, **TOLERANCE[torch.bfloat16])
+
+
 @pytest.mark.parametrize("name", [*BACKENDS, "triton_fp8"])
 def test_decode_cuda_graph_replays_with_new_data(name: str) -> None:
     """Capture ``forward`` for a fixed batch of 40 sequences + 8 padding rows over a static 48-block table,

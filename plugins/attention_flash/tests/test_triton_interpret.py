@@ -61,6 +61,18 @@ def test_decode_split_counts(num_kv_splits: int) -> None:
     assert_matches_torch(case, case.run(case.backend(TritonAttentionBackend, num_kv_splits=num_kv_splits)))
 
 
+def test_a_long_context_among_short_ones_is_split_and_merged_by_its_last_split() -> None:
+    """One split a sequence on average: the batch's tiles are dealt out evenly, so the 300-token context among
+    two-tile ones takes several splits (merged by the last to finish) and the others one each (written
+    directly). The counters come back to zero, so the next call (another layer) merges right again."""
+    case = make_case([1] * 6, [20, 300, 5, 31, 17, 0], num_heads=4, num_kv_heads=2, block_size=16, num_pad_rows=1)
+    backend = case.backend(TritonAttentionBackend, num_kv_splits=1)
+    cache = case.kv_cache.clone()
+    for _ in range(2):
+        assert_matches_torch(case, case.run(backend, cache))
+        assert not backend._split_counters(case.batch.num_seqs).any()
+
+
 def test_mixed_batch_without_host_lengths() -> None:
     """Without ``query_start_loc_cpu`` the prefill kernel serves the one-token sequences of a mixed batch too."""
     case = make_case(*KINDS["mixed"], num_heads=4, num_kv_heads=2, block_size=16)
