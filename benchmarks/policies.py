@@ -153,6 +153,7 @@ def client(args: argparse.Namespace, workload: str, result: Path, prompts: int, 
         "0,1",
         "--client-processes",
         str(args.client_processes),
+        "--server-metrics",  # the server's totals after each load: its front-end's cost per rate
         "--result-file",
         str(result),
     )

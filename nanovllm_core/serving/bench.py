@@ -631,6 +631,13 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated priority classes given to the requests in turn (e.g. 0,1: every other request is "
         "urgent); the summary then reports each class too",
     )
+    parser.add_argument(
+        "--server-metrics",
+        action="store_true",
+        help="after each run, read the server's /metrics and keep its totals in the run's results "
+        "(server_metrics: each sample name's value summed over its labels; a run's share is the difference from "
+        "the run before it), e.g. the front-end's CPU seconds per request rate",
+    )
 
 
 def parse_rates(text: str) -> list[float]:
@@ -687,6 +694,23 @@ async def fetch(request: Any, where: str, url: str, **kwargs: Any) -> tuple[int,
             return response.status, await response.text(errors="replace")
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise ConfigError(f"cannot reach the server at {where}: {type(exc).__name__}: {exc}") from None
+
+
+async def read_server_metrics(base_url: str, headers: dict[str, str]) -> dict[str, float]:
+    """The server's ``/metrics`` as totals: each sample's value summed over its labels (histogram buckets and
+    ``_created`` timestamps left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with client_session() as session:
+        status, text = await fetch(session.get, base_url, f"{base_url}/metrics", headers=headers)
+    if status != 200:
+        raise ConfigError(f"{base_url}/metrics answered {status}: --server-metrics needs a nanovllm (or vLLM) server")
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith(("_bucket", "_created")):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
 
 
 async def read_models(session: Any, base_url: str, headers: dict[str, str]) -> ServerInfo:
@@ -857,6 +881,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         if requests[0].arrival is not None:
             summary["arrivals"] = "trace"
         summary["model_id"] = model
+        if args.server_metrics:
+            summary["server_metrics"] = event_loop_runner()(read_server_metrics(base_url, headers))
         runs.append(summary)
         print_summary(summary, metrics, percentiles)
     path = result_path(args, model, rates)

@@ -72,6 +72,28 @@ def test_rates_mode_writes_one_run_per_rate(bench_server, tmp_path, capsys):
     assert "request throughput" in capsys.readouterr().out
 
 
+def test_server_metrics_after_each_run_hold_that_runs_tokens(bench_server, tmp_path):
+    """--server-metrics: each run keeps the server's /metrics totals read after it, so the difference between two
+    runs' is the later run's share (here its generated tokens and its requests)."""
+    result_file = tmp_path / "metrics.json"
+    argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset", "sharegpt-synth", "--num-prompts", "4"]
+    argv += ["--rates", "inf,inf", "--warmup", "0", "--vocab-size", "400", "--server-metrics"]
+    assert main([*argv, "--result-file", str(result_file)]) == 0
+    first, second = (run["server_metrics"] for run in json.loads(result_file.read_text())["runs"])
+    tokens, requests = "nanovllm:generation_tokens_total", "nanovllm:e2e_request_latency_seconds_count"
+    assert second[tokens] - first[tokens] == sum(r.max_tokens for r in fit_requests(4, 400))
+    assert second[requests] - first[requests] == 4
+    assert second["process_cpu_seconds_total"] >= first["process_cpu_seconds_total"] > 0
+    assert not any(name.endswith("_bucket") for name in first)
+
+
+def fit_requests(n: int, vocab: int) -> list[BenchRequest]:
+    """sharegpt-synth's requests as the bench fits them to the test server (max_model_len 512)."""
+    requests = synthetic_sharegpt(n, vocab, 0)
+    fit_to_server(requests, None, 512)
+    return requests
+
+
 def test_priority_classes_are_sent_and_reported_each(bench_server, tmp_path, capsys):
     result_file = tmp_path / "classes.json"
     argv = ["bench", "serve", "--base-url", bench_server.url, "--dataset", "sharegpt-synth", "--num-prompts", "6"]
