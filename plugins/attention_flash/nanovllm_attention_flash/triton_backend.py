@@ -45,12 +45,19 @@ class TritonMetadata:
     ``num_splits`` is the decode kernel's KV splits a sequence on average, chosen from static sizes (batch rows,
     head count, block-table width), so a captured CUDA graph stays valid for every replay of the same batch size;
     the kernel deals them out by context length.
+
+    ``decode_plan``: the decode kernel's split plan (``triton_kernels.split_plan``), which depends on the step's
+    lengths only, so the first layer makes it and every other layer reads it; ``plan_cache`` is the address of
+    the cache of the layer that made it. A call on that layer again starts another pass over the model (the
+    warm-up before a CUDA-graph capture, then the capture; a repeated call in a test) and makes it anew.
     """
 
     batch: AttentionBatch
     decode_only: bool
     num_splits: int
     num_single_token_seqs: int
+    decode_plan: torch.Tensor | None = None
+    plan_cache: int | None = None
 
 
 class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
@@ -234,7 +241,7 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
         self, kv_cache: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, TritonMetadata]]:
         """Tiny ``forward`` calls that together launch every kernel variant a step can: the KV store of this cache's
-        type; pure decode with a batch in each of the decode kernel's ``SEQS_BUCKETS`` (larger batches than the last
+        type; pure decode with a batch in each of the split plan's ``SEQS_BUCKETS`` (larger batches than the last
         compile when they come); a prefill alone, and beside a one-token sequence (a mixed batch: the prefill kernel
         skips that one, the decode kernel takes it). The prefill's K/V load path (pointers or TMA) is the one this cache
         takes. Every key and value is stored at slot -1 (nowhere) and every context is block 0's first rows, so the
@@ -268,8 +275,7 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             decode_only = max(query_lens) == 1
             return q, kv, kv, TritonMetadata(batch, decode_only, splits, 0 if decode_only else single)
 
-        # the decode kernel is compiled per batch-size bucket (its split plan's vector); the split count is not
-        # compiled in
+        # the split plan's kernel is compiled per batch-size bucket (its vector); the split count is not compiled in
         sizes = [1] + [bucket + 1 for bucket in kernels.SEQS_BUCKETS[:-1]]
         steps = [step([1] * n, 0, 2) for n in sizes]
         steps.append(step([2], 0, 1))  # the prefill kernel alone
@@ -317,5 +323,12 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
         if metadata.decode_only or metadata.num_single_token_seqs:
             config = self.fp8_decode_config if scales else self.decode_config
             counters = self._split_counters(batch.num_seqs)
-            kernels.decode_attention(*common, batch.num_seqs, metadata.num_splits, config, counters, **scales)
+            if metadata.decode_plan is None or metadata.plan_cache == kv_cache.data_ptr():
+                metadata.decode_plan = kernels.split_plan(
+                    batch.seq_lens, batch.query_start_loc, batch.num_seqs, metadata.num_splits, config.block_n
+                )
+                metadata.plan_cache = kv_cache.data_ptr()
+            kernels.decode_attention(
+                *common, batch.num_seqs, metadata.num_splits, config, counters, **scales, plan=metadata.decode_plan
+            )
         return out

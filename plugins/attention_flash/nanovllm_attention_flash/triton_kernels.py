@@ -123,6 +123,10 @@ def _store_kv_kernel(
             tl.store(cache + dst, tl.load(src + offs_d[None, :], mask=mask), mask=mask)
 
 
+# int32 fields of a decode split-plan row (seven used; 32-byte rows); a constexpr, so the kernels can read it
+PLAN_FIELDS = tl.constexpr(8)
+
+
 def _decode_split_kernel(
     Q,
     KEY_CACHE,
@@ -130,15 +134,12 @@ def _decode_split_kernel(
     KEY_SCALES,
     VALUE_SCALES,
     BLOCK_TABLES,
-    SEQ_LENS,
-    QUERY_START_LOC,
+    PLAN,
     OUT,
     PART_OUT,
     PART_LSE,
     COUNTERS,
     scale_log2,
-    num_seqs,
-    target_splits,
     stride_q_tok,
     stride_q_head,
     stride_c_block,
@@ -157,7 +158,6 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SEQS_P2: tl.constexpr,
     MERGE_BLOCK: tl.constexpr,
     KV_FP8: tl.constexpr,
     HALF_DOTS: tl.constexpr,
@@ -166,14 +166,10 @@ def _decode_split_kernel(
 ):
     """Program (kv head, work item): attention of the ``GROUP`` query heads over one split of one context.
 
-    The batch's decode work is dealt out evenly: every split holds ``per_split`` tiles of ``BLOCK_N`` keys, with
-    ``per_split = cdiv(total tiles, target_splits)``, so a sequence gets ``cdiv(its tiles, per_split)`` splits
-    and a few long contexts among many short ones are cut as finely as the batch needs (with one split a
-    sequence, the longest context alone would set the kernel's time). Work item ``w`` is split ``w - start(i)``
-    of the sequence ``i`` whose splits hold it; the grid has ``target_splits + num_seqs`` items a KV head, at
-    least as many as the splits (items past them exit). Every program derives the split plan from
-    ``SEQ_LENS`` and ``QUERY_START_LOC`` itself (``SEQS_P2`` rows at once), so nothing is computed per step
-    outside the kernel and the grid depends only on ``num_seqs`` and ``target_splits`` (CUDA graphs).
+    The batch's decode work is dealt out by ``PLAN``, the step's split plan (:func:`split_plan`, computed once a
+    step and read by every layer): row ``w`` names the sequence, its query token, its length, the KV tiles of
+    split ``w``, and where that sequence's splits begin and how many there are; a row of ``seq == -1`` is past
+    the batch's splits and its program exits.
 
     The KV head is the fastest grid axis, so the programs reading the ``num_kv_heads`` interleaved
     ``head_dim`` slices of the same cache rows run together (whole rows stream from DRAM). Sequences whose
@@ -201,27 +197,16 @@ def _decode_split_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(0)
     work = tl.program_id(1)
-    # the split plan, from the whole batch's lengths
-    offs_s = tl.arange(0, SEQS_P2)
-    in_batch = offs_s < num_seqs
-    starts = tl.load(QUERY_START_LOC + offs_s, mask=in_batch, other=0)
-    ends = tl.load(QUERY_START_LOC + offs_s + 1, mask=in_batch, other=0)
-    lens = tl.load(SEQ_LENS + offs_s, mask=in_batch, other=0)
-    tiles = tl.where(in_batch & (ends - starts == 1), tl.maximum((lens + BLOCK_N - 1) // BLOCK_N, 1), 0)
-    per_split = tl.maximum((tl.reduce(tiles, 0, tl.standard._sum_combine) + target_splits - 1) // target_splits, 1)
-    splits = (tiles + per_split - 1) // per_split
-    split_ends = tl.associative_scan(splits, 0, tl.standard._sum_combine)
-    seq = tl.reduce((split_ends <= work).to(tl.int32), 0, tl.standard._sum_combine)
-    if seq >= num_seqs:
+    plan = PLAN + work * PLAN_FIELDS  # this work item's row of the step's split plan (_split_plan_kernel)
+    seq = tl.load(plan)
+    if seq < 0:
         return
-    mine = offs_s == seq
-    num_splits = tl.reduce(tl.where(mine, splits, 0), 0, tl.standard._sum_combine)
-    first_work = tl.reduce(tl.where(mine, split_ends, 0), 0, tl.standard._sum_combine) - num_splits
-    seq_len = tl.reduce(tl.where(mine, lens, 0), 0, tl.standard._sum_combine)
-    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N  # 0 for a padding row: its one split writes zeros
-    q_start = tl.reduce(tl.where(mine, starts, 0), 0, tl.standard._sum_combine)
-    tile_begin = (work - first_work) * per_split
-    tile_end = tl.minimum(tile_begin + per_split, num_tiles)
+    q_start = tl.load(plan + 1)
+    seq_len = tl.load(plan + 2)
+    tile_begin = tl.load(plan + 3)
+    tile_end = tl.load(plan + 4)
+    first_work = tl.load(plan + 5)
+    num_splits = tl.load(plan + 6)
 
     offs_h = tl.arange(0, BLOCK_H)
     head_mask = offs_h < GROUP
@@ -321,6 +306,69 @@ def _decode_split_kernel(
         row = tl.reduce(merged, 0, tl.standard._sum_combine) / tl.where(denom > 0.0, denom, 1.0)
         tl.store(OUT + q_start.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d,
                  row.to(OUT.dtype.element_ty))  # fmt: skip
+
+
+def _split_plan_kernel(
+    SEQ_LENS,
+    QUERY_START_LOC,
+    PLAN,
+    num_seqs,
+    target_splits,
+    work_items,
+    BLOCK_N: tl.constexpr,
+    SEQS_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program ``i < num_seqs``: the plan rows of sequence ``i``'s decode splits; program ``num_seqs``: marks
+    the rows past the batch's splits (``seq = -1``).
+
+    The batch's decode work is dealt out evenly: every split holds ``per_split`` tiles of ``BLOCK_N`` keys, with
+    ``per_split = cdiv(total tiles, target_splits)``, so a sequence gets ``cdiv(its tiles, per_split)`` splits
+    and a few long contexts among many short ones are cut as finely as the batch needs (with one split a
+    sequence, the longest context alone would set the kernel's time). The splits of sequence ``i`` are the rows
+    that follow those of the sequences before it; their count over the batch is at most ``target_splits +
+    num_seqs = work_items``. Sequences whose query length is not 1 get no split (the prefill kernel owns them); a
+    padding row (``seq_len == 0``) gets one, of no tiles, which writes zeros. Row fields: sequence, query token,
+    ``seq_len``, first tile, end tile, first row of the sequence, its split count.
+    """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    i = tl.program_id(0)
+    offs_s = tl.arange(0, SEQS_P2)
+    in_batch = offs_s < num_seqs
+    starts = tl.load(QUERY_START_LOC + offs_s, mask=in_batch, other=0)
+    ends = tl.load(QUERY_START_LOC + offs_s + 1, mask=in_batch, other=0)
+    lens = tl.load(SEQ_LENS + offs_s, mask=in_batch, other=0)
+    tiles = tl.where(in_batch & (ends - starts == 1), tl.maximum((lens + BLOCK_N - 1) // BLOCK_N, 1), 0)
+    per_split = tl.maximum((tl.reduce(tiles, 0, tl.standard._sum_combine) + target_splits - 1) // target_splits, 1)
+    splits = (tiles + per_split - 1) // per_split
+    offs_r = tl.arange(0, ROWS)
+    if i == num_seqs:
+        for r0 in range(tl.reduce(splits, 0, tl.standard._sum_combine), work_items, ROWS):
+            r = r0 + offs_r
+            tl.store(PLAN + r * PLAN_FIELDS, tl.full([ROWS], -1, tl.int32), mask=r < work_items)
+        return
+    split_ends = tl.associative_scan(splits, 0, tl.standard._sum_combine)
+    mine = offs_s == i
+    num_splits = tl.reduce(tl.where(mine, splits, 0), 0, tl.standard._sum_combine)
+    first = tl.reduce(tl.where(mine, split_ends, 0), 0, tl.standard._sum_combine) - num_splits
+    seq_len = tl.load(SEQ_LENS + i)
+    q_start = tl.load(QUERY_START_LOC + i)
+    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    zeros = tl.full([ROWS], 0, tl.int32)
+    for r0 in range(0, num_splits, ROWS):
+        j = r0 + offs_r
+        in_seq = j < num_splits
+        row = PLAN + (first + j) * PLAN_FIELDS
+        tl.store(row, zeros + i, mask=in_seq)
+        tl.store(row + 1, zeros + q_start, mask=in_seq)
+        tl.store(row + 2, zeros + seq_len, mask=in_seq)
+        tl.store(row + 3, j * per_split, mask=in_seq)
+        tl.store(row + 4, tl.minimum(j * per_split + per_split, num_tiles), mask=in_seq)
+        tl.store(row + 5, zeros + first, mask=in_seq)
+        tl.store(row + 6, zeros + num_splits, mask=in_seq)
 
 
 def _prefill_kernel(
@@ -517,6 +565,7 @@ def _prefill_kernel(
 @dataclass(frozen=True)
 class _KernelSet:
     store_kv: object
+    split_plan: object
     decode_split: object
     prefill: object
 
@@ -528,7 +577,8 @@ def _kernel_set(interpret: bool) -> _KernelSet:
     # multiple of 16 would compile a variant (and `TritonAttentionBackend.warmup` could not foresee it)
     return _KernelSet(
         store_kv=wrap(_store_kv_kernel),
-        decode_split=wrap(_decode_split_kernel, do_not_specialize=["num_seqs", "target_splits", "stride_bt"]),
+        split_plan=wrap(_split_plan_kernel, do_not_specialize=["num_seqs", "target_splits", "work_items"]),
+        decode_split=wrap(_decode_split_kernel, do_not_specialize=["stride_bt"]),
         prefill=wrap(_prefill_kernel, do_not_specialize=["num_seqs", "stride_bt"]),
     )
 
@@ -722,6 +772,7 @@ def decode_attention(
     counters: torch.Tensor,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
+    plan: torch.Tensor | None = None,
 ) -> None:
     """Paged attention for the sequences of the batch that have exactly one query token.
 
@@ -732,7 +783,8 @@ def decode_attention(
     one fewer). The launch grid depends only on ``num_seqs``, the head counts and ``num_splits``, never on device
     data, so a CUDA graph can capture it; the split workspace has a static size too. ``counters``: int32 zeros,
     at least ``[num_seqs, num_kv_heads]``, left as zeros (:func:`split_counters`). ``key_scales``/
-    ``value_scales``: the scales of an FP8 cache (``store_kv``).
+    ``value_scales``: the scales of an FP8 cache (``store_kv``). ``plan``: this step's :func:`split_plan` for
+    ``config.block_n`` (made here when not given; every layer of a step can share one).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
@@ -745,8 +797,9 @@ def decode_attention(
     assert counters.dtype == torch.int32 and counters.numel() >= num_seqs * num_kv_heads
     group = num_heads // num_kv_heads
     kernels = _kernels_for(q.device)
-    target = num_seqs * num_splits
-    work_items = target + num_seqs  # enough for every split: each sequence's last one may be partly empty
+    if plan is None:
+        plan = split_plan(seq_lens, query_start_loc, num_seqs, num_splits, config.block_n)
+    work_items = plan.shape[0]
     part_out = torch.empty((work_items, num_heads, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((work_items, num_heads), dtype=torch.float32, device=q.device)
     block_h = max(16, triton.next_power_of_2(group))
@@ -756,15 +809,12 @@ def decode_attention(
         value_cache,
         *scales,
         block_tables,
-        seq_lens,
-        query_start_loc,
+        plan,
         out,
         part_out,
         part_lse,
         counters,
         scale * math.log2(math.e),
-        num_seqs,
-        target,
         q.stride(0),
         q.stride(1),
         *strides,
@@ -779,7 +829,6 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
-        SEQS_P2=seqs_bucket(num_seqs),
         MERGE_BLOCK=block_h,
         KV_FP8=key_scales is not None,
         HALF_DOTS=_half_dots(q, key_scales),
@@ -790,11 +839,36 @@ def decode_attention(
     )
 
 
-SEQS_BUCKETS = (64, 256, 1024)  # batch sizes the decode kernel is compiled for (its split plan's vector length)
+def split_plan(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_seqs: int, num_splits: int, block_n: int
+) -> torch.Tensor:
+    """The decode kernel's split plan for one step: ``[num_seqs * (num_splits + 1), PLAN_FIELDS]`` int32 rows
+    (``_split_plan_kernel``), made on the device from the batch's lengths without a sync. Its size follows
+    from ``num_seqs`` and ``num_splits`` alone (CUDA graphs); ``block_n`` is the decode tile's, which sets the
+    tiles a split holds."""
+    work_items = num_seqs * num_splits + num_seqs  # every split: each sequence's last one may be partly empty
+    plan = torch.empty((work_items, PLAN_FIELDS.value), dtype=torch.int32, device=seq_lens.device)
+    _kernels_for(seq_lens.device).split_plan[(num_seqs + 1,)](
+        seq_lens,
+        query_start_loc,
+        plan,
+        num_seqs,
+        num_seqs * num_splits,
+        work_items,
+        BLOCK_N=block_n,
+        SEQS_P2=seqs_bucket(num_seqs),
+        ROWS=32,
+        num_warps=4,
+        **launch_options(seq_lens),
+    )
+    return plan
+
+
+SEQS_BUCKETS = (64, 256, 1024)  # batch sizes the split plan is compiled for (its vector's length)
 
 
 def seqs_bucket(num_seqs: int) -> int:
-    """The decode kernel's ``SEQS_P2``: the smallest of ``SEQS_BUCKETS`` holding ``num_seqs`` rows (a power of two
+    """The split plan's ``SEQS_P2``: the smallest of ``SEQS_BUCKETS`` holding ``num_seqs`` rows (a power of two
     beyond), so that a few compiled variants serve every batch size."""
     return next((b for b in SEQS_BUCKETS if b >= num_seqs), triton.next_power_of_2(num_seqs))
 

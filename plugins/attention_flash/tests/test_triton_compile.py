@@ -29,7 +29,7 @@ POINTERS = {
     "Q": "*bf16", "K": "*bf16", "V": "*bf16", "KEY_CACHE": "*bf16", "VALUE_CACHE": "*bf16", "OUT": "*bf16",
     "KEY_SCALES": "*bf16", "VALUE_SCALES": "*bf16",  # unused placeholders with a 16-bit cache
     "PART_OUT": "*fp32", "PART_LSE": "*fp32", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32", "QUERY_START_LOC": "*i32",
-    "SLOTS": "*i64", "COUNTERS": "*i32",
+    "SLOTS": "*i64", "COUNTERS": "*i32", "PLAN": "*i32",
 }
 # an FP8 cache: e4m3 values and float32 scales
 FP8_POINTERS = {"KEY_CACHE": "*fp8e4nv", "VALUE_CACHE": "*fp8e4nv", "KEY_SCALES": "*fp32", "VALUE_SCALES": "*fp32"}
@@ -80,7 +80,7 @@ CP_ASYNC_16 = r"cp\.async\.cg\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*0
 
 def decode_constexprs(cfg: tk.DecodeConfig, fp8: bool = False) -> dict:
     """As ``decode_attention`` sets them for a bf16 model (float16 dots with an FP8 cache)."""
-    return dict(GROUP=2, BLOCK_H=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=cfg.block_n, SEQS_P2=256, MERGE_BLOCK=16,
+    return dict(GROUP=2, BLOCK_H=16, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_N=cfg.block_n, MERGE_BLOCK=16,
                 KV_FP8=fp8, HALF_DOTS=fp8, DOT_PRECISION="tf32")
 
 
@@ -102,6 +102,12 @@ def test_decode_kernel_merges_its_splits_in_place() -> None:
     ptx = compile_ptx(tk._decode_split_kernel, decode_constexprs(cfg), cfg.num_warps, cfg.num_stages)
     assert count(r"atom\.global\.(gpu\.)?acq_rel\.(gpu\.)?add", ptx) > 0
     assert count(r"ld\.global\.cg", ptx) > 0
+
+
+def test_split_plan_kernel_compiles_for_sm90() -> None:
+    """The step's split plan (once a step, before the first layer's decode kernel): 16-byte-aligned int32 rows."""
+    ptx = compile_ptx(tk._split_plan_kernel, dict(BLOCK_N=64, SEQS_P2=256, ROWS=32, PDL=False), 4, 1)
+    assert count(r"st\.global", ptx) > 0
 
 
 def prefill_constexprs(cfg: tk.PrefillConfig, use_tma: bool, fp8: bool = False) -> dict:

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from nanovllm_attention_flash import TorchAttentionBackend, TritonAttentionBackend  # noqa: E402
+from nanovllm_attention_flash import TorchAttentionBackend, TritonAttentionBackend, triton_kernels  # noqa: E402
 from nanovllm_attention_flash.testing import make_case, record_tma_use, reference  # noqa: E402
 
 from nanovllm_core import ConfigError  # noqa: E402
@@ -73,6 +73,49 @@ def test_a_long_context_among_short_ones_is_split_and_merged_by_its_last_split()
         assert not backend._split_counters(case.batch.num_seqs).any()
 
 
+def expected_plan(query_lens: list[int], seq_lens: list[int], splits: int, block_n: int) -> list[list[int]]:
+    """The split plan's rows, dealt out in plain Python: equal splits of the decode rows' tiles, in batch order."""
+    starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+    tiles = [max(-(-n // block_n), 1) if q == 1 else 0 for q, n in zip(query_lens, seq_lens)]
+    per_split = max(-(-sum(tiles) // (len(seq_lens) * splits)), 1)
+    rows = []
+    for i, (t, n) in enumerate(zip(tiles, seq_lens)):
+        count, first = -(-t // per_split), len(rows)
+        own_tiles = -(-n // block_n)
+        for j in range(count):
+            rows.append([i, starts[i], n, j * per_split, min(j * per_split + per_split, own_tiles), first, count])
+    work_items = len(seq_lens) * (splits + 1)
+    return rows + [[-1]] * (work_items - len(rows))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_split_plan_deals_the_batch_tiles_into_equal_splits(splits: int) -> None:
+    """A long context among short ones, a prefill row (no split), a padding row (one split of no tiles)."""
+    query_lens, seq_lens = [1, 1, 7, 1, 1, 1], [20, 300, 9, 5, 31, 0]
+    qsl = torch.tensor([sum(query_lens[:i]) for i in range(len(query_lens) + 1)], dtype=torch.int32)
+    plan = triton_kernels.split_plan(torch.tensor(seq_lens, dtype=torch.int32), qsl, len(seq_lens), splits, 16)
+    assert plan.shape == (len(seq_lens) * (splits + 1), triton_kernels.PLAN_FIELDS.value)
+    got = [row[:7] if row[0] >= 0 else [-1] for row in plan.tolist()]
+    assert got == expected_plan(query_lens, seq_lens, splits, 16)
+
+
+def test_every_layer_of_a_step_reads_the_first_layers_plan() -> None:
+    """The plan is made once a pass over the layers: another layer's call reuses it, a call on the layer that
+    made it (the next pass: a capture after its warm-up) makes it again, from the lengths as they are then."""
+    case = make_case([1] * 4, [20, 300, 5, 31], num_heads=4, num_kv_heads=2, block_size=16)
+    backend = case.backend(TritonAttentionBackend, num_kv_splits=2)
+    metadata = backend.build_metadata(case.batch)
+    first_layer, second_layer = case.kv_cache.clone(), case.kv_cache.clone()
+    assert_matches_torch(case, backend.forward(case.q, case.k, case.v, first_layer, metadata))
+    plan = metadata.decode_plan
+    assert_matches_torch(case, backend.forward(case.q, case.k, case.v, second_layer, metadata))
+    assert metadata.decode_plan is plan
+    case.batch.seq_lens[1] = 100
+    backend.forward(case.q, case.k, case.v, first_layer, metadata)
+    assert metadata.decode_plan is not plan
+    assert 100 in metadata.decode_plan[:, 2].tolist() and 300 not in metadata.decode_plan[:, 2].tolist()
+
+
 def test_mixed_batch_without_host_lengths() -> None:
     """Without ``query_start_loc_cpu`` the prefill kernel serves the one-token sequences of a mixed batch too."""
     case = make_case(*KINDS["mixed"], num_heads=4, num_kv_heads=2, block_size=16)
@@ -117,8 +160,6 @@ def test_prefill_tma_matches_torch_backend(kind: str, block_size: int, block_n: 
 def test_prefill_many_sequences_chunked_lookup(use_tma: bool, monkeypatch) -> None:
     """Programs find their sequence by counting ``query_start_loc`` entries ``SEQ_CHUNK`` at a time: with a chunk
     of 4, 11 sequences (one-token ones included, prefill kernel only) need three chunks, the last one partial."""
-    from nanovllm_attention_flash import triton_kernels
-
     monkeypatch.setattr(triton_kernels, "PREFILL_SEQ_CHUNK", 4)
     query_lens = [3, 1, 17, 2, 1, 9, 33, 1, 5, 16, 2]
     context_lens = [0, 5, 16, 0, 40, 3, 0, 17, 31, 16, 64]
@@ -134,8 +175,6 @@ def test_prefill_many_sequences_chunked_lookup(use_tma: bool, monkeypatch) -> No
 
 def test_tma_descriptors_need_a_packed_cache() -> None:
     """The 2-D view behind the TMA path needs whole blocks and heads packed; other layouts take the pointer path."""
-    from nanovllm_attention_flash import triton_kernels
-
     packed = torch.zeros(2, 4, 16, 2, 64)
     descriptors = triton_kernels.kv_tensor_descriptors(packed[0], packed[1], 16)
     assert descriptors is not None
@@ -146,8 +185,6 @@ def test_tma_descriptors_need_a_packed_cache() -> None:
 
 
 def test_store_skips_padding_slots() -> None:
-    from nanovllm_attention_flash import triton_kernels
-
     cache = torch.zeros(2, 4, 16, 2, 64)
     k, v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
     slots = torch.tensor([17, -1, 63])
