@@ -5,8 +5,9 @@ Decode: batch 1 / 32 / 256 x context 512 / 1024 / 4096, and seven 20k-token docu
 a cached context. 16 query / 8 KV heads, head_dim 128, bfloat16, block size
 256 by default (see ``--help``). ``triton_fp8`` is the triton backend on an FP8 cache (``kv_cache_dtype =
 "fp8"``: e4m3 values, a float32 scale per token and KV head) holding the same context. Timings are
-``triton.testing.do_bench`` medians of the attention alone (the step's keys/values are stored beforehand);
-``torch`` runs only the small cases (it loops over sequences).
+``triton.testing.do_bench`` medians of the attention alone (the step's keys/values are stored beforehand),
+replayed from a CUDA graph where the backend can be captured, as the engine replays its steps, so the host's
+launch costs do not count; ``torch`` runs only the small cases (it loops over sequences).
 
 Effective bandwidth counts the bytes a kernel must move at least once: the whole context's K and V plus q and
 the output. TFLOP/s counts 4 * head_dim flops per (query head, visible key) pair.
@@ -71,8 +72,18 @@ def attend_fn(backend, case: PagedCase, cache: torch.Tensor) -> Callable[[], obj
     metadata = backend.build_metadata(case.batch)
     backend.forward(case.q, case.k, case.v, cache, metadata)
     if hasattr(backend, "attend"):
-        return lambda: backend.attend(case.q, cache, metadata)
-    return lambda: backend.forward(case.q, case.k, case.v, cache, metadata)
+        fn = lambda: backend.attend(case.q, cache, metadata)  # noqa: E731
+    else:
+        fn = lambda: backend.forward(case.q, case.k, case.v, cache, metadata)  # noqa: E731
+    capturable = backend.supports_cuda_graph and (case.batch.max_query_len <= 1 or backend.supports_cuda_graph_mixed)
+    if not (case.q.is_cuda and capturable):
+        return fn
+    fn()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def decode_case(batch: int, context: int | tuple[int, int], args, seed: int = 0) -> PagedCase:
