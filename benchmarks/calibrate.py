@@ -3,6 +3,7 @@
     python benchmarks/calibrate.py                                  # 0.6B, bf16 KV cache, on this GPU
     python benchmarks/calibrate.py --shape qwen3-8b --kv-cache-dtype fp8
     python benchmarks/calibrate.py --dry-run                        # the commands, nothing run
+    python benchmarks/calibrate.py --from-servers                   # from three servers' own steps instead
 
 One ``nanovllm bench --json`` run per step kind the simulated policies produce (random weights of the shape,
 one run each, every step's GPU time recorded), then ``nanovllm simulate --calibrate`` over all of them:
@@ -13,6 +14,12 @@ one run each, every step's GPU time recorded), then ``nanovllm simulate --calibr
 - ``long-2k``: 16 prompts of up to 32,768 tokens in 2,048-token steps, as ``mixed`` and ``priority`` serve long
   documents: chunks deep into long prompts, whose attention reads every token before them.
 - ``long-16k``: the same prompts in the default 16,384-token steps, as ``fifo`` serves them.
+
+``--from-servers`` fits the steps servers ran instead (how the shipped 0.6B bf16 default was made):
+``benchmarks/policies.py`` serves the long-documents workload (chat turns, every 20th a document of 8k-32k
+tokens) under ``fifo``, ``mixed`` and ``priority`` at 70% and 90% of saturation, each server recording its
+steps (``--step-records``), and the calibration is fitted on the three servers' records: decode batches of every
+size, short prompts beside decodes, 2,048-token chunks deep into documents and 16k-token prompt steps.
 
 Results go to RESULTS_DIR/calibrate/: NAME.json and NAME.log per run, and the calibration (``--out``, default
 RESULTS_DIR/calibrate/CALIBRATION.json), which records the GPU, commit, date and its fit per source run.
@@ -43,8 +50,19 @@ def bench_command(name: str, args: argparse.Namespace, folder: Path) -> list[str
     )  # fmt: skip
 
 
-def calibrate_command(names: list[str], folder: Path, out: Path, frontend: list[str]) -> list[str]:
-    cmd = nanovllm("simulate", "--calibrate", *(str(folder / f"{n}.json") for n in names), "--out", str(out))
+SERVED_POLICIES = ("fifo", "mixed", "priority")
+
+
+def servers_command(args: argparse.Namespace) -> list[str]:
+    """``policies.py`` serving the long-documents workload under every shipped policy, each server's steps recorded."""
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "policies.py"), "--workloads", "long-docs"]
+    cmd += ["--loads", "0.7,0.9", "--policies", ",".join(SERVED_POLICIES), "--idle-prompts", "0", "--step-records"]
+    cmd += ["--shape", args.shape, "--results-dir", args.results_dir]
+    return cmd + (["--engine-args", f"--kv-cache-dtype {args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else [])
+
+
+def calibrate_command(sources: list[Path], out: Path, frontend: list[str]) -> list[str]:
+    cmd = nanovllm("simulate", "--calibrate", *(str(p) for p in sources), "--out", str(out))
     return cmd + (["--frontend-metrics", *frontend] if frontend else [])
 
 
@@ -56,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "qwen3-8b"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset (default: all)")
+    parser.add_argument(
+        "--from-servers",
+        action="store_true",
+        help="fit the steps of fifo, mixed and priority servers on the long-documents workload (policies.py) "
+        "instead of the bench runs",
+    )
     parser.add_argument("--out", help="the calibration file (default: RESULTS_DIR/calibrate/CALIBRATION.json)")
     parser.add_argument(
         "--frontend-metrics",
@@ -77,10 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     folder = out_dir(args.results_dir, "calibrate", make=not args.dry_run)
     kv = "bf16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     out = Path(args.out) if args.out else folder / f"{args.shape}-{kv}.json"
-    commands = [(n, bench_command(n, args, folder)) for n in names]
-    final = calibrate_command(names, folder, out, args.frontend_metrics)
-    for _, cmd in commands:
-        check_cli(cmd)
+    if args.from_servers:
+        commands = [("servers", servers_command(args))]
+        steps = out_dir(args.results_dir, "policies", make=False)
+        final = calibrate_command([steps / f"steps_{p}.json" for p in SERVED_POLICIES], out, args.frontend_metrics)
+    else:
+        commands = [(n, bench_command(n, args, folder)) for n in names]
+        final = calibrate_command([folder / f"{n}.json" for n in names], out, args.frontend_metrics)
+        for _, cmd in commands:
+            check_cli(cmd)
     check_cli(final)
     if args.dry_run:
         for _, cmd in [*commands, ("calibrate", final)]:

@@ -155,6 +155,16 @@ def test_calibrate_fits_every_run_it_benches(capsys) -> None:
         script.main(["--dry-run", "--runs", "long"])
 
 
+def test_calibrate_from_servers_fits_the_steps_each_policy_served(capsys) -> None:
+    script = load(BENCHMARKS / "calibrate.py")
+    assert script.main(["--dry-run", "--from-servers", "--kv-cache-dtype", "fp8"]) == 0
+    serve, fit = capsys.readouterr().out.splitlines()
+    assert "policies.py --workloads long-docs" in serve and "--step-records" in serve
+    assert "--policies fifo,mixed,priority" in serve and "--engine-args '--kv-cache-dtype fp8'" in serve
+    steps = [f"results/policies/steps_{p}.json" for p in ("fifo", "mixed", "priority")]
+    assert fit == f"nanovllm simulate --calibrate {' '.join(steps)} --out results/calibrate/qwen3-0.6b-fp8.json"
+
+
 def test_policy_map_prints_a_row_per_policy_and_load(tmp_path: Path, capsys) -> None:
     script = load(BENCHMARKS / "policy_map.py")
     script.GRID = [("nano", 0.5, ["fifo", "priority"])]
