@@ -222,3 +222,13 @@ class TestTritonConformance(AttentionBackendConformance):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("TRITON_INTERPRET", "1")
             return super()._setup()
+
+
+def test_a_sequence_of_more_splits_than_one_merge_block() -> None:
+    """Alone, a 600-token context takes one split a tile: more splits than the merge reads at once (16), so the
+    merge runs over several blocks of them."""
+    case = make_case([1], [599], num_heads=4, num_kv_heads=2, block_size=16)
+    backend = case.backend(TritonAttentionBackend, num_kv_splits=64)
+    metadata = backend.build_metadata(case.batch)
+    assert_matches_torch(case, backend.forward(case.q, case.k, case.v, case.kv_cache.clone(), metadata))
+    assert int(metadata.decode_plan[0, 6]) > 16
