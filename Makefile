@@ -4,30 +4,50 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build of torch; the package metadata itself accepts any torch>=2.5.
 TORCH_PIN ?= torch==2.13.0
-PACKAGES := -e . -e plugins/scheduler_fifo -e plugins/scheduler_mixed -e plugins/scheduler_priority \
-	-e plugins/attention_flash -e plugins/models_qwen3
+# The exact versions CI last passed with: `make install` (and every pip call of the tests, through
+# PIP_CONSTRAINT) takes them, so a new release upstream cannot break a fresh clone. `make test-latest` runs the
+# suite on the newest releases; `make lock` then records what it ran with.
+LOCK := $(abspath constraints.txt)
+LATEST := .venv-latest
+EDITABLES := -e ".[test]" -e "plugins/scheduler_fifo[test]" -e "plugins/scheduler_mixed[test]" \
+	-e "plugins/scheduler_priority[test]" -e "plugins/attention_flash[test]" -e "plugins/models_qwen3[test]"
 STAMP := $(VENV)/.install-stamp
 SOURCES := pyproject.toml plugins/scheduler_fifo/pyproject.toml plugins/scheduler_mixed/pyproject.toml \
 	plugins/scheduler_priority/pyproject.toml plugins/attention_flash/pyproject.toml plugins/models_qwen3/pyproject.toml
 
-.PHONY: install run test lint bench-host soak clean
+.PHONY: install run test test-latest lock lint bench-host soak clean
 
 install: $(STAMP)
 
-$(STAMP): $(SOURCES) Makefile
+$(STAMP): $(SOURCES) constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
-	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
-	$(BIN)/python -m pip install -q "$(TORCH_PIN)" -e ".[test]" -e "plugins/scheduler_fifo[test]" \
-		-e "plugins/scheduler_mixed[test]" -e "plugins/scheduler_priority[test]" \
-		-e "plugins/attention_flash[test]" -e "plugins/models_qwen3[test]"
+	PIP_CONSTRAINT=$(LOCK) $(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	PIP_CONSTRAINT=$(LOCK) $(BIN)/python -m pip install -q "$(TORCH_PIN)" $(EDITABLES)
 	touch $(STAMP)
 
 run: install
 	$(BIN)/nanovllm generate --demo --max-tokens 32
 
 test: install
-	$(BIN)/python -m pytest -q
+	PIP_CONSTRAINT=$(LOCK) $(BIN)/python -m pytest -q
+
+# the suite against the newest releases, in a virtualenv of its own made anew (run it before `make lock`)
+test-latest:
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(LATEST)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(LATEST)/bin/python -m pip install -q --upgrade "$(TORCH_PIN)" $(EDITABLES)
+	$(LATEST)/bin/python -m pytest -q
+
+# constraints.txt from the virtualenv `make test-latest` passed in (torch is TORCH_PIN's; our own are editable)
+lock:
+	@test -x $(LATEST)/bin/python || { echo "make lock: run make test-latest first (it makes $(LATEST))" >&2; exit 2; }
+	{ echo "# The versions \`make test\` installs: written by \`make lock\` from the environment \`make test-latest\`"; \
+	  echo "# passed in (Python $$($(LATEST)/bin/python -c 'import platform; print(platform.python_version())'), CPU). Edit by running those two, not by hand."; \
+	  $(LATEST)/bin/python -m pip freeze --exclude-editable | grep -v -e '^torch==' -e '^-e ' | LC_ALL=C sort -f; \
+	} > constraints.txt
 
 lint: install
 	$(BIN)/python -m pip install -q ruff
@@ -41,4 +61,4 @@ soak: install
 	$(BIN)/python benchmarks/soak.py $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info plugins/*/*.egg-info
+	rm -rf $(VENV) $(LATEST) build *.egg-info plugins/*/*.egg-info

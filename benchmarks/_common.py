@@ -1,8 +1,9 @@
 """What the benchmark scripts share: the results folder, the engine's command line (parsed before it runs, shown as
 a user would type it), the machine a result came from, and a server started and stopped cleanly.
 
-Not a package: ``python benchmarks/NAME.py`` puts this folder on ``sys.path``, and each script adds it itself
-when it is imported from elsewhere.
+Not a package: ``python benchmarks/NAME.py`` puts this folder first on ``sys.path``, where ``from _common import``
+finds it. Tests import a script with ``nanovllm_core.testing.scripts.load_script``, which puts the folder there
+only while the script loads.
 """
 
 from __future__ import annotations

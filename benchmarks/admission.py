@@ -18,7 +18,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import threading
 import time
 import urllib.error
@@ -26,8 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Server, add_common_arguments, nanovllm, out_dir, write_json  # noqa: E402
+from _common import Server, add_common_arguments, nanovllm, out_dir, write_json
 
 
 def rss_mb(pid: int) -> float:

@@ -31,8 +31,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_arguments, check_cli, machine, nanovllm, out_dir, run, shown  # noqa: E402
+from _common import add_common_arguments, check_cli, machine, nanovllm, out_dir, run, shown
 
 LONG = ["--num-seqs", "16", "--max-input-len", "32768", "--max-output-len", "256", "--max-model-len", "33024"]
 RUNS: dict[str, list[str]] = {  # nanovllm bench flags of each run

@@ -32,16 +32,13 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _common import copy_bytes_per_s, out_dir, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import copy_bytes_per_s, out_dir, write_json  # noqa: E402
-
-from nanovllm_core.bench.offline import SHAPES  # noqa: E402
+from nanovllm_core.bench.offline import SHAPES
 
 
 def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:

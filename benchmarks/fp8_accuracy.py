@@ -32,14 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import out_dir, write_json
 
 from nanovllm_core import LLM, SamplingParams, SchedulerOutput, Sequence
+from nanovllm_core.bench.offline import SHAPES, random_checkpoint
 from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import out_dir, write_json  # noqa: E402
-
-from nanovllm_core.bench.offline import SHAPES, random_checkpoint  # noqa: E402
 
 PROMPTS = PARITY_PROMPTS  # the GPU parity tests' prompts (tests/gpu/test_gpu_engine.py, the FP8 engine test)
 LOGIT_PROMPTS = slice(1, 4)  # the prompts whose last-token logits the GPU tests compare

@@ -142,8 +142,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.loop == "uvloop":
                 raise SystemExit("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
     import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import out_dir, write_json
 
     from nanovllm_core.bench.offline import random_checkpoint

@@ -32,8 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from _common import (
     add_common_arguments,
     check_cli,
     copy_bytes_per_s,

@@ -17,10 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_arguments, out_dir, write_json  # noqa: E402
-from policies import LONG_DOCS_TRACE, MAX_MODEL_LEN, WORKLOADS, write_long_documents_trace  # noqa: E402
-from simulate_policies import simulate, workload_command  # noqa: E402
+from _common import add_common_arguments, out_dir, write_json
+from policies import LONG_DOCS_TRACE, MAX_MODEL_LEN, WORKLOADS, write_long_documents_trace
+from simulate_policies import simulate, workload_command
 
 # fifo's all-at-once request rate on the H200, 0.6B bf16 (docs/evaluating-a-scheduler.md's validation runs;
 # long documents after the decode fix of cae3be4)

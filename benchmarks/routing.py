@@ -19,11 +19,9 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_arguments, machine, out_dir, split_list, write_json  # noqa: E402
+from _common import add_common_arguments, machine, out_dir, split_list, write_json
 
 POLICIES = ["cache_aware", "round_robin", "least_loaded"]
 

@@ -21,9 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_arguments, read_json, write_json  # noqa: E402
-from policies import LONG_DOCS_TRACE, MAX_MODEL_LEN, WORKLOADS  # noqa: E402
+from _common import add_common_arguments, read_json, write_json
+from policies import LONG_DOCS_TRACE, MAX_MODEL_LEN, WORKLOADS
 
 METRICS = (("request_throughput", 10), ("median_ttft_ms", 10), ("p99_ttft_ms", 20), ("median_itl_ms", 10),
            ("p99_itl_ms", 20))  # fmt: skip

@@ -41,8 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from _common import (
     Server,
     add_common_arguments,
     check_cli,
@@ -53,7 +52,7 @@ from _common import (  # noqa: E402
     write_json,
 )
 
-from nanovllm_core.serving.bench import (  # noqa: E402
+from nanovllm_core.serving.bench import (
     BenchRequest,
     RequestResult,
     SSEDecoder,

@@ -9,7 +9,6 @@ nothing here runs a model.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import re
@@ -21,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from nanovllm_core.testing.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
-DRY_RUN = {"offline.py", "serving.py", "policies.py", "kernels.py", "calibrate.py"}  # those that run the CLI
+DRY_RUN = {"offline.py", "serving.py", "policies.py", "gpu_kernels.py", "calibrate.py"}  # those that run the CLI
 PERFORMANCE = ROOT / "docs" / "performance.md"
 
 
@@ -43,16 +44,12 @@ def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def load(script: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(f"benchmark_{script.stem}", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
-    spec.loader.exec_module(module)
-    return module
+    return load_script(script)
 
 
 def test_the_benchmarks_folder_has_its_scripts_and_readme() -> None:
     names = {p.name for p in SCRIPTS}
-    assert {"offline.py", "serving.py", "policies.py", "kernels.py", "plot.py"} <= names, names
+    assert {"offline.py", "serving.py", "policies.py", "gpu_kernels.py", "plot.py"} <= names, names
     readme = (BENCHMARKS / "README.md").read_text()
     missing = [name for name in names if f"`{name}`" not in readme]
     assert not missing, f"benchmarks/README.md does not describe {missing}"

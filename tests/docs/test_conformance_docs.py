@@ -6,7 +6,6 @@ imported here so that this suite runs them.
 
 from __future__ import annotations
 
-import importlib
 import re
 import sys
 from pathlib import Path
@@ -15,20 +14,20 @@ import pytest
 
 from nanovllm_core import register_plugin, unregister_plugin
 from nanovllm_core.plugins import get_registry
+from nanovllm_core.testing.scripts import folder_on_sys_path
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS = ROOT / "examples" / "hooks"
 PLUGINS_DOC = ROOT / "docs" / "plugins.md"
 BLOCK = re.compile(r'^```\w+ title="([^"]+)"\n(.*?)^```$', re.M | re.S)
 
-sys.path.insert(0, str(HOOKS))  # as pytest would for a test file in examples/hooks
-
-from test_function_tag_tool_parser import TestFunctionTagToolParser  # noqa: E402, F401
-from test_llama_model import TestLlamaForCausalLM  # noqa: E402, F401
-from test_naive_attention import TestNaiveAttentionBackend  # noqa: E402, F401
-from test_reasoning_tag_parser import TestReasoningTagParser  # noqa: E402, F401
-from test_serial_scheduler import TestSerialScheduler  # noqa: E402, F401
-from test_simple_block_manager import TestSimpleBlockManager  # noqa: E402, F401
+with folder_on_sys_path(HOOKS):  # as pytest would for a test file in examples/hooks, for the imports only
+    from test_function_tag_tool_parser import TestFunctionTagToolParser  # noqa: F401
+    from test_llama_model import TestLlamaForCausalLM  # noqa: F401
+    from test_naive_attention import TestNaiveAttentionBackend  # noqa: F401
+    from test_reasoning_tag_parser import TestReasoningTagParser  # noqa: F401
+    from test_serial_scheduler import TestSerialScheduler  # noqa: F401
+    from test_simple_block_manager import TestSimpleBlockManager  # noqa: F401
 
 
 def test_plugins_md_shows_every_example_verbatim() -> None:
@@ -51,7 +50,7 @@ def test_plugins_md_shows_every_example_verbatim() -> None:
     ],
 )
 def test_each_example_registers_as_a_plugin(module: str, kind: str, name: str) -> None:
-    plugin = importlib.import_module(module)
+    plugin = sys.modules[module]  # imported by its test file above
     register_plugin(plugin)
     try:
         registry = get_registry()

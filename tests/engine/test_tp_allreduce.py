@@ -140,12 +140,9 @@ def test_tp2_symm_mem_all_reduce_equals_nccl(monkeypatch, tmp_path_factory):
 
 
 def load_benchmark():
-    import importlib.util
+    from nanovllm_core.testing.scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("allreduce_benchmark", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCHMARK)
 
 
 def row(nbytes: int, nccl: float, one: float, two: float, correct: bool = True) -> dict:

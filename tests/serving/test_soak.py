@@ -5,7 +5,6 @@ are read), and one short soak end to end through a real ``nanovllm serve`` proce
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import socket
@@ -20,20 +19,13 @@ from serving_helpers import start_server
 from nanovllm_core.serving.api_server import ServerSettings
 from nanovllm_core.serving.bench import BenchRequest, client_session, request_headers
 from nanovllm_core.testing import write_tiny_checkpoint
+from nanovllm_core.testing.scripts import load_script
 
 SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 BODY_LIMIT = 65536
 
 
-def load_soak():
-    spec = importlib.util.spec_from_file_location("benchmark_soak", SOAK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = load_soak()
+soak = load_script(SOAK)
 
 
 @pytest.fixture(scope="module")

@@ -172,12 +172,9 @@ def test_kv_cache_dtype_flag_takes_vllms_e4m3_name(capsys: pytest.CaptureFixture
 
 def load_benchmark(name: str):
     """The module of ``benchmarks/NAME.py`` (the benchmarks are scripts, not a package)."""
-    import importlib.util
+    from nanovllm_core.testing.scripts import load_script
 
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / f"{name}.py")
 
 
 def test_decode_gemm_benchmark_reports_every_projection_and_row_count(tmp_path, capsys):

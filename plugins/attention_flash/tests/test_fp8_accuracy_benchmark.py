@@ -3,7 +3,6 @@ holds what it reports, and its agreement figures follow from the tokens it lists
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -15,10 +14,9 @@ SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "fp8_accuracy.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("fp8_accuracy", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from nanovllm_core.testing.scripts import load_script
+
+    return load_script(SCRIPT)
 
 
 def test_fp8_accuracy_benchmark_on_cpu(bench, tmp_path: Path, capsys) -> None:

@@ -7,22 +7,18 @@ import asyncio
 import dataclasses
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray")
-
-from ray.cluster_utils import Cluster  # noqa: E402
+# the submodule the test needs: a folder named ray on sys.path would pass for the package itself
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+import ray  # noqa: E402
+from engine_helpers import GREEDY, PROMPTS, make_prompts, pid_running  # noqa: E402
 
 from nanovllm_core import LLM, EngineConfig, SamplingParams  # noqa: E402
 from nanovllm_core.engine_client.ray_client import RayDataParallelClient  # noqa: E402
 from nanovllm_core.errors import UnknownPluginError  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from engine_helpers import GREEDY, PROMPTS, make_prompts, pid_running  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -34,7 +30,7 @@ REJOIN_S = 90.0
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     yield cluster
     if ray.is_initialized():

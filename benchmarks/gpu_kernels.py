@@ -1,8 +1,8 @@
 """Kernel micro-benchmarks on one GPU: paged attention, the small fused ops, the decode step's GEMMs.
 
-    python benchmarks/kernels.py                                   # every suite
-    python benchmarks/kernels.py --suites attention --attention-args "--sweep decode --kv-cache-dtype fp8"
-    python benchmarks/kernels.py --dry-run                         # the commands, nothing run
+    python benchmarks/gpu_kernels.py                                   # every suite
+    python benchmarks/gpu_kernels.py --suites attention --attention-args "--sweep decode --kv-cache-dtype fp8"
+    python benchmarks/gpu_kernels.py --dry-run                         # the commands, nothing run
 
 Suites, each in a process of its own:
 
@@ -28,8 +28,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, add_common_arguments, out_dir, run, shown, split_list  # noqa: E402
+from _common import ROOT, add_common_arguments, out_dir, run, shown, split_list
 
 SUITES = ["attention", "small-ops", "gemm"]
 ATTENTION_BENCH = ROOT / "plugins" / "attention_flash" / "bench_kernels.py"
