@@ -35,8 +35,9 @@ from nanovllm_core.interfaces import (
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.parsing import ParsedToolCall, ReasoningParser, TaggedToolParser, ThinkTagReasoningParser, ToolParser
 from nanovllm_core.plugins import get_registry, register_plugin, unregister_plugin
-from nanovllm_core.sampling_params import RequestOutputKind, SamplingParams
+from nanovllm_core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm_core.structured_output import StructuredOutputBackend, StructuredOutputGrammar, bitmask_words
 
 if TYPE_CHECKING:
     from nanovllm_core.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -105,10 +106,14 @@ __all__ = [
     "SchedulerOutput",
     "Sequence",
     "SequenceStatus",
+    "StructuredOutputBackend",
+    "StructuredOutputGrammar",
+    "StructuredOutputsParams",
     "TaggedToolParser",
     "ThinkTagReasoningParser",
     "ToolParser",
     "UnknownPluginError",
+    "bitmask_words",
     "get_registry",
     "hookimpl",
     "register_plugin",

@@ -44,6 +44,14 @@ class PluginsConfig(BaseModel):
     scheduler_options: dict[str, Any] = Field(default_factory=dict, description="Options for the scheduler.")
     block_manager_options: dict[str, Any] = Field(default_factory=dict, description="Options for the block manager.")
     attention_options: dict[str, Any] = Field(default_factory=dict, description="Options for the attention backend.")
+    structured_output_backend: str = Field(
+        "auto",
+        description="Grammar engine for structured output (JSON schema, regex, choice, grammar), by registered "
+        "name; `auto` picks the installed one of highest priority, and none installed refuses constrained requests.",
+    )
+    structured_output_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options for the structured-output backend."
+    )
 
 
 class EngineConfig(BaseModel):

@@ -89,6 +89,20 @@ def nanovllm_register_models(register: Register) -> None:
 
 
 @hookspec
+def nanovllm_register_structured_output_backends(register: Register) -> None:
+    """Register structured-output backends (grammar engines): ``register("xgrammar", XgrammarBackend)``.
+
+    The class subclasses :class:`nanovllm_core.StructuredOutputBackend` and is selected with
+    ``[plugins] structured_output_backend = "xgrammar"`` (``--structured-outputs-backend``; ``auto`` takes the
+    installed one of highest ``priority``). The engine builds it once, as
+    ``cls(tokenizer, vocab_size, eos_token_ids, **structured_output_options)``, validates each constrained
+    request with ``validate``, compiles each distinct constraint once with ``compile`` in a thread pool, and gives
+    each sequence a grammar from ``new_grammar``, whose bitmask masks the logits before every sampling step.
+    :class:`nanovllm_core.testing.conformance.StructuredOutputConformance` checks it.
+    """
+
+
+@hookspec
 def nanovllm_register_tool_parsers(register: Register) -> None:
     """Register tool-call parser classes: ``register("hermes", HermesToolParser)``.
 

@@ -117,6 +117,9 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # set by the engine, not the scheduler: (rows of ``seqs`` whose sampling a grammar constrains, int32 bitmask
+    # of their allowed tokens, one row each; see nanovllm_core.structured_output)
+    grammar_bitmask: tuple[list[int], Any] | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -36,12 +36,14 @@ import nanovllm_core.hookspecs as hookspecs
 from nanovllm_core.errors import ModelLoadError, PluginConflictError, UnknownPluginError
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler
 from nanovllm_core.parsing import ReasoningParser, ToolParser
+from nanovllm_core.structured_output import StructuredOutputBackend
 
 KINDS: dict[str, str] = {
     "scheduler": "nanovllm_register_schedulers",
     "block_manager": "nanovllm_register_block_managers",
     "attention": "nanovllm_register_attention_backends",
     "model": "nanovllm_register_models",
+    "structured_output": "nanovllm_register_structured_output_backends",
     "tool_parser": "nanovllm_register_tool_parsers",
     "reasoning_parser": "nanovllm_register_reasoning_parsers",
 }
@@ -64,6 +66,7 @@ PROVIDERS: dict[str, dict[str, str]] = {
         "Qwen2ForCausalLM": "nanovllm-models-qwen3",
         "Qwen3MoeForCausalLM": "nanovllm-models-qwen3",
     },
+    "structured_output": {"xgrammar": "nanovllm-structured-xgrammar", "guidance": "nanovllm-structured-llguidance"},
 }
 """The nanovllm distribution that registers each of the project's own names, kind by kind (for error messages)."""
 REPLY_PARSER_FLAGS = {"tool_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser"}
@@ -74,6 +77,7 @@ _BASES: dict[str, type] = {
     "attention": AttentionBackend,
     "tool_parser": ToolParser,
     "reasoning_parser": ReasoningParser,
+    "structured_output": StructuredOutputBackend,
 }
 _MODEL_METHODS = ("forward", "compute_logits", "load_weights")
 

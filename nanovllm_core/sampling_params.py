@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from nanovllm_core.errors import InvalidRequestError
 
@@ -18,6 +19,75 @@ class RequestOutputKind(str, Enum):
     CUMULATIVE = "cumulative"
     DELTA = "delta"
     FINAL_ONLY = "final"
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint every output of the request satisfies (vLLM's ``StructuredOutputsParams``): exactly one of
+    ``json`` (a JSON schema, as a dict or its text), ``regex``, ``choice`` (the output is one of these strings),
+    ``grammar`` (an EBNF/Lark grammar, as the backend reads it) or ``json_object=True`` (any JSON object).
+
+    The engine's structured-output backend (``[plugins] structured_output_backend``) compiles it once per distinct
+    constraint, off the engine loop, and masks the tokens that would break it before every sampling step. An
+    invalid constraint is an :class:`InvalidRequestError` when the request is added. ``disable_any_whitespace``:
+    no optional whitespace in JSON (compact output), where the backend supports it.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "StructuredOutputsParams takes exactly one of json, regex, choice, grammar or json_object=True; "
+                + (f"got {', '.join(given)}" if given else "got none")
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidRequestError("StructuredOutputsParams.json is a JSON schema: a dict or its JSON text")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise InvalidRequestError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError("StructuredOutputsParams.json is a JSON schema: an object (or true/false)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"StructuredOutputsParams.{name} is a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, (list, tuple)) or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):  # fmt: skip
+            raise InvalidRequestError("StructuredOutputsParams.choice is a non-empty list of non-empty strings")
+        if self.json_object not in (None, True, False):
+            raise InvalidRequestError("StructuredOutputsParams.json_object is True or False")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: ``"json"``, ``"regex"``, ``"choice"``, ``"grammar"`` or ``"json_object"``."""
+        return next(name for name in KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text (a schema as compact JSON, choices as a JSON list): the compile cache's key."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            # key order kept: a backend generates properties in the schema's order ("reasoning" before "answer")
+            return json.dumps(json.loads(value) if isinstance(value, str) else value)
+        if self.kind == "choice":
+            return json.dumps(list(value))
+        if self.kind == "json_object":
+            return ""
+        return value
+
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+"""The kinds of constraint :class:`StructuredOutputsParams` carries, as backends name them."""
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -73,7 +143,8 @@ class SamplingParams:
     tokenizer writes it; its last token is masked whenever the output so far ends with the tokens before it.
     Like the penalties, these shape what is sampled, not the logprobs reported. ``embed=True`` (``LLM.embed``
     sets it): the output's ``embedding`` is the last prompt token's final hidden state, L2-normalised
-    (last-token pooling, as Qwen3-Embedding's), with ``n=1``.
+    (last-token pooling, as Qwen3-Embedding's), with ``n=1``. ``structured_outputs``: a
+    :class:`StructuredOutputsParams` every sample's output satisfies (JSON schema, regex, choice, grammar).
     ``output_kind``: what ``LLMEngine.step`` returns for the request: only the final output, every step's new
     tokens (``delta``) or everything so far (``cumulative``); vLLM's :class:`RequestOutputKind` members
     (``FINAL_ONLY``, ``DELTA``, ``CUMULATIVE``) are accepted too. ``detokenize=False``: outputs carry token ids only
@@ -106,6 +177,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     embed: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
     # bad_words as token ids (for_engine tokenizes them; vLLM's _bad_words_token_ids)
     bad_words_token_ids: list[list[int]] = field(init=False, repr=False)
@@ -197,6 +269,11 @@ class SamplingParams:
             not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w for w in self.bad_words)
         ):
             raise bad("bad_words", "None or a list of non-empty strings")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "None or a StructuredOutputsParams")
+            if self.embed:
+                raise bad("structured_outputs", "None with embed=True (an embedding samples nothing)")
         self.all_stop_token_ids = frozenset(self.stop_token_ids)
         self.bad_words_token_ids = []
         self.adjusts_logits = bool(self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words)

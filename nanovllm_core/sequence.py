@@ -6,6 +6,7 @@ from enum import Enum, auto
 import torch
 
 from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_core.structured_output import StructuredOutputGrammar
 
 PLACEHOLDER_TOKEN = -1
 """Stands in ``Sequence.token_ids`` for a token the device sampled but the host has not read yet.
@@ -56,6 +57,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None
+        self.grammar: StructuredOutputGrammar | None = None  # structured output: where this sample is in it
         if sampling_params.seed is not None:  # each of the n samples draws from its own stream
             self.generator = torch.Generator()
             self.generator.manual_seed((sampling_params.seed + index) % (1 << 64))

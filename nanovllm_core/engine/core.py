@@ -12,13 +12,15 @@ in flight between steps.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.errors import InvalidRequestError, SchedulerError
@@ -27,6 +29,11 @@ from nanovllm_core.outputs import CompletionOutput, Logprob, PositionLogprobs, R
 from nanovllm_core.sampling_params import SamplingParams, with_priority
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm_core.tokenization import encode_text
+
+if TYPE_CHECKING:
+    from nanovllm_core.engine.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]
 """Text, token ids, or vLLM's prompt dicts: ``{"prompt": text}`` (TextPrompt), ``{"prompt_token_ids": ids}``
@@ -115,6 +122,8 @@ class Request:
         self.seqs = [Sequence(token_ids, params, request_id, index=i) for i in range(params.n)]
         # Samples 2..n start once the first has computed the prompt: they then find it in the prefix cache.
         self.held_back = self.seqs[1:] if hold_siblings else []
+        # structured output: the constraint compiling; until it is done no sample is scheduled
+        self.grammar_future: concurrent.futures.Future | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(token_ids))
         self.num_finished = 0
         self.embedding: list[float] | None = None  # params.embed: set when the prompt's step is read
@@ -149,6 +158,7 @@ class EngineCore:
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         vocab_size: int | None = None,
         async_scheduling: bool = False,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         assert config.max_model_len is not None, "max_model_len is resolved before the engine core is built"
         self.config = config
@@ -160,6 +170,8 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.async_scheduling = async_scheduling
+        self.structured_output = structured_output
+        self._waiting_for_grammar: list[Request] = []  # in the order they came
         self.max_model_len: int = config.max_model_len
         self._requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
@@ -204,6 +216,12 @@ class EngineCore:
         if self.tokenizer is not None:
             encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
         params = params.for_engine(self.eos_token_ids, self.vocab_size, encode)
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                from nanovllm_core.engine.structured_output import no_backend_error
+
+                raise no_backend_error()
+            self.structured_output.validate(params.structured_outputs)
         max_len = self.max_model_len
         if len(token_ids) >= max_len:
             raise InvalidRequestError(
@@ -238,10 +256,50 @@ class EngineCore:
             self._requests[request.request_id] = request
             if request.params.needs_output_token_ids:
                 self._num_sync_requests += 1
-            for seq in request.seqs:
-                if seq not in request.held_back:
-                    self.scheduler.add(seq)
+            if request.params.structured_outputs is not None:
+                assert self.structured_output is not None  # _make_request checked
+                request.grammar_future = self.structured_output.compile(request.params.structured_outputs)
+                self._waiting_for_grammar.append(request)
+                return request.request_id
+            self._schedule_request(request)
             return request.request_id
+
+    def _schedule_request(self, request: Request) -> None:
+        for seq in request.seqs:
+            if seq not in request.held_back and not seq.is_finished:
+                self.scheduler.add(seq)
+
+    def _admit_compiled(self, wait: bool) -> list[RequestOutput]:
+        """Hand the requests whose constraint has compiled to the scheduler, each sample with a grammar of its own.
+        ``wait``: nothing else can run, so block until one is ready (briefly: the caller steps again). A
+        constraint that failed to compile ends its request (finish reason ``abort``; the error is logged)."""
+        pending = self._waiting_for_grammar
+        if wait:
+            concurrent.futures.wait([r.grammar_future for r in pending], timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)  # fmt: skip
+        outputs, still = [], []
+        for request in pending:
+            future = request.grammar_future
+            if not future.done():
+                still.append(request)
+                continue
+            request.grammar_future = None
+            error = future.exception()
+            if error is None:
+                compiled = future.result()
+                for seq in request.seqs:
+                    seq.grammar = self.structured_output.new_grammar(compiled)
+                self._schedule_request(request)
+                continue
+            logger.error("request %s: its structured_outputs failed to compile: %s", request.request_id, error)
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                    request.num_finished += 1
+            self._forget(request)
+            outputs.append(self._output(request, range(len(request.seqs)), final=True))
+        self._waiting_for_grammar = still
+        return outputs
 
     def abort_request(self, request_id: str, samples: Iterable[int] | None = None) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks. Returns its output so far, or None if unknown.
@@ -264,23 +322,27 @@ class EngineCore:
                         f"{len(request.seqs) - 1} (its samples)"
                     )
             held_back = request.held_back
+            compiling = request.grammar_future is not None  # no sample reached the scheduler yet
             for i in indices:
                 seq = request.seqs[i]
                 if seq.is_finished and seq.token_ids[-1] != PLACEHOLDER_TOKEN:
                     continue  # its output is complete
-                if not seq.is_finished and seq not in held_back:
+                if not seq.is_finished and seq not in held_back and not compiling:
                     self.scheduler.finish(seq)
                 while seq.token_ids[-1] == PLACEHOLDER_TOKEN:  # still on the device: dropped
                     seq.token_ids.pop()
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
                 request.num_finished += 1
             request.held_back = [seq for seq in held_back if not seq.is_finished]
-            if request.held_back and request.seqs[0].is_finished:  # sample 0 will not compute the prompt for them
+            # sample 0 will not compute the prompt for them
+            if request.held_back and request.seqs[0].is_finished and not compiling:
                 for seq in request.held_back:
                     self.scheduler.add(seq)
                 request.held_back = []
             if not request.finished:
                 return self._output(request, indices, final=False)
+            if compiling:
+                self._waiting_for_grammar.remove(request)
             self._forget(request)
             return self._output(request, range(len(request.seqs)), final=True)
 
@@ -314,6 +376,9 @@ class EngineCore:
         ``output_kind`` ``"delta"`` or ``"cumulative"``, every request that got new tokens."""
         with self._lock:
             outputs: list[RequestOutput] = []
+            if self._waiting_for_grammar:
+                idle = self._in_flight is None and not self.scheduler.has_unfinished()
+                outputs += self._admit_compiled(wait=idle)
             if self._in_flight is not None and self._num_sync_requests:
                 # penalties need the in-flight tokens on the host before the next step is scheduled
                 outputs += self._receive(self._in_flight)
@@ -329,9 +394,17 @@ class EngineCore:
                         "may return nothing only when nothing can run (every request fits an empty KV cache)"
                     )
                 return outputs
-            launched = self.step_runner.launch(batch, self._in_flight) if batch.seqs else None
+            received: list[RequestOutput] | None = None
+            if batch.seqs:
+                before_sample = None
+                if self.structured_output is not None:
+                    received, before_sample = self._grammar_bitmask(batch, placeholders)
+                extra = {} if before_sample is None else {"before_sample": before_sample}
+                launched = self.step_runner.launch(batch, self._in_flight, **extra)
+            else:
+                launched = None
             if self._in_flight is not None:
-                outputs += self._receive(self._in_flight)
+                outputs += received if received is not None else self._receive(self._in_flight)
             self._in_flight = None
             if launched is not None:
                 self._advance(launched, placeholders, num_prompt_tokens)
@@ -385,6 +458,32 @@ class EngineCore:
         if problem is not None:
             raise SchedulerError(f"scheduler {self.scheduler_name!r} scheduled {problem}")
         return placeholders, num_prompt_tokens
+
+    def _grammar_bitmask(
+        self, batch: SchedulerOutput, placeholders: list[int | None]
+    ) -> tuple[list[RequestOutput] | None, Any]:
+        """The allowed tokens of the step's constrained rows that sample.
+
+        With nothing in flight every grammar has accepted its sequence's last token: the bitmask goes with the
+        batch (``grammar_bitmask``). With a step in flight (async scheduling) its tokens are not read yet, so the
+        runner calls the returned ``before_sample`` once this step's forward is queued: it reads the step in
+        flight (its outputs land in the returned list), advances the grammars and fills the bitmask while the
+        device runs the forward. Returns (that list or None, ``before_sample`` or None)."""
+        rows = [i for i, (seq, token) in enumerate(zip(batch.seqs, placeholders))
+                if token is not None and seq.grammar is not None]  # fmt: skip
+        if not rows:
+            return None, None
+        manager, in_flight = self.structured_output, self._in_flight
+        if in_flight is None:
+            batch.grammar_bitmask = (rows, manager.bitmask(batch.seqs, rows))
+            return None, None
+        received: list[RequestOutput] = []
+
+        def before_sample() -> tuple[list[int], Any]:
+            received.extend(self._receive(in_flight))
+            return rows, manager.bitmask(batch.seqs, rows)
+
+        return received, before_sample
 
     def _first_scheduled(self, seq: Sequence) -> None:
         seq.num_cached_prompt_tokens = seq.num_computed_tokens  # the prefix claimed from the cache
@@ -461,7 +560,9 @@ class EngineCore:
             if embeddings and row in embeddings:
                 request.embedding = embeddings[row]
             params = request.params
-            if ((token in eos and not params.ignore_eos) or params.stop_token_ids) and (
+            if seq.grammar is not None and self._advance_grammar(seq, token):
+                pass
+            elif ((token in eos and not params.ignore_eos) or params.stop_token_ids) and (
                 reason := self._token_stop(seq)
             ) is not None:
                 if seq.status is stopped:  # reached its length limit when launched: its last token
@@ -498,6 +599,23 @@ class EngineCore:
             self._forget(request)
             outputs.append(self._output(request, range(len(request.seqs)), final=True))
         return outputs
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> bool:
+        """Feed a read token to the sequence's grammar; True when that finished the sequence (the constraint is
+        complete, or, which the mask prevents, the token broke it)."""
+        grammar = seq.grammar
+        accepted = grammar.accept_tokens(seq.request_id, (token,))
+        if accepted and not grammar.is_terminated():
+            return False
+        if not accepted:
+            logger.warning("request %s: token %d is outside its structured_outputs; it ends", seq.request_id, token)
+        reason = "stop" if accepted else "abort"
+        if seq.status is SequenceStatus.FINISHED:  # reached its length limit when launched: its last token
+            seq.finish_reason = reason
+        else:
+            self._finish(seq, reason)
+            self._num_stopped_in_flight += 1
+        return True
 
     def _add_prompt_logprobs(self, seq: Sequence, entries: list[Any], first_position: int) -> None:
         """Prompt logprobs of positions ``first_position...``; a recomputed prompt (preemption) adds nothing twice."""

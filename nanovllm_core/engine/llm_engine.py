@@ -19,7 +19,7 @@ import torch
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import EngineCore, EngineStats, Prompt
 from nanovllm_core.engine.model_runner import ModelRunner, model_shape
-from nanovllm_core.engine.options import instantiate, validate_plugin_options
+from nanovllm_core.engine.options import instantiate, validate_options, validate_plugin_options
 from nanovllm_core.engine.parallel import (
     RunnerSpec,
     TensorParallelGroup,
@@ -27,6 +27,7 @@ from nanovllm_core.engine.parallel import (
     local_device,
     serve_torchrun,
 )
+from nanovllm_core.engine.structured_output import StructuredOutputManager, select_structured_output_backend
 from nanovllm_core.errors import ConfigError, ModelLoadError
 from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler, SchedulerOutput
@@ -259,6 +260,9 @@ class LLMEngine(EngineCore):
         )
         self.attention_backend_name = backend_cls.name
         validate_plugin_options(cfg.plugins, scheduler_cls, block_manager_cls, backend_cls)  # before weights load
+        structured_cls = select_structured_output_backend(registry, cfg.plugins.structured_output_backend)
+        if structured_cls is not None:
+            validate_options("structured_output", structured_cls, cfg.plugins.structured_output_options)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.eos_token_ids = read_eos_token_ids(self.hf_config, cfg.model, self.tokenizer)
         # None while a step loop serves a front-end that makes the text itself (engine_client.step_loop)
@@ -294,6 +298,10 @@ class LLMEngine(EngineCore):
         scheduler: Scheduler = instantiate(
             "scheduler", scheduler_cls, cfg.plugins.scheduler_options, cfg, self.block_manager
         )
+        structured_output = StructuredOutputManager.build(
+            structured_cls, cfg.plugins.structured_output_options, self.tokenizer, self.hf_config.vocab_size,
+            frozenset(self.eos_token_ids),
+        )  # fmt: skip
         super().__init__(
             cfg,
             scheduler,
@@ -303,6 +311,7 @@ class LLMEngine(EngineCore):
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.hf_config.vocab_size,
             async_scheduling=self._use_async_scheduling(),
+            structured_output=structured_output,
         )
         warmup_s = self._warm_up()
         if cfg.step_records_file is not None and self.device.type == "cuda":
@@ -445,6 +454,9 @@ class LLMEngine(EngineCore):
         """Stop the tensor-parallel workers (also done when the engine is garbage-collected or at exit); write the
         step records (``step_records_file``)."""
         self._write_step_records()
+        structured_output = getattr(self, "structured_output", None)
+        if structured_output is not None:
+            structured_output.shutdown()
         group = getattr(self, "tp_group", None)
         if group is not None:
             runner = getattr(self, "runner", None)
@@ -497,10 +509,10 @@ class _StepTimer:
         self.tp_group = tp_group
         self._last_end = 0.0
 
-    def launch(self, batch: SchedulerOutput, in_flight: Any | None = None) -> Any:
+    def launch(self, batch: SchedulerOutput, in_flight: Any | None = None, **options: Any) -> Any:
         start = time.perf_counter()
         try:
-            launched = self.runner.launch(batch, in_flight)
+            launched = self.runner.launch(batch, in_flight, **options)
         except Exception:
             # shut down from another thread mid-step: the step's collectives fail on the group being left
             # (gloo: "Default process group has not been initialized"); say what happened instead

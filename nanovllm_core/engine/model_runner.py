@@ -36,6 +36,7 @@ from nanovllm_core.interfaces import AttentionBackend, SchedulerOutput
 from nanovllm_core.layers.attention import Attention
 from nanovllm_core.layers.fused import set_compile
 from nanovllm_core.layers.sampler import Sampler
+from nanovllm_core.layers.token_bitmask import apply_token_bitmask
 from nanovllm_core.layers.triton_jit import set_pdl
 from nanovllm_core.loader import iter_safetensors
 from nanovllm_core.sequence import Sequence
@@ -156,11 +157,19 @@ class ModelRunner:
             pass
 
     @torch.inference_mode()
-    def launch(self, batch: SchedulerOutput, in_flight: PendingStep | None = None) -> PendingStep:
+    def launch(
+        self,
+        batch: SchedulerOutput,
+        in_flight: PendingStep | None = None,
+        before_sample: Callable[[], tuple[list[int], torch.Tensor]] | None = None,
+    ) -> PendingStep:
         """Queue one step on the device and return without waiting for it.
 
         ``in_flight`` is the step launched before this one whose tokens the host has not read yet (async
         scheduling): tokens of ``batch`` that are still placeholders are taken from it on the device.
+        ``before_sample``: called once the forward is queued, before sampling; returns the structured-output
+        bitmask (rows of ``batch``, int32 bitmask) to apply, in place of ``batch.grammar_bitmask``, so that the host
+        fills it while the device runs the forward.
         """
         t0 = time.perf_counter()
         host = flatten_batch(batch, self.block_size, in_flight.row_of_seq if in_flight is not None else None)
@@ -179,6 +188,11 @@ class ModelRunner:
             shape = (len(lens), len(host.input_ids), sum(lens), prompt_pairs(host), max(lens))
             self._step_events.append((*events, shape))
         logits, hidden = self._forward(inputs)
+        grammar_bitmask = before_sample() if before_sample is not None else batch.grammar_bitmask
+        if grammar_bitmask is not None:  # structured output: forbidden tokens to -inf, one kernel
+            rows, bitmask = grammar_bitmask
+            position = {row: i for i, row in enumerate(inputs.sample_rows)}
+            apply_token_bitmask(logits, bitmask, [position[row] for row in rows])
         token_tensor = sample_lps = prompt_logprobs = embeddings = None
         if inputs.sample_rows:
             seqs: list[Sequence] = [batch.seqs[r] for r in inputs.sample_rows]

@@ -40,6 +40,8 @@ FOLDERS = {
     "nanovllm-scheduler-priority": ROOT / "plugins" / "scheduler_priority",
     "nanovllm-attention-flash": ROOT / "plugins" / "attention_flash",
     "nanovllm-models-qwen3": ROOT / "plugins" / "models_qwen3",
+    "nanovllm-structured-xgrammar": ROOT / "plugins" / "structured_xgrammar",
+    "nanovllm-structured-llguidance": ROOT / "plugins" / "structured_llguidance",
 }
 PLUGINS = [name for name in FOLDERS if name != "nanovllm-core"]
 SUBSET = ["nanovllm-scheduler-fifo", "nanovllm-attention-flash", "nanovllm-models-qwen3"]

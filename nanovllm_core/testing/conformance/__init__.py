@@ -15,6 +15,8 @@ class; pytest collects every check::
 - :class:`AttentionBackendConformance` compares the backend with dense float64 attention on ragged batches
   (prompt chunks over cached context next to decode tokens, MHA and GQA).
 - :class:`ModelConformance` compares the engine's greedy output with ``transformers``.
+- :class:`StructuredOutputConformance`: random walks through a grammar backend's bitmasks and the engine's
+  constrained outputs (random weights, so every output is a walk) satisfy their JSON schema, regex or choice.
 - :class:`ToolParserConformance` and :class:`ReasoningParserConformance` cut replies in every way a stream can
   and compare with the whole reply's parse.
 
@@ -22,7 +24,7 @@ The other roles come from the installed plugins, by name (``prefix_cache``, ``fi
 ``Qwen3ForCausalLM``); a class under test that is not installed is registered in-process for the run.
 
 Each kit has its own module (``scheduler``, ``scheduler_parity``, ``block_manager``, ``attention``, ``model``,
-``parsers``) and ``_shared`` holds what they share; import the kits from this package.
+``parsers``, ``structured_output``) and ``_shared`` holds what they share; import the kits from this package.
 """
 
 from nanovllm_core.testing.conformance._shared import registered_for_test, shared_tiny_checkpoint
@@ -32,6 +34,7 @@ from nanovllm_core.testing.conformance.model import ModelConformance
 from nanovllm_core.testing.conformance.parsers import ReasoningParserConformance, ToolParserConformance
 from nanovllm_core.testing.conformance.scheduler import SchedulerConformance
 from nanovllm_core.testing.conformance.scheduler_parity import SchedulerParity
+from nanovllm_core.testing.conformance.structured_output import StructuredOutputConformance
 from nanovllm_core.testing.simulated import SimulatedEngine
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "ReasoningParserConformance",
     "SchedulerConformance",
     "SchedulerParity",
+    "StructuredOutputConformance",
     "SimulatedEngine",
     "ToolParserConformance",
     "dense_attention",
