@@ -174,6 +174,15 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         + ", ".join(f"{k} ({v})" for k, v in VLLM_ATTENTION_BACKENDS.items())
         + ".",
     )
+    parser.add_argument(
+        "--structured-outputs-backend",
+        "--guided-decoding-backend",
+        dest="plugin_structured_output_backend",
+        default=None,
+        metavar="NAME",
+        help=PluginsConfig.model_fields["structured_output_backend"].description
+        + " vLLM's flag (--guided-decoding-backend: its older name).",
+    )
 
 
 def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -184,7 +193,7 @@ def _cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
             overrides[name] = value
     plugins: dict[str, Any] = {
         n: getattr(args, f"plugin_{n}")
-        for n in ("scheduler", "block_manager", "attention")
+        for n in ("scheduler", "block_manager", "attention", "structured_output_backend")
         if getattr(args, f"plugin_{n}", None) is not None
     }
     threshold = getattr(args, "long_prefill_token_threshold", None)
@@ -403,6 +412,7 @@ def config_reference() -> str:
         "block_manager": "`--block-manager`",
         "attention": "`--attention`, `--attention-backend`",
         "scheduler_options": "`--long-prefill-token-threshold N` (mixed, priority)",
+        "structured_output_backend": "`--structured-outputs-backend`, `--guided-decoding-backend`",
     }
     example = {
         n: "/path/to/checkpoint" if n == "model" else EngineConfig.model_fields[n].get_default()

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from nanovllm_core import __version__
+from nanovllm_core.engine.structured_output import select_structured_output_backend
 from nanovllm_core.entrypoints.chat import conversation_chars, render_chat
 from nanovllm_core.errors import ConfigError, InvalidRequestError, NanoVLLMError
 from nanovllm_core.generation_config import sampling_defaults
@@ -43,6 +44,7 @@ from nanovllm_core.serving.admission import (
 from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from nanovllm_core.serving.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm_core.serving.openai_serving import (
+    ForcedToolCalls,
     Job,
     abort_unfinished,
     chat_events,
@@ -87,6 +89,8 @@ UNION_FIELDS = {
     "input": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
     "stop": "a string, a list of strings, or null",
     "content": 'a string, or a list of {"type": "text", "text": ...} parts',
+    "tool_choice": '"none", "auto", "required", or {"type": "function", "function": {"name": ...}}',
+    "guided_json": "a JSON schema: an object, or its JSON text",
 }
 
 
@@ -357,6 +361,32 @@ class OpenAIServer:
             served = " or ".join(map(repr, names))
             raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", "model")
 
+    def structured_output_backend(self) -> str | None:
+        """The engine's structured-output backend: ``[plugins] structured_output_backend``, or for ``auto`` the
+        installed one it picks (None: none is installed)."""
+        configured = self.engine.config.plugins.structured_output_backend
+        if configured != "auto":
+            return configured
+        registry = get_registry()
+        chosen = select_structured_output_backend(registry, "auto")
+        installed = registry.registrations["structured_output"].items()
+        return next((name for name, registration in installed if registration.obj is chosen), None)
+
+    def check_guided_decoding_backend(self, requested: str | None) -> None:
+        """vLLM's per-request ``guided_decoding_backend``: as vLLM v1, a server runs one backend, chosen at start;
+        a request naming another one is a 400 (``auto`` or the server's own are accepted)."""
+        if requested is None or requested == "auto":
+            return
+        backend = self.structured_output_backend()
+        if backend is not None and requested != backend:
+            raise APIError(
+                400,
+                f"guided_decoding_backend {requested!r}: this server's structured-output backend is {backend!r}, and "
+                f"a request cannot choose another; start the server with --structured-outputs-backend {requested}, "
+                "or leave the field out",
+                "guided_decoding_backend",
+            )
+
     def check_capacity(self, num_requests: int) -> None:
         if self.draining:
             raise APIError(503, DRAINING, headers=RETRY)
@@ -417,6 +447,7 @@ class OpenAIServer:
         self, body: SamplingRequest, prompts: list[list[int]], requested: int | None, prompt_param: str, prefix: str
     ) -> Job:
         self.check_model(body.model)
+        self.check_guided_decoding_backend(body.guided_decoding_backend)
         if body.model_extra:
             logger.warning("ignoring fields this server does not know: %s", ", ".join(sorted(body.model_extra)))
         tokens_as_ids = body.return_tokens_as_token_ids
@@ -433,11 +464,15 @@ class OpenAIServer:
         params: SamplingParams = body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.sampling_defaults)
         self.check_capacity(len(prompts))
         response_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:  # before any response starts: the engine's refusal (such as an invalid JSON schema) is a 400
+            streams = await self.add_requests(prompts, params, response_id)
+        except InvalidRequestError as exc:
+            raise body.engine_error(exc) from None
         return Job(
             self.engine,
             response_id,
             self.settings.served_model_name,
-            await self.add_requests(prompts, params, response_id),
+            streams,
             body.n,
             logprobs,
             body.include_usage,
@@ -588,6 +623,8 @@ class OpenAIServer:
         ids = await self.chat_prompt(body, truncate=body.truncate_prompt_tokens)
         job = await self.submit(body, [ids], body.requested_max_tokens, "messages", "chatcmpl")
         job.tool_parser = parser
+        if body.forces_tool_calls:  # tool_choice "required" or a named function: structured outputs made calls
+            job.forced_tool_calls = ForcedToolCalls(body.named_tool)
         if self.settings.reasoning_parser is not None:
             job.reasoning_parser = reply_parser("reasoning_parser", self.settings.reasoning_parser)()
         return await self.respond(job, body, request, chat_events, chat_response)
@@ -629,7 +666,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
     @app.exception_handler(InvalidRequestError)
     @app.exception_handler(EngineDeadError)
     async def plain_error(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(400 if isinstance(exc, InvalidRequestError) else 503, str(exc))
+        # a StructuredOutputsError names its field (param); the engine's errors name it in the message
+        param = getattr(exc, "param", None)
+        return error_response(400 if isinstance(exc, InvalidRequestError) else 503, str(exc), param)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:

@@ -27,6 +27,7 @@ from nanovllm_core.serving.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
@@ -63,6 +64,7 @@ class Job:
     echo_only: bool = False  # echo with max_tokens=0: the prompt alone (the engine's one token is left out)
     show_prompt_logprobs: bool = False  # the prompt_logprobs field (vLLM's) was asked for
     tool_parser: ToolParser | None = None  # chat with tools and tool_choice "auto": the reply is parsed
+    forced_tool_calls: ForcedToolCalls | None = None  # chat with tool_choice "required" or a named function
     reasoning_parser: ReasoningParser | None = None  # chat on a server with --reasoning-parser
     prompt_logprobs_sent: set[int] = field(default_factory=set)
     completion_tokens: list[int] = field(default_factory=list)
@@ -181,6 +183,38 @@ class Job:
 
     def top(self, position: dict[int, Any]) -> list[tuple[int, Any]]:
         return sorted(position.items(), key=lambda item: -item[1].logprob)[: self.logprobs]
+
+
+@dataclass(frozen=True)
+class ForcedToolCalls:
+    """A chat reply that structured outputs constrained to tool calls (vLLM's reading of it): with ``tool_choice``
+    "required" (``function`` None) a JSON array of ``{"name", "parameters"}`` objects, one a call; with a named
+    function (``function``) that function's arguments."""
+
+    function: str | None = None
+
+    def parse(self, text: str) -> list[ParsedToolCall] | None:
+        """The calls ``text`` (the whole reply) makes; None when it does not read as them (cut short by max_tokens
+        or a stop string). A named function's call carries the text as it is (cut short too: finish_reason says)."""
+        if self.function is not None:
+            return [ParsedToolCall(self.function, text)]
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(items, list) or not items:
+            return None
+        if not all(isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item
+                   for item in items):  # fmt: skip
+            return None
+        return [ParsedToolCall(item["name"], dumps(item["parameters"])) for item in items]
+
+    def finish_reason(self, calls: list[ParsedToolCall] | None, finish_reason: str | None) -> str | None:
+        """The choice's finish_reason: "tool_calls" for "required" calls that ended as they should (vLLM's); a
+        named function's, as OpenAI's, keeps the engine's ("stop")."""
+        if self.function is None and calls and finish_reason == "stop":
+            return "tool_calls"
+        return finish_reason
 
 
 def abort_unfinished(engine: AsyncLLM, streams: list[RequestStream]) -> None:
@@ -366,6 +400,12 @@ async def chat_response(job: Job) -> ChatCompletionResponse:
         text = "".join(texts[index])
         if job.reasoning_parser is not None:
             choice.message.reasoning_content, text = job.reasoning_parser.parse(text)
+        if job.forced_tool_calls is not None:
+            calls = job.forced_tool_calls.parse(text)
+            choice.message.content = None if calls else text
+            choice.message.tool_calls = [tool_call(call) for call in calls or []]
+            choice.finish_reason = job.forced_tool_calls.finish_reason(calls, choice.finish_reason)
+            continue
         if job.tool_parser is None:
             choice.message.content = text if text or choice.message.reasoning_content is None else None
             continue
@@ -388,8 +428,12 @@ async def chat_events(job: Job) -> AsyncIterator[str]:
         roles = [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(num_choices)]  # fmt: skip
         yield job.event(ChatCompletionChunk, roles, job.chunk_usage(None))
-        parsed = job.tool_parser is not None or job.reasoning_parser is not None
-        replies = [ReplyStream(job.tool_parser, job.reasoning_parser) for _ in range(num_choices)] if parsed else None
+        parsed = job.tool_parser is not None or job.reasoning_parser is not None or job.forced_tool_calls is not None
+        replies = (
+            [ReplyStream(job.tool_parser, job.reasoning_parser, job.forced_tool_calls) for _ in range(num_choices)]
+            if parsed
+            else None
+        )
         async with job.reading() as outputs:
             async for index, c in outputs:
                 if not (c.text or c.token_ids or c.finish_reason):
@@ -417,11 +461,20 @@ async def chat_events(job: Job) -> AsyncIterator[str]:
 
 class ReplyStream:
     """One choice of a chat stream whose reply is parsed: reasoning apart (``reasoning_parser``), then the answer
-    searched for tool calls (``tool_parser``), each a delta at a time."""
+    searched for tool calls (``tool_parser``), or read as the tool calls it was constrained to (``forced``), each
+    a delta at a time."""
 
-    def __init__(self, tool_parser: ToolParser | None, reasoning_parser: ReasoningParser | None) -> None:
+    def __init__(
+        self,
+        tool_parser: ToolParser | None,
+        reasoning_parser: ReasoningParser | None,
+        forced: ForcedToolCalls | None = None,
+    ) -> None:
         self.tools = tool_parser.new_stream() if tool_parser is not None else None
         self.reasoning = reasoning_parser.new_stream() if reasoning_parser is not None else None
+        self.forced = forced
+        self.answer: list[str] = []  # "required": the reply so far, read as calls once whole
+        self.named_call_id: str | None = None  # a named function's call, once its first delta is out
 
     def delta(self, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:
         """The delta of output ``c``: its reasoning, the content let out and each tool call whole as it closes;
@@ -433,6 +486,8 @@ class ReplyStream:
             if c.finish_reason is not None:
                 more_reasoning, more_content = self.reasoning.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
+        if self.forced is not None:
+            return self.forced_delta(content or "", reasoning, c.finish_reason)
         calls: list[ParsedToolCall] = []
         first = 0
         if self.tools is not None:
@@ -441,17 +496,49 @@ class ReplyStream:
             if c.finish_reason is not None:
                 rest, _ = self.tools.finish()
                 content += rest
-        deltas = [
-            DeltaToolCall(index=first + i, id=call.id, type="function",
-                          function=FunctionCall(name=call.name, arguments=call.arguments))
-            for i, call in enumerate(calls)
-        ]  # fmt: skip
+        deltas = [whole_call_delta(first + i, call) for i, call in enumerate(calls)]
         finish_reason = c.finish_reason
         if finish_reason is not None and self.tools is not None and self.tools.num_calls:
             finish_reason = "tool_calls"
         if not content and (reasoning or deltas):
             content = None  # a delta of thinking or of calls only
         return DeltaMessage(content=content, reasoning_content=reasoning or None, tool_calls=deltas), finish_reason
+
+    def forced_delta(
+        self, text: str, reasoning: str | None, finish_reason: str | None
+    ) -> tuple[DeltaMessage, str | None]:
+        """A delta of a reply constrained to tool calls (vLLM's streaming of it): a named function's arguments as
+        they come, as deltas of its one call; "required" calls each whole at the end (or, should the reply not
+        read as calls, its text as content)."""
+        assert self.forced is not None
+        deltas: list[DeltaToolCall] = []
+        content: str | None = None
+        if self.forced.function is not None:
+            if self.named_call_id is None:
+                if text or finish_reason is not None:  # the call's first delta: its id, type and name
+                    self.named_call_id = ParsedToolCall(self.forced.function, "").id
+                    function = DeltaFunctionCall(name=self.forced.function, arguments=text)
+                    deltas.append(DeltaToolCall(index=0, id=self.named_call_id, type="function", function=function))
+            elif text:
+                deltas.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text)))
+        else:
+            self.answer.append(text)
+            if finish_reason is not None:
+                whole = "".join(self.answer)
+                calls = self.forced.parse(whole)
+                deltas = [whole_call_delta(i, call) for i, call in enumerate(calls or [])]
+                content = None if calls else whole
+                finish_reason = self.forced.finish_reason(calls, finish_reason)
+        if content is None and not (reasoning or deltas):
+            content = ""  # nothing to say yet: an empty delta, as while a tool parser holds text back
+        message = DeltaMessage(content=content, reasoning_content=reasoning or None, tool_calls=deltas)
+        return message, finish_reason
+
+
+def whole_call_delta(index: int, call: ParsedToolCall) -> DeltaToolCall:
+    """A tool call in one delta: its id, name and all its arguments."""
+    function = DeltaFunctionCall(name=call.name, arguments=call.arguments)
+    return DeltaToolCall(index=index, id=call.id, type="function", function=function)
 
 
 def stream_error(exc: Exception) -> str:

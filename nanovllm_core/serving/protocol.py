@@ -6,6 +6,12 @@ Requests accept unknown fields (logged and ignored, as vLLM does), and vLLM's ex
 ``include_stop_str_in_output``, ``skip_special_tokens``, ``min_tokens``, ``allowed_token_ids``, ``bad_words``,
 ``truncate_prompt_tokens``, ``return_tokens_as_token_ids`` (logprob tokens as ``"token_id:N"``, which unlike text
 is unique per token), and ``prompt_logprobs`` for completions.
+
+Structured outputs (vLLM's semantics), one constraint a request: ``structured_outputs`` (vLLM's
+``StructuredOutputsParams`` fields), the older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar``, OpenAI's ``response_format`` (``json_object``, ``json_schema``) and, for chat, ``tool_choice``
+``"required"`` or a named function (the reply constrained to tool calls). :class:`StructuredOutputsError` names the
+field a bad or conflicting value came in.
 """
 
 from __future__ import annotations
@@ -15,12 +21,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer, model_validator
 
-from nanovllm_core.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from nanovllm_core.errors import InvalidRequestError
+from nanovllm_core.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputsParams
 
-# vLLM's fields for constrained (guided) decoding: refused, since ignoring them would change the answer's meaning
-GUIDED_DECODING_FIELDS = frozenset(
-    {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs"}
-)
+# vLLM's older request fields of structured outputs, and the StructuredOutputsParams field each one sets
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# what vLLM's `structured_outputs` object may hold here: one constraint and its options (disable_fallback is
+# accepted and changes nothing: no backend falls back to another here)
+STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+                           "disable_fallback")  # fmt: skip
 # the request fields that go to SamplingParams as they are
 SAME_AS_SAMPLING_PARAMS = (
     "n", "stop_token_ids", "ignore_eos", "seed", "skip_special_tokens", "presence_penalty", "frequency_penalty",
@@ -36,6 +45,47 @@ class OpenAIModel(BaseModel):
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
+
+
+class StructuredOutputsError(InvalidRequestError):
+    """A structured-output field of a request is invalid, or conflicts with another: a 400 naming ``param``."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class JsonSchemaResponseFormat(OpenAIModel):
+    """``response_format.json_schema``: the schema the output follows (``strict`` is accepted; the constraint is
+    always enforced)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (JSON following ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+def structured_outputs_params(param: str, field: str | None = None, **fields: Any) -> StructuredOutputsParams:
+    """``StructuredOutputsParams(**fields)`` from request field ``param``; its errors are StructuredOutputsErrors
+    that name the field as the client wrote it: ``field`` (the request's field holding the constraint, such as
+    ``guided_regex``), or with None ``param.kind`` (``param`` is an object of StructuredOutputsParams' fields)."""
+    try:
+        return StructuredOutputsParams(**fields)
+    except InvalidRequestError as exc:
+        message = str(exc)
+        for kind in fields:
+            message = message.replace(f"StructuredOutputsParams.{kind}", field or f"{param}.{kind}")
+        raise StructuredOutputsError(message.replace("StructuredOutputsParams", field or param), param) from None
 
 
 def prompt_batch(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -77,7 +127,14 @@ class SamplingRequest(OpenAIModel):
     min_tokens: int = Field(0, ge=0)
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
-    response_format: dict[str, Any] | None = None
+    # structured outputs: one constraint a request (structured_outputs_params)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams, as a JSON object
+    guided_json: StrictStr | dict[str, Any] | None = None  # vLLM's older fields
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_decoding_backend: StrictStr | None = None  # only the server's own backend (or "auto"): see api_server
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:
@@ -86,15 +143,78 @@ class SamplingRequest(OpenAIModel):
         if self.logit_bias and not all(key.isdecimal() for key in self.logit_bias):
             bad = [key for key in self.logit_bias if not key.isdecimal()][:3]
             raise ValueError(f"logit_bias keys are token ids written as decimal strings (such as \"1234\"), not {bad}")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError(
-                f"response_format {self.response_format.get('type')!r} is not supported: this server has no "
-                'constrained decoding (json_object, json_schema); only {"type": "text"}'
-            )
-        guided = sorted(set(self.model_extra or {}) & GUIDED_DECODING_FIELDS)
-        if guided:  # vLLM's constrained decoding: ignoring it would return unconstrained text as if it were
-            raise ValueError(f"{', '.join(guided)}: constrained decoding is not supported by this server")
         return self
+
+    def constraint_fields(self) -> list[tuple[str, str]]:
+        """The fields that constrain this request's output, each as (how it reads in errors, the field)."""
+        found = [(name, name) for name in ("structured_outputs", *GUIDED_FIELDS) if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            found.append((f"response_format {self.response_format.type}", "response_format"))
+        return found
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The constraint of this request's output (vLLM's mapping of its fields), or None; a StructuredOutputsError
+        for an invalid value, or for more than one constraint."""
+        found = self.constraint_fields()
+        if len(found) > 1:
+            raise StructuredOutputsError(
+                f"a request takes one structured-output constraint, but this one has {len(found)}: "
+                f"{', '.join(label for label, _ in found)}; send only one",
+                found[1][1],
+            )
+        return self.constraint(found[0][1]) if found else None
+
+    def constraint(self, param: str) -> StructuredOutputsParams:
+        """The constraint that field ``param`` (one :meth:`constraint_fields` found) sets."""
+        if param in GUIDED_FIELDS:
+            return structured_outputs_params(param, param, **{GUIDED_FIELDS[param]: getattr(self, param)})
+        if param == "structured_outputs":
+            fields = self.structured_outputs or {}
+            unknown = [key for key in fields if key not in STRUCTURED_OUTPUTS_KEYS]
+            if unknown:
+                raise StructuredOutputsError(
+                    f"structured_outputs.{unknown[0]} is not supported; structured_outputs takes "
+                    f"{', '.join(STRUCTURED_OUTPUTS_KEYS)}",
+                    param,
+                )
+            for option in ("disable_any_whitespace", "disable_fallback"):
+                if not isinstance(fields.get(option, False), bool):
+                    raise StructuredOutputsError(f"structured_outputs.{option} is true or false", param)
+            fields = {key: value for key, value in fields.items() if key != "disable_fallback"}
+            return structured_outputs_params(param, **fields)
+        assert self.response_format is not None and param == "response_format"
+        if self.response_format.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        json_schema = self.response_format.json_schema
+        if json_schema is None or json_schema.json_schema is None:
+            raise StructuredOutputsError(
+                'response_format json_schema needs the schema: {"type": "json_schema", "json_schema": {"name": ..., '
+                '"schema": {...}}}',
+                param,
+            )
+        return structured_outputs_params(param, "response_format.json_schema.schema", json=json_schema.json_schema)
+
+    def constraint_name(self, param: str, kind: str) -> str:
+        """How errors name the ``kind`` constraint (StructuredOutputsParams' field) that field ``param`` set."""
+        if param == "structured_outputs":
+            return f"structured_outputs.{kind}"
+        if param == "response_format" and kind == "json":
+            return "response_format.json_schema.schema"
+        return param
+
+    def engine_error(self, exc: InvalidRequestError) -> InvalidRequestError:
+        """The engine's error ``exc`` as the client should read it: when it is about this request's constraint
+        (the engine says ``structured_outputs`` and ``structured_outputs.<kind>``), naming the field it came in."""
+        message = str(exc)
+        found = self.constraint_fields()
+        if len(found) != 1 or not message.startswith("structured_outputs"):
+            return exc
+        param = found[0][1]
+        kind = self.constraint(param).kind
+        if message.startswith(f"structured_outputs.{kind} "):
+            return StructuredOutputsError(self.constraint_name(param, kind) + message.removeprefix(
+                f"structured_outputs.{kind}"), param)  # fmt: skip
+        return StructuredOutputsError(param + message.removeprefix("structured_outputs"), param)
 
     def sampling_params(
         self,
@@ -118,6 +238,7 @@ class SamplingRequest(OpenAIModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias={int(key): bias for key, bias in self.logit_bias.items()} if self.logit_bias else None,
+            structured_outputs=self.structured_outputs_params(),
             output_kind="delta",
         )
 
@@ -200,6 +321,49 @@ class ChatTool(OpenAIModel):
     function: FunctionDefinition
 
 
+class ToolChoiceFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: the reply is one call to that function."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+def function_parameters(function: FunctionDefinition) -> dict[str, Any]:
+    """A function's parameters schema (a function without one takes an empty object, as vLLM's)."""
+    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+
+
+def required_tool_calls_schema(tools: list[ChatTool], parallel_tool_calls: bool = True) -> dict[str, Any]:
+    """The JSON schema of a reply to ``tool_choice: "required"`` (vLLM's): an array of one or more calls, each
+    ``{"name": <one tool's name>, "parameters": <its parameters>}``; every tool's ``$defs`` are moved to the top,
+    where the ``$ref``s into them resolve. ``parallel_tool_calls=false``: one call only (OpenAI's field)."""
+    calls = []
+    defs: dict[str, Any] = {}
+    for tool in tools:
+        parameters = dict(function_parameters(tool.function))
+        for name, schema in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise StructuredOutputsError(
+                    f'tools: the "$defs" entry {name!r} differs between tools; tool_choice "required" needs one '
+                    "schema per name",
+                    "tools",
+                )
+        calls.append({
+            "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": parameters},
+            "required": ["name", "parameters"],
+        })  # fmt: skip
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
 class ChatPrompt(OpenAIModel):
     """The fields that make a chat prompt, shared by chat completions and ``/tokenize``: the messages, the tools
     the chat template describes to the model, and how it renders them (vLLM's ``continue_final_message``: the
@@ -246,22 +410,56 @@ class ChatCompletionRequest(SamplingRequest, ChatPrompt):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # "auto" (the default with tools) needs the server's --enable-auto-tool-choice; "required" and a named
-    # function need constrained decoding, which this server does not have
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True  # accepted; a parser returns every call the model wrote
+    # function constrain the reply to tool calls (structured outputs), with no flag needed
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # "auto": accepted (a parser returns every call the model wrote); "required": false allows one call only
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
-            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
-        if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
-            raise ValueError(
-                f"tool_choice {self.tool_choice!r} is not supported: forcing a tool call needs constrained "
-                'decoding, which this server does not have; use "auto" (with --enable-auto-tool-choice) or "none"'
-            )
+            shown = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+            raise ValueError(f"tool_choice {shown!r} needs tools")
         return self
+
+    @property
+    def named_tool(self) -> str | None:
+        """The function a named ``tool_choice`` calls, or None."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """Whether the reply is constrained to tool calls: ``tool_choice`` "required" or a named function."""
+        return self.tool_choice == "required" or self.named_tool is not None
+
+    def constraint_fields(self) -> list[tuple[str, str]]:
+        found = super().constraint_fields()
+        if self.forces_tool_calls:
+            found.append(("tool_choice required" if self.tool_choice == "required" else "tool_choice function",
+                          "tool_choice"))  # fmt: skip
+        return found
+
+    def constraint_name(self, param: str, kind: str) -> str:
+        if param == "tool_choice":
+            return "tool_choice's schema (made of the tools' parameters)"
+        return super().constraint_name(param, kind)
+
+    def constraint(self, param: str) -> StructuredOutputsParams:
+        if param != "tool_choice":
+            return super().constraint(param)
+        assert self.tools
+        if self.named_tool is None:
+            return StructuredOutputsParams(json=required_tool_calls_schema(self.tools, self.parallel_tool_calls))
+        tool = next((t for t in self.tools if t.function.name == self.named_tool), None)
+        if tool is None:
+            names = ", ".join(repr(t.function.name) for t in self.tools)
+            raise StructuredOutputsError(
+                f"tool_choice names the function {self.named_tool!r}, which is not in tools (they are {names})",
+                "tool_choice",
+            )
+        return StructuredOutputsParams(json=function_parameters(tool.function))
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -377,11 +575,24 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # the call's first delta only
+    arguments: str | None = None  # JSON text; a call's deltas' arguments joined are the whole
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class DeltaToolCall(BaseModel):
     index: int  # the call's position in the message: clients assemble a call's deltas by it
-    id: str | None = None
+    id: str | None = None  # id, type and the function's name: the call's first delta only (left out after)
     type: Literal["function"] | None = None
-    function: FunctionCall | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class AssistantMessage(BaseModel):

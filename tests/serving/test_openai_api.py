@@ -229,9 +229,11 @@ def test_bad_shapes_are_400(client, server):
         ({"prompt": "x", "bad_words": [""]}, None, "bad_words=[''] is invalid: allowed None or a list of non-empty"),
         ({"prompt": "x", "stop": [1]}, "stop", "must be a string, a list of strings, or null"),
         ({"prompt": [1, 10**6]}, None, "outside the vocabulary"),
-        # constrained decoding would be silently lost if ignored: refused
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, None, "response_format 'json_object' is not"),
-        ({"prompt": "x", "guided_choice": ["a", "b"]}, None, "guided_choice: constrained decoding is not supported"),
+        # structured outputs (tests/serving/test_structured_outputs_api.py has the rest)
+        ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+         "response_format json_schema needs the schema"),
+        ({"prompt": "x", "guided_choice": ["a", "b"], "guided_regex": "a"}, "guided_choice",
+         "a request takes one structured-output constraint, but this one has 2: guided_regex, guided_choice"),
     ]
     for body, param, text in cases:
         response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body}, headers=headers)
@@ -247,9 +249,10 @@ def test_bad_shapes_are_400(client, server):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL, messages=[])
-    with pytest.raises(openai.BadRequestError, match="response_format 'json_schema' is not supported"):
+    with pytest.raises(openai.BadRequestError, match="one structured-output constraint, but this one has 2"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})  # fmt: skip
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+            extra_body={"guided_json": {"type": "object"}})  # fmt: skip
     plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                            response_format={"type": "text"})  # fmt: skip
     assert plain.choices[0].finish_reason in ("length", "stop")

@@ -141,14 +141,15 @@ def test_tools_reach_the_chat_template_and_the_reply_is_parsed(tool_server):
     assert chat(tool_server, tools=TOOLS, messages=history).status_code == 200
 
 
-def test_tool_choice_needs_the_flag_and_no_constrained_decoding(server, tool_server):
+def test_tool_choice_auto_needs_the_flag(server, tool_server):
     refused = chat(server, tools=TOOLS)  # the default server: no --enable-auto-tool-choice
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
     assert "--enable-auto-tool-choice" in refused.json()["error"]["message"]
     assert chat(server, tools=TOOLS, tool_choice="none").status_code == 200
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        response = chat(tool_server, tools=TOOLS, tool_choice=choice)
-        assert response.status_code == 400 and "needs constrained decoding" in response.json()["error"]["message"]
+    # "required" and a named function need no flag (structured outputs: tests/serving/test_structured_outputs_api.py)
+    unknown = chat(server, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "tool_choice"
+    assert "tool_choice names the function 'get_time', which is not in tools" in unknown.json()["error"]["message"]
     no_tools = chat(tool_server, tool_choice="auto")
     assert no_tools.status_code == 400 and "tool_choice 'auto' needs tools" in no_tools.json()["error"]["message"]
     bad_tool = chat(tool_server, tools=[{"type": "function", "function": {"description": "no name"}}])
