@@ -2,15 +2,19 @@
 one JSON schema, back to back in one engine.
 
     python benchmarks/structured_output.py [--shape qwen3-0.6b] [--backend xgrammar] [--attention triton]
-                                           [--num-seqs 256] [--json PATH]
+                                           [--num-seqs 256] [--tokenizer-vocab 151669] [--json PATH]
 
 The constraint is a JSON array of at least ``--min-items`` short strings: no output can complete it within its
 ``max_tokens``, so every constrained request runs to its length like the free ones (``ignore_eos``) and both runs
 do the same work; only the grammar's per-step cost differs (the bitmask filled on the host, masked on the device).
 Each run draws its own prompts (nano-vllm's lengths, fresh token ids: the prefix cache has seen neither). Also
 timed: the first token of one request alone, free, with its schema compiled (the cache warm) and with a schema
-never seen (compilation included). The random-weight checkpoint's tokenizer is the tiny built-in one; a real
-model's vocabulary (Qwen3: 151k tokens) makes each bitmask larger to fill.
+never seen (compilation included).
+
+The random-weight checkpoint's tokenizer is the tiny built-in one, whose few hundred tokens make a grammar's
+masks cheap. ``--tokenizer-vocab N`` puts a synthetic byte-level BPE tokenizer of N tokens in its place (151669:
+Qwen3's count), built from random merges of letters, digits, spaces and JSON's punctuation, so that the grammar
+engine works through a vocabulary of a real model's size.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
     parser.add_argument("--min-items", type=int, default=1100, help="the schema's minItems (above every max_tokens)")
+    parser.add_argument("--tokenizer-vocab", type=int, default=0, metavar="N",
+                        help="a synthetic BPE tokenizer of N tokens in place of the checkpoint's (0: the checkpoint's)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     return parser
@@ -39,6 +45,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 def schema(min_items: int, tag: str = "") -> dict:
     return {"type": "array", "items": {"type": "string", "maxLength": 6, "description": tag}, "minItems": min_items}
+
+
+def synthetic_tokenizer(vocab_size: int, seed: int = 0) -> object:
+    """A byte-level BPE tokenizer of ``vocab_size`` tokens: ``<|endoftext|>`` and ``<|pad|>`` first (the ids of the
+    checkpoint's own), the 256 byte symbols, then tokens of up to 12 characters, each a merge of a token before
+    it and one character drawn mostly from letters, then spaces, digits and JSON's punctuation."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<|endoftext|>": 0, "<|pad|>": 1}
+    for symbol in alphabet:
+        vocab[symbol] = len(vocab)
+    weighted = [(c, 8) for c in "etaoinshrdlucmfwypvbgkqjxz"] + [(c, 2) for c in "ETAOINSHRDLUCMFWYPVBGKQJXZ"]
+    weighted += [("Ġ", 20), ("Ċ", 2), ("ĉ", 1)] + [(c, 2) for c in "0123456789"] + [(c, 2) for c in '{}[]":,._-']
+    chars, weights = zip(*weighted)
+    rng = random.Random(seed)
+    tokens: list[str] = []
+    merges: list[tuple[str, str]] = []
+    while len(vocab) < vocab_size:
+        left = rng.choice(tokens) if tokens and rng.random() < 0.7 else rng.choices(chars, weights)[0]
+        right = rng.choices(chars, weights)[0]
+        token = left + right
+        if len(token) > 12 or token in vocab:
+            continue
+        vocab[token] = len(vocab)
+        merges.append((left, right))
+        tokens.append(token)
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+def with_tokenizer(checkpoint: Path, vocab_size: int) -> Path:
+    """A folder beside ``checkpoint`` with its files (linked) and :func:`synthetic_tokenizer` in place of its own."""
+    path = checkpoint.with_name(f"{checkpoint.name}-vocab{vocab_size}")
+    if not (path / "tokenizer.json").is_file():
+        path.mkdir(exist_ok=True)
+        for file in checkpoint.iterdir():
+            if not file.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                (path / file.name).unlink(missing_ok=True)
+                (path / file.name).symlink_to(file.resolve())
+        synthetic_tokenizer(vocab_size).save_pretrained(path)
+    return path
 
 
 def fresh_prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -56,13 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     from nanovllm_core.bench.offline import random_checkpoint, workload
 
     model = args.model or str(random_checkpoint(args.shape, torch.bfloat16))
+    if args.tokenizer_vocab:
+        model = str(with_tokenizer(Path(model), args.tokenizer_vocab))
     plugins = {"attention": args.attention, "structured_output_backend": args.backend}
     llm = LLM(model, plugins=plugins, device=args.device)
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)  # nano-vllm's draws
     lengths = [len(p) for p in prompts]
     constraint = StructuredOutputsParams(json=schema(args.min_items))
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=16, structured_outputs=constraint), use_tqdm=False)
-    result: dict = {"model": model, "backend": args.backend, "attention": args.attention, "num_seqs": args.num_seqs}
+    result: dict = {"model": model, "backend": args.backend, "attention": args.attention, "num_seqs": args.num_seqs,
+                    "tokenizer_size": len(llm.get_tokenizer())}  # fmt: skip
     for seed, name, so in ((1, "free", None), (2, "constrained", constraint)):
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, structured_outputs=so)
                   for n in max_tokens]  # fmt: skip

@@ -5,9 +5,10 @@ A backend (registered with ``nanovllm_register_structured_output_backends``, sel
 constraint (:class:`~nanovllm_core.sampling_params.StructuredOutputsParams`: a kind and its text) the engine
 calls :meth:`StructuredOutputBackend.compile` once, in a thread pool off the engine loop, and keeps the result;
 every sequence that uses it gets a :class:`StructuredOutputGrammar` of its own from :meth:`~StructuredOutputBackend.
-new_grammar`. Before each step that samples a constrained sequence, the engine asks the grammar for a bitmask of
-allowed tokens (:meth:`StructuredOutputGrammar.fill_bitmask`); the sampler then sets every other token's logit to
-``-inf``. After the token is read, :meth:`~StructuredOutputGrammar.accept_tokens` advances it.
+new_grammar`. Before each step that samples constrained sequences, the engine asks the backend for their bitmask
+of allowed tokens, one row each (:meth:`StructuredOutputBackend.fill_bitmasks`, by default each grammar's
+:meth:`~StructuredOutputGrammar.fill_bitmask`); the sampler then sets every other token's logit to ``-inf``.
+After the token is read, :meth:`~StructuredOutputGrammar.accept_tokens` advances it.
 
 The bitmask is vLLM's and xgrammar's layout: int32, ``[rows, ceil(vocab_size / 32)]``, bit ``t % 32`` of word
 ``t // 32`` set when token ``t`` is allowed. :class:`nanovllm_core.testing.conformance.StructuredOutputConformance`
@@ -17,7 +18,7 @@ checks a backend against these contracts.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -80,15 +81,24 @@ class StructuredOutputBackend(ABC):
         compilation)."""
 
     @abstractmethod
-    def compile(self, kind: str, spec: str) -> Any:
+    def compile(self, kind: str, spec: str, disable_any_whitespace: bool = False) -> Any:
         """Compile a constraint for this tokenizer (may be slow; runs in a thread pool, possibly several at once).
         The result is shared by every sequence with the same constraint and never mutated. ``spec`` is
         :attr:`StructuredOutputsParams.spec`: a JSON schema as JSON text, choices as a JSON list of strings,
-        ``""`` for ``json_object``."""
+        ``""`` for ``json_object``. ``disable_any_whitespace`` (``json`` and ``json_object`` only): JSON without
+        optional whitespace, in the backend's compact form, whatever the backend's own options say."""
 
     @abstractmethod
     def new_grammar(self, compiled: Any) -> StructuredOutputGrammar:
         """A fresh grammar at the start of a compiled constraint (cheap: once per sequence)."""
+
+    def fill_bitmasks(self, grammars: Sequence[StructuredOutputGrammar], bitmask: torch.Tensor) -> None:
+        """Write row ``i`` of ``bitmask`` for ``grammars[i]``, as each one's :meth:`~StructuredOutputGrammar.
+        fill_bitmask` would, for every constrained row of a step. The engine calls this once per step, while the
+        device runs the step's forward: a backend overrides it to fill the rows in parallel or in one native call
+        (the rows of a large batch are the host's largest share of a constrained step)."""
+        for index, grammar in enumerate(grammars):
+            grammar.fill_bitmask(bitmask, index)
 
     def allocate_token_bitmask(self, num_rows: int) -> torch.Tensor:
         """An int32 CPU bitmask of ``num_rows`` rows, every token allowed."""

@@ -3,7 +3,7 @@ each step's bitmask of allowed tokens for the sequences that sample.
 
 Compilation runs in a small thread pool; a request whose constraint is still compiling waits outside the
 scheduler (the others run meanwhile) and joins it once its grammar is ready. Compiled constraints are kept by
-their text (kind and spec), so every request with the same schema after the first starts at once.
+their text (kind, spec and whitespace), so every request with the same schema after the first starts at once.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class StructuredOutputManager:
         self.name = getattr(type(backend), "name", type(backend).__name__)
         workers = max_workers or min(4, max(1, (os.cpu_count() or 2) // 2))
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="nanovllm-grammar")
-        self._compiled: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
-        self._bitmask = backend.allocate_token_bitmask(1)
+        self._compiled: OrderedDict[tuple[str, str, bool], concurrent.futures.Future] = OrderedDict()
+        self._bitmask = self._allocate(1)
 
     @classmethod
     def build(
@@ -75,7 +75,7 @@ class StructuredOutputManager:
                 f"structured_outputs.{kind} is not supported by the {self.name!r} backend; it supports "
                 f"{', '.join(sorted(supported))}"
             )
-        if (kind, params.spec) in self._compiled:
+        if self._key(params) in self._compiled:
             return
         try:
             self.backend.validate(kind, params.spec)
@@ -85,7 +85,7 @@ class StructuredOutputManager:
 
     def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
         """The compiled constraint, as a future: the cached one, or a compilation queued in the thread pool."""
-        key = (params.kind, params.spec)
+        key = self._key(params)
         future = self._compiled.get(key)
         if future is not None and not (future.done() and future.exception() is not None):
             self._compiled.move_to_end(key)
@@ -96,22 +96,31 @@ class StructuredOutputManager:
             self._compiled.popitem(last=False)
         return future
 
+    @staticmethod
+    def _key(params: StructuredOutputsParams) -> tuple[str, str, bool]:
+        """What makes two constraints compile alike: the backend's ``compile`` arguments."""
+        compact = params.disable_any_whitespace and params.kind in ("json", "json_object")
+        return params.kind, params.spec, compact
+
     def new_grammar(self, compiled: Any) -> StructuredOutputGrammar:
         return self.backend.new_grammar(compiled)
 
     def bitmask(self, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
         """An int32 bitmask with one row per entry of ``rows`` (indices into ``seqs``, each with a grammar)."""
         if self._bitmask.shape[0] < len(rows):
-            # a normal tensor even when the runner asks from inside inference mode (filled in and out of it)
-            with torch.inference_mode(False):
-                self._bitmask = self.backend.allocate_token_bitmask(max(len(rows), 2 * self._bitmask.shape[0]))
+            self._bitmask = self._allocate(max(len(rows), 2 * self._bitmask.shape[0]))
         bitmask = self._bitmask[: len(rows)]
-        bitmask.fill_(-1)
-        for i, row in enumerate(rows):
-            grammar = seqs[row].grammar
-            if grammar is not None and not grammar.is_terminated():
-                grammar.fill_bitmask(bitmask, i)
+        self.backend.fill_bitmasks([seqs[row].grammar for row in rows], bitmask)
         return bitmask
+
+    def _allocate(self, num_rows: int) -> torch.Tensor:
+        # Page-locked where a GPU may take it: copied from pageable memory, the mask would wait for the step's
+        # forward ahead of it on the stream and hold the host meanwhile. Reusing one buffer is safe because the
+        # engine reads a step's tokens (queued after its mask's copy) before it fills the next step's mask.
+        # A normal tensor even when the runner asks from inside inference mode (filled in and out of it).
+        with torch.inference_mode(False):
+            bitmask = self.backend.allocate_token_bitmask(num_rows)
+            return bitmask.pin_memory() if torch.cuda.is_available() else bitmask
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -407,11 +407,6 @@ def test_json_schema_output_validates(so_client) -> None:
         assert isinstance(json.loads(any_object.choices[0].message.content), dict)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a per-request disable_any_whitespace does not reach the backend yet: constraints are compiled and "
-    "cached by kind and text only; the backend's any_whitespace option applies engine-wide",
-)
 def test_disable_any_whitespace_gives_compact_json(so_client) -> None:
     """vLLM's ``structured_outputs.disable_any_whitespace``: JSON without optional whitespace (xgrammar writes it
     as Python's json.dumps does)."""

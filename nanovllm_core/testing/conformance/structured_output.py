@@ -85,6 +85,37 @@ def allowed_tokens(bitmask: Any, index: int, vocab_size: int) -> list[int]:
     return [t for t in range(vocab_size) if (words[t // 32] >> (t % 32)) & 1]
 
 
+def random_walk(backend: StructuredOutputBackend, compiled: Any, tokenizer: Any, kind: str,
+                rng: random.Random) -> str | None:  # fmt: skip
+    """A walk through a compiled constraint's bitmasks, a random allowed token a step (the end-of-sequence token
+    half the times it is allowed): the text it ended in, or None if it did not end within ``WALK_STEPS``."""
+    eos, vocab = tokenizer.eos_token_id, backend.vocab_size
+    bitmask = backend.allocate_token_bitmask(1)
+    grammar, tokens = backend.new_grammar(compiled), []
+    for _ in range(WALK_STEPS):
+        bitmask.fill_(-1)
+        grammar.fill_bitmask(bitmask, 0)
+        allowed = allowed_tokens(bitmask, 0, vocab)
+        assert allowed, f"{kind}: a grammar allowed nothing after {tokenizer.decode(tokens)!r}"
+        assert max(allowed) < len(tokenizer), f"{kind}: allowed ids the tokenizer does not have"
+        token = eos if eos in allowed and rng.random() < 0.5 else rng.choice(allowed)
+        assert grammar.accept_tokens("walk", [token])
+        if grammar.is_terminated():
+            return tokenizer.decode(tokens)
+        tokens.append(token)
+    return None
+
+
+def ended_walks(backend: StructuredOutputBackend, compiled: Any, tokenizer: Any, kind: str) -> list[str]:
+    """The texts of 12 seeded random walks that ended, each checked against the constraint; at least 6 must end."""
+    texts = [random_walk(backend, compiled, tokenizer, kind, random.Random(seed)) for seed in range(12)]
+    ended = [text for text in texts if text is not None]
+    for text in ended:
+        assert satisfies(kind, text), f"{kind}: the walk ended in {text!r}"
+    assert len(ended) >= 6, f"{kind}: only {len(ended)} of 12 random walks ended within {WALK_STEPS} tokens"
+    return ended
+
+
 class StructuredOutputConformance:
     """Subclass as ``Test...`` with ``backend_cls = MyBackend``."""
 
@@ -155,29 +186,32 @@ class StructuredOutputConformance:
         if kind not in self.backend_cls.supported_kinds:
             pytest.skip(f"{self.backend_cls.__name__} does not support {kind}")
         compiled = backend.compile(kind, CONSTRAINTS[kind].spec)
-        eos, vocab = tokenizer.eos_token_id, backend.vocab_size
         bitmask = backend.allocate_token_bitmask(1)
-        assert tuple(bitmask.shape) == (1, bitmask_words(vocab))
-        ended = 0
-        for seed in range(12):
-            rng = random.Random(seed)
-            grammar, tokens = backend.new_grammar(compiled), []
-            for _ in range(WALK_STEPS):
-                bitmask.fill_(-1)
-                grammar.fill_bitmask(bitmask, 0)
-                allowed = allowed_tokens(bitmask, 0, vocab)
-                assert allowed, f"{kind}: a grammar allowed nothing after {tokenizer.decode(tokens)!r}"
-                assert max(allowed) < len(tokenizer), f"{kind}: allowed ids the tokenizer does not have"
-                token = eos if eos in allowed and rng.random() < 0.5 else rng.choice(allowed)
-                assert grammar.accept_tokens("walk", [token])
-                if grammar.is_terminated():
-                    break
-                tokens.append(token)
-            if grammar.is_terminated():
-                ended += 1
-                text = tokenizer.decode(tokens)
-                assert satisfies(kind, text), f"{kind}: the walk ended in {text!r}"
-        assert ended >= 6, f"{kind}: only {ended} of 12 random walks ended within {WALK_STEPS} tokens"
+        assert tuple(bitmask.shape) == (1, bitmask_words(backend.vocab_size))
+        ended_walks(backend, compiled, tokenizer, kind)
+
+    @parametrize("kind", ["json", "json_object"], ids=["json", "json_object"])
+    def test_disable_any_whitespace_leaves_out_optional_whitespace(self, backend: StructuredOutputBackend,
+                                                                   tokenizer: Any, kind: str) -> None:  # fmt: skip
+        """Compiled with ``disable_any_whitespace``, JSON has no whitespace outside its strings but one space after
+        a ``,`` or ``:`` (the compact forms backends write); compiled without, a space may follow ``{``."""
+        import pytest
+
+        if kind not in self.backend_cls.supported_kinds:
+            pytest.skip(f"{self.backend_cls.__name__} does not support {kind}")
+        spec = CONSTRAINTS[kind].spec
+        compact = backend.compile(kind, spec, disable_any_whitespace=True)
+        for text in ended_walks(backend, compact, tokenizer, kind):
+            between = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text).replace(", ", ",").replace(": ", ":")
+            assert not re.search(r"\s", between), f"{kind}: optional whitespace in {text!r}"
+        space = [t for t in range(len(tokenizer)) if tokenizer.decode([t]) == " "]
+        assert space, "the kit's tokenizer has no token for a single space"
+        for compiled, allowed in ((backend.compile(kind, spec), True), (compact, False)):
+            grammar = backend.new_grammar(compiled)
+            assert grammar.accept_tokens("ws", tokenizer.encode("{", add_special_tokens=False))
+            bitmask = backend.allocate_token_bitmask(1)
+            grammar.fill_bitmask(bitmask, 0)
+            assert (space[0] in allowed_tokens(bitmask, 0, backend.vocab_size)) is allowed
 
     def test_a_rollback_restores_the_bitmask(self, backend: StructuredOutputBackend) -> None:
         grammar = backend.new_grammar(backend.compile("json", CONSTRAINTS["json"].spec))
@@ -194,6 +228,44 @@ class StructuredOutputConformance:
         bitmask[1].fill_(-1)
         grammar.fill_bitmask(bitmask, 1)
         assert bitmask[0].tolist() == bitmask[1].tolist()
+
+    def test_a_batch_fill_writes_each_row_as_its_grammar_would(self, backend: StructuredOutputBackend,
+                                                               tokenizer: Any) -> None:  # fmt: skip
+        """``fill_bitmasks`` over grammars of every kind, at the start, part-way, complete and terminated, in rows
+        that held garbage, gives each row what the grammar's own ``fill_bitmask`` gives."""
+        import torch
+
+        eos, vocab = tokenizer.eos_token_id, backend.vocab_size
+        rng = random.Random(0)
+        grammars = []
+        for kind, constraint in CONSTRAINTS.items():
+            if kind not in self.backend_cls.supported_kinds:
+                continue
+            compiled = backend.compile(kind, constraint.spec)
+            for steps in (0, 1, 3, 8, WALK_STEPS):  # WALK_STEPS: to the end, then the end-of-sequence token
+                grammar = backend.new_grammar(compiled)
+                single = backend.allocate_token_bitmask(1)
+                for _ in range(steps):
+                    single.fill_(-1)
+                    grammar.fill_bitmask(single, 0)
+                    allowed = allowed_tokens(single, 0, vocab)
+                    token = eos if eos in allowed and steps == WALK_STEPS else rng.choice(allowed)
+                    assert grammar.accept_tokens("batch", [token])
+                    if grammar.is_terminated():
+                        break
+                grammars.append(grammar)
+        assert any(g.is_terminated() for g in grammars), "no kit walk reached its end within the steps"
+        expected = backend.allocate_token_bitmask(len(grammars))
+        for i, grammar in enumerate(grammars):
+            grammar.fill_bitmask(expected, i)
+        bitmask = backend.allocate_token_bitmask(len(grammars) + 2)
+        bitmask.copy_(torch.randint(-(2**31), 2**31 - 1, bitmask.shape, generator=torch.Generator().manual_seed(0),
+                                    dtype=torch.int64).to(torch.int32))  # fmt: skip
+        below = bitmask[-2:].clone()
+        backend.fill_bitmasks(grammars, bitmask[: len(grammars)])
+        for i in range(len(grammars)):
+            assert bitmask[i].tolist() == expected[i].tolist(), f"row {i} differs from its grammar's own fill"
+        assert torch.equal(bitmask[-2:], below), "fill_bitmasks wrote past its rows"
 
     def test_a_grammar_in_its_syntax_compiles(self, backend: StructuredOutputBackend, tokenizer: Any) -> None:
         backend.validate("grammar", self.valid_grammar)

@@ -7,14 +7,16 @@ costs little and each mask is computed when it is asked for.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import llguidance.hf
-from llguidance import LLMatcher, LLTokenizer
-from llguidance.torch import fill_next_token_bitmask
+import torch
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanovllm_core import StructuredOutputBackend, StructuredOutputGrammar, bitmask_words
@@ -80,6 +82,8 @@ class GuidanceBackend(StructuredOutputBackend):
         self.json_options = {"whitespace_flexible": whitespace_flexible}
         self.disable_additional_properties = disable_additional_properties
         self.ll_tokenizer = _ll_tokenizer(tokenizer, vocab_size, eos_token_ids)
+        self._executor = LLExecutor()  # llguidance's threads for a step's rows
+        self._rows = torch.empty((0, bitmask_words(self.ll_tokenizer.vocab_size)), dtype=torch.int32)
 
     def validate(self, kind: str, spec: str) -> None:
         """Build the grammar and check it without the tokenizer: llguidance then reads the grammar (schema
@@ -90,10 +94,11 @@ class GuidanceBackend(StructuredOutputBackend):
         if is_error:
             raise ValueError(one_line(messages[0], keep_position=kind == "grammar"))
 
-    def compile(self, kind: str, spec: str) -> CompiledGuidance:
+    def compile(self, kind: str, spec: str, disable_any_whitespace: bool = False) -> CompiledGuidance:
         """The constraint's matcher for this tokenizer. Thread-safe: the llguidance tokenizer is immutable and
-        llguidance builds the matcher without the GIL, so several compile at once."""
-        grammar = self._grammar(kind, spec)
+        llguidance builds the matcher without the GIL, so several compile at once. ``disable_any_whitespace``:
+        JSON without flexible whitespace (``whitespace_flexible`` off, as vLLM passes it to llguidance)."""
+        grammar = self._grammar(kind, spec, compact=disable_any_whitespace)
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=_SILENT)
         if matcher.is_error():
             raise ValueError(one_line(matcher.get_error(), keep_position=kind == "grammar"))
@@ -102,9 +107,23 @@ class GuidanceBackend(StructuredOutputBackend):
     def new_grammar(self, compiled: CompiledGuidance) -> GuidanceGrammar:
         return GuidanceGrammar(compiled.matcher.deep_copy(), self.eos_token_ids, self.ll_tokenizer.vocab_size)
 
-    def _grammar(self, kind: str, spec: str) -> str:
+    def fill_bitmasks(self, grammars: Sequence[GuidanceGrammar], bitmask: torch.Tensor) -> None:
+        """Every row in one call of llguidance's executor, which computes them on its own threads. llguidance
+        writes rows of the tokenizer's width, contiguous, into a buffer of its own; they are copied into the
+        engine's mask, with the model's padding ids past them cleared."""
+        num_rows = len(grammars)
+        if self._rows.shape[0] < num_rows:
+            self._rows = torch.empty((max(num_rows, 2 * self._rows.shape[0]), self._rows.shape[1]), dtype=torch.int32)
+        rows = self._rows[:num_rows]
+        fill_next_token_bitmask_par(self._executor, [(g._matcher, i) for i, g in enumerate(grammars)], rows)
+        words = rows.shape[1]
+        bitmask[:, :words] = rows
+        bitmask[:, words:] = 0
+
+    def _grammar(self, kind: str, spec: str, compact: bool = False) -> str:
+        options = {**self.json_options, "whitespace_flexible": False} if compact else self.json_options
         try:
-            return grammar_text(kind, spec, self.json_options, self.disable_additional_properties)
+            return grammar_text(kind, spec, options, self.disable_additional_properties)
         except ValueError as exc:  # UnicodeEncodeError (a lone surrogate on its way to llguidance) included
             raise ValueError(one_line(str(exc), keep_position=kind == "grammar")) from None
 
@@ -184,10 +203,16 @@ class GuidanceGrammar(StructuredOutputGrammar):
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> LLTokenizer:
     """llguidance's tokenizer for a fast Hugging Face tokenizer, its own size, ending on ``eos_token_ids``."""
-    try:
-        ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=sorted(eos_token_ids) or None)
+    eos = sorted(eos_token_ids)
+    try:  # one id as an int: llguidance releases before multi-EOS support take no list
+        ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=(eos[0] if len(eos) == 1 else eos) or None)
     except ValueError as exc:
         raise ConfigError(f"the guidance structured-output backend cannot read the tokenizer: {exc}") from None
+    except TypeError:
+        version = importlib.metadata.version("llguidance")
+        raise ConfigError(
+            f"the model has {len(eos)} end-of-sequence ids and llguidance {version} takes one; upgrade llguidance"
+        ) from None
     if ll_tokenizer.vocab_size > vocab_size:
         raise ConfigError(
             f"the tokenizer has {ll_tokenizer.vocab_size} tokens but the model's vocabulary only {vocab_size}; "

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,6 +34,10 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'  # json_object: any JSON object (xgram
 # swaps in JSON's class of unescaped characters (no escapes either way, as xgrammar's `pattern` strings).
 LENGTH_BOUNDED_CHAR = r"[^\"\\\r\n]"
 JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+
+# rows x tokenizer tokens from which a step's masks are computed on xgrammar's threads: starting them costs
+# about as much as a few rows of a large vocabulary, and far more than a whole batch of a small one
+PARALLEL_FILL_WORK = 2_000_000
 
 _LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # "[12:00:00] /project/cpp/x.cc:94: " of C++ errors
 _CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false: ")
@@ -135,29 +140,25 @@ class XgrammarGrammar(StructuredOutputGrammar):
     that it refuses to compute a mask, so ``fill_bitmask`` then writes the EOS-only row itself, as the contract asks.
     """
 
-    def __init__(self, matcher: Any, rules: TokenRules) -> None:
+    def __init__(self, matcher: Any, backend: XgrammarBackend) -> None:
         self.matcher = matcher
-        self.rules = rules
+        self.backend = backend
+        self.rules = backend.rules
+        self.tokenizer_size = backend.tokenizer_size
 
     def accept_tokens(self, request_id: str, tokens: Iterable[int]) -> bool:
-        matcher, rules = self.matcher, self.rules
+        matcher, rules, size = self.matcher, self.rules, self.tokenizer_size
         for token in tokens:
-            if token in rules.banned_ids or (token in rules.stop_ids and not matcher.is_completed()):
+            if not 0 <= token < size or token in rules.banned_ids:
+                return False
+            if token in rules.stop_ids and not matcher.is_completed():
                 return False
             if not matcher.accept_token(token):  # xgrammar leaves the matcher where it was on a rejected token
                 return False
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
-        matcher, rules = self.matcher, self.rules
-        if matcher.is_terminated():
-            bitmask[index].copy_(rules.stop_row)
-            return
-        matcher.fill_next_token_bitmask(bitmask, index)
-        row = bitmask[index]
-        row.bitwise_and_(rules.keep_row)
-        if matcher.is_completed():
-            row.bitwise_or_(rules.stop_row)
+        self.backend.fill_bitmasks([self], bitmask[index : index + 1])
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
@@ -194,7 +195,11 @@ class XgrammarBackend(StructuredOutputBackend):
             description="JSON output (json, json_object) may have any whitespace between its elements; False: "
             "compact JSON, one space after ':' and ',' as Python's json.dumps writes it.",
         )
-        max_threads: int = Field(8, ge=1, le=256, description="Threads xgrammar uses to compile one constraint.")
+        max_threads: int = Field(
+            8, ge=1, le=256,
+            description="Threads xgrammar uses to compile one constraint, and to fill a step's rows of the bitmask "
+            "(at most the machine's cores).",
+        )  # fmt: skip
         cache_limit_bytes: int = Field(
             -1, ge=-1, description="Memory xgrammar's own compiled-grammar cache may hold; -1: no limit."
         )
@@ -203,23 +208,31 @@ class XgrammarBackend(StructuredOutputBackend):
         super().__init__(tokenizer, vocab_size, eos_token_ids)
         self.options = self.Options(**validate_options("structured_output", type(self), options))
         self.xgr = importlib.import_module("xgrammar")
-        stop = sorted(t for t in eos_token_ids if 0 <= t < vocab_size) or None  # None: the tokenizer's EOS
+        # xgrammar works at the tokenizer's size, not the model's: it counts the ids past the tokenizer as special
+        # tokens and checks every accepted token against that list, which would cost a checkpoint whose tokenizer
+        # is far smaller than its embedding (a test model's) a scan of the whole vocabulary per token.
+        self.tokenizer_size = min(vocab_size, max(tokenizer.get_vocab().values(), default=-1) + 1)
+        stop = sorted(t for t in eos_token_ids if 0 <= t < self.tokenizer_size) or None  # None: the tokenizer's EOS
         self.tokenizer_info = self.xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop
+            tokenizer, vocab_size=self.tokenizer_size, stop_token_ids=stop
         )
+        threads = min(self.options.max_threads, os.cpu_count() or 1)  # xgrammar warns on stderr about more
         self.compiler = self.xgr.GrammarCompiler(
-            self.tokenizer_info, max_threads=self.options.max_threads, cache_enabled=True,
+            self.tokenizer_info, max_threads=threads, cache_enabled=True,
             cache_limit_bytes=self.options.cache_limit_bytes,
         )  # fmt: skip
         banned = special_token_ids(tokenizer) | set(self.tokenizer_info.special_token_ids)  # the latter: padding ids
-        self.rules = TokenRules.build(self.tokenizer_info.stop_token_ids, banned, vocab_size)
+        self.rules = TokenRules.build(self.tokenizer_info.stop_token_ids, banned, self.tokenizer_size)
+        self._threaded = self.xgr.BatchGrammarMatcher(max_threads=threads)
+        self._serial = self.xgr.BatchGrammarMatcher(max_threads=1)
+        self._rows = self.xgr.allocate_token_bitmask(1, self.tokenizer_size)  # xgrammar's rows, before the rules
 
     def validate(self, kind: str, spec: str) -> None:
         """Parse the constraint into an xgrammar grammar (no tokenizer work); ``ValueError`` with xgrammar's
         reason, on one line, when it cannot."""
         grammar = self.xgr.Grammar
         if kind == "json":
-            patched = self._patched_schema_ebnf(spec)
+            patched = self._patched_schema_ebnf(spec, self.options.any_whitespace)
             if patched is not None:
                 self._call(grammar.from_ebnf, kind, patched)
         elif kind == "regex":
@@ -231,18 +244,19 @@ class XgrammarBackend(StructuredOutputBackend):
         elif kind != "json_object":
             raise ValueError(self._unsupported(kind))
 
-    def compile(self, kind: str, spec: str) -> Any:
-        """An ``xgrammar.CompiledGrammar`` for this tokenizer."""
+    def compile(self, kind: str, spec: str, disable_any_whitespace: bool = False) -> Any:
+        """An ``xgrammar.CompiledGrammar`` for this tokenizer. ``disable_any_whitespace``: JSON as xgrammar writes
+        it without ``any_whitespace`` (one space after ``:`` and ``,``, as Python's ``json.dumps``; vLLM's
+        meaning with xgrammar)."""
         compiler = self.compiler
+        any_whitespace = self.options.any_whitespace and not disable_any_whitespace
         if kind == "json":
-            patched = self._patched_schema_ebnf(spec) if "Length" in spec else None  # only min/maxLength need it
+            patched = self._patched_schema_ebnf(spec, any_whitespace) if "Length" in spec else None  # min/maxLength
             if patched is not None:
                 return self._call(compiler.compile_grammar, kind, patched)
-            return self._call(compiler.compile_json_schema, kind, spec, any_whitespace=self.options.any_whitespace)
+            return self._call(compiler.compile_json_schema, kind, spec, any_whitespace=any_whitespace)
         if kind == "json_object":
-            return self._call(
-                compiler.compile_json_schema, kind, JSON_OBJECT_SCHEMA, any_whitespace=self.options.any_whitespace
-            )
+            return self._call(compiler.compile_json_schema, kind, JSON_OBJECT_SCHEMA, any_whitespace=any_whitespace)
         if kind == "regex":
             return self._call(compiler.compile_regex, kind, spec)
         if kind == "grammar":
@@ -252,13 +266,38 @@ class XgrammarBackend(StructuredOutputBackend):
         raise ValueError(self._unsupported(kind))
 
     def new_grammar(self, compiled: Any) -> XgrammarGrammar:
-        return XgrammarGrammar(self.xgr.GrammarMatcher(compiled), self.rules)
+        return XgrammarGrammar(self.xgr.GrammarMatcher(compiled), self)
 
-    def _patched_schema_ebnf(self, spec: str) -> str | None:
+    def fill_bitmasks(self, grammars: Sequence[XgrammarGrammar], bitmask: torch.Tensor) -> None:
+        """Every row in one call of xgrammar's ``BatchGrammarMatcher`` (on its threads when the rows are work
+        enough: :data:`PARALLEL_FILL_WORK`), then the :class:`TokenRules` over all rows at once. xgrammar writes
+        rows of the tokenizer's width, contiguous, into a buffer of its own; they are copied into the engine's
+        mask, which is as wide as the model's vocabulary, with the words past the tokenizer's left clear."""
+        num_rows, rules = len(grammars), self.rules
+        if self._rows.shape[0] < num_rows:
+            self._rows = self.xgr.allocate_token_bitmask(max(num_rows, 2 * self._rows.shape[0]), self.tokenizer_size)
+        rows = self._rows[:num_rows]
+        matchers = [grammar.matcher for grammar in grammars]
+        live = [i for i, matcher in enumerate(matchers) if not matcher.is_terminated()]
+        if live:
+            parallel = len(live) * self.tokenizer_size >= PARALLEL_FILL_WORK
+            batch = self._threaded if parallel else self._serial
+            batch.batch_fill_next_token_bitmask([matchers[i] for i in live], rows, live)
+        words = rows.shape[1]
+        torch.bitwise_and(rows, rules.keep_row, out=bitmask[:, :words])
+        bitmask[:, words:] = 0
+        complete = [i for i, matcher in enumerate(matchers) if matcher.is_completed()]  # terminated ones too
+        if complete:
+            bitmask[complete, :words] |= rules.stop_row
+        if len(live) < num_rows:
+            done = [i for i in range(num_rows) if matchers[i].is_terminated()]
+            bitmask[done, :words] = rules.stop_row
+
+    def _patched_schema_ebnf(self, spec: str, any_whitespace: bool) -> str | None:
         """Convert the schema (raising its error); the grammar's EBNF with :data:`LENGTH_BOUNDED_CHAR` replaced,
         or None when it has none (then ``compile_json_schema`` compiles the schema as it is)."""
         convert = self.xgr.Grammar.from_json_schema
-        text = str(self._call(convert, "json", spec, any_whitespace=self.options.any_whitespace))
+        text = str(self._call(convert, "json", spec, any_whitespace=any_whitespace))
         return text.replace(LENGTH_BOUNDED_CHAR, JSON_STRING_CHAR) if LENGTH_BOUNDED_CHAR in text else None
 
     def _call(self, fn: Any, kind: str, spec: str, **kwargs: Any) -> Any:

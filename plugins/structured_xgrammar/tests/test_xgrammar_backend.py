@@ -371,6 +371,36 @@ def test_mask_width_follows_the_model_vocabulary(backend, tokenizer):
     assert not grammar.accept_tokens("r", [len(tokenizer), vocab_size - 1, vocab_size + 5])
 
 
+def test_threaded_batch_fill_gives_the_serial_rows(backend, tokenizer, monkeypatch):
+    """A step's rows on xgrammar's threads (as a large vocabulary's are) equal the rows filled one thread."""
+    import nanovllm_structured_xgrammar.backend as module
+
+    rng, closers = random.Random(3), closing_tokens(tokenizer)
+    grammars = []
+    for kind, spec in (("json", json.dumps(SCHEMAS["person"])), ("regex", REGEXES[0]), ("json_object", "")):
+        compiled = backend.compile(kind, spec)
+        for steps in (0, 2, 5, 9):
+            grammar = backend.new_grammar(compiled)
+            for _ in range(steps):
+                others = [t for t in allowed_tokens(mask_after(backend, grammar)) if t not in backend.eos_token_ids]
+                if not others:
+                    break
+                token = rng.choice([t for t in others if t in closers] or others)
+                assert grammar.accept_tokens("r", [token])
+            grammars.append(grammar)
+    ended = backend.new_grammar(backend.compile("choice", '["ok"]'))
+    assert ended.accept_tokens("r", [*encode(tokenizer, "ok"), tokenizer.eos_token_id]) and ended.is_terminated()
+    grammars.insert(1, ended)  # a row xgrammar does not fill: the rows after it keep their places
+    masks = {}
+    for name, work in (("serial", 10**12), ("threaded", 0)):
+        monkeypatch.setattr(module, "PARALLEL_FILL_WORK", work)
+        bitmask = backend.allocate_token_bitmask(len(grammars))
+        backend.fill_bitmasks(grammars, bitmask)
+        masks[name] = bitmask
+    assert torch.equal(masks["serial"], masks["threaded"])
+    assert len({tuple(row.tolist()) for row in masks["serial"]}) > 4  # the grammars are in different states
+
+
 def test_several_eos_ids(tokenizer):
     eos_ids = frozenset({tokenizer.eos_token_id, tokenizer.pad_token_id})
     backend = XgrammarBackend(tokenizer, len(tokenizer), eos_ids)
