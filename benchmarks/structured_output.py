@@ -15,6 +15,10 @@ The random-weight checkpoint's tokenizer is the tiny built-in one, whose few hun
 masks cheap. ``--tokenizer-vocab N`` puts a synthetic byte-level BPE tokenizer of N tokens in its place (151669:
 Qwen3's count), built from random merges of letters, digits, spaces and JSON's punctuation, so that the grammar
 engine works through a vocabulary of a real model's size.
+
+``--mask-cost`` runs no model: it times the host's part of a constrained step (the backend's masks for
+``--num-seqs`` rows, then advancing each grammar over a random allowed token) with the backend's
+``max_threads`` at 1, 8 and 16.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-items", type=int, default=1100, help="the schema's minItems (above every max_tokens)")
     parser.add_argument("--tokenizer-vocab", type=int, default=0, metavar="N",
                         help="a synthetic BPE tokenizer of N tokens in place of the checkpoint's (0: the checkpoint's)")
+    parser.add_argument("--mask-cost", action="store_true", help="time the host's masks and advances, no model")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     return parser
@@ -92,6 +97,47 @@ def with_tokenizer(checkpoint: Path, vocab_size: int) -> Path:
     return path
 
 
+def mask_cost(args: argparse.Namespace, model: str) -> None:
+    """Per step: the backend's masks for ``args.num_seqs`` rows, then each grammar advanced over a random allowed
+    token (a step of constrained decoding without the model), by the backend's thread count."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from nanovllm_core import StructuredOutputsParams
+    from nanovllm_core.engine.structured_output import StructuredOutputManager, select_structured_output_backend
+    from nanovllm_core.plugins import get_registry
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    vocab_size = AutoConfig.from_pretrained(model).vocab_size
+    backend_cls = select_structured_output_backend(get_registry(), args.backend)
+    constraint = StructuredOutputsParams(json=schema(args.min_items))
+    for threads in (1, 8, 16):
+        options = {"max_threads": threads} if args.backend == "xgrammar" else {}
+        manager = StructuredOutputManager.build(backend_cls, options, tokenizer, vocab_size,
+                                                frozenset({tokenizer.eos_token_id}))  # fmt: skip
+        compiled = manager.compile(constraint).result()
+        seqs = [argparse.Namespace(grammar=manager.new_grammar(compiled)) for _ in range(args.num_seqs)]
+        rows, rng, fill, advance, steps = list(range(len(seqs))), random.Random(0), 0.0, 0.0, 0
+        for step in range(60):
+            start = time.perf_counter()
+            bitmask = manager.bitmask(seqs, rows)
+            filled = time.perf_counter()
+            tokens = []
+            for row in bitmask:  # a random allowed token per row (not timed)
+                words = torch.nonzero(row).flatten().tolist()
+                word = rng.choice(words)
+                bits = int(row[word]) & 0xFFFFFFFF
+                tokens.append(32 * word + rng.choice([b for b in range(32) if bits >> b & 1]))
+            begun = time.perf_counter()
+            for seq, token in zip(seqs, tokens):
+                seq.grammar.accept_tokens("mask-cost", [token])
+            if step >= 10:  # the first steps fill xgrammar's caches
+                fill, advance, steps = fill + filled - start, advance + time.perf_counter() - begun, steps + 1
+        manager.shutdown()
+        print(f"{args.backend}, {len(tokenizer)} tokens, max_threads {threads}: masks {fill / steps * 1e3:.2f} ms "
+              f"a step, advancing {advance / steps * 1e3:.2f} ms a step ({len(seqs)} rows)")
+
+
 def fresh_prompts(lengths: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randint(0, 10000) for _ in range(n)] for n in lengths]
@@ -109,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(random_checkpoint(args.shape, torch.bfloat16))
     if args.tokenizer_vocab:
         model = str(with_tokenizer(Path(model), args.tokenizer_vocab))
+    if args.mask_cost:
+        mask_cost(args, model)
+        return 0
     plugins = {"attention": args.attention, "structured_output_backend": args.backend}
     llm = LLM(model, plugins=plugins, device=args.device)
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)  # nano-vllm's draws
