@@ -502,3 +502,27 @@ def test_guided_decoding_backend_must_be_the_servers(so_server) -> None:
         "param": "guided_decoding_backend",
         "code": 400,
     }
+
+
+def test_constraints_hold_with_the_engine_in_a_process_of_its_own(tiny_path) -> None:
+    """The default serving layout (``--engine-process``): constraints travel to the engine process with their
+    requests, compile there, and hold in both response paths; a broken one is still a 400 from the front-end."""
+    pytest.importorskip("nanovllm_structured_xgrammar")
+    openai = pytest.importorskip("openai")
+    thread = start_server(tiny_path, ServerSettings(served_model_name=MODEL, api_key=API_KEY), engine_process=True,
+                          plugins={"structured_output_backend": "xgrammar"})  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        response_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+        out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200, seed=4,
+                                             response_format=response_format)  # fmt: skip
+        assert out.choices[0].finish_reason == "stop", out.choices[0]
+        validate(json.loads(out.choices[0].message.content), SCHEMA)
+        text, finish = stream_text(client.completions.create(
+            model=MODEL, prompt="Pick:", max_tokens=50, stream=True, seed=5,
+            extra_body={"structured_outputs": {"choice": ["left", "right"]}}))  # fmt: skip
+        assert (text, finish) in (("left", "stop"), ("right", "stop"))
+        with pytest.raises(openai.BadRequestError, match="guided_regex"):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={"guided_regex": "(("})
+    finally:
+        thread.stop()

@@ -67,3 +67,36 @@ def test_every_output_satisfies_its_constraint(llm):
             assert sample.finish_reason == "stop", (constraint.kind, sample.text)
             assert sample.token_ids[-1] == llm.tokenizer.eos_token_id
             check(constraint.kind, sample.text)
+
+
+@pytest.mark.parametrize("scheduler", ["fifo", "mixed", "priority"])
+def test_constraints_hold_under_each_scheduler_with_preemption_and_cached_prefixes(tmp_path_factory, scheduler):
+    """Each installed scheduler policy, async scheduling, a KV cache that preempts and prompts the prefix cache has
+    seen: every sample that stopped satisfies its constraint, and every one ran its course."""
+    from nanovllm_core.plugins import get_registry
+
+    if scheduler not in get_registry().registrations["scheduler"]:
+        pytest.skip(f"scheduler {scheduler!r} is not installed")
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+    llm = LLM(
+        str(path), device="cpu", dtype="float32", plugins={"structured_output_backend": "xgrammar",
+        "scheduler": scheduler}, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=20, max_num_seqs=8,
+        async_scheduling="on",
+    )  # fmt: skip
+    try:
+        prompt = list(range(5, 5 + 40))  # three blocks shared by every request: prefix cache hits
+        constraints = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=r"[a-c]{2,4}-\d")] * 3
+        params = [SamplingParams(temperature=1.0, seed=i, max_tokens=150, n=2, structured_outputs=c)
+                  for i, c in enumerate(constraints)]  # fmt: skip
+        outputs = llm.generate([prompt + [60 + i] for i in range(len(constraints))], params, use_tqdm=False)
+        stats = llm.stats()
+        for constraint, output in zip(constraints, outputs):
+            for sample in output.outputs:
+                assert sample.finish_reason in ("stop", "length"), sample.finish_reason
+                if sample.finish_reason == "stop":
+                    check(constraint.kind, sample.text)
+        assert sum(s.finish_reason == "stop" for o in outputs for s in o.outputs) >= 8
+        assert stats.num_preemptions > 0, "the KV cache was meant to preempt"
+        assert stats.prefix_cache_hit_rate > 0, "the shared prompt blocks were meant to be cached"
+    finally:
+        llm.shutdown()
