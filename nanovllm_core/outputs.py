@@ -47,6 +47,7 @@ class RequestMetrics:
 
     arrival_time: float
     first_scheduled_time: float | None = None
+    prompt_scheduled_time: float | None = None  # the step that computes the prompt's last token was scheduled
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None

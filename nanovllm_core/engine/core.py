@@ -343,6 +343,9 @@ class EngineCore:
                 return self._output(request, indices, final=False)
             if compiling:
                 self._waiting_for_grammar.remove(request)
+            metrics = request.metrics
+            if metrics.finished_time is None:  # its output ended with its last token (or now, if it had none)
+                metrics.finished_time = metrics.last_token_time or time.monotonic()
             self._forget(request)
             return self._output(request, range(len(request.seqs)), final=True)
 
@@ -455,6 +458,8 @@ class EngineCore:
                     break
                 if seq.num_cached_prompt_tokens is None:
                     self._first_scheduled(seq)
+                if start < seq.num_prompt_tokens <= end:
+                    self._prompt_scheduled(seq)
         if problem is not None:
             raise SchedulerError(f"scheduler {self.scheduler_name!r} scheduled {problem}")
         return placeholders, num_prompt_tokens
@@ -484,6 +489,11 @@ class EngineCore:
             return rows, manager.bitmask(batch.seqs, rows)
 
         return received, before_sample
+
+    def _prompt_scheduled(self, seq: Sequence) -> None:
+        metrics = self._requests[seq.request_id].metrics
+        if metrics.prompt_scheduled_time is None:
+            metrics.prompt_scheduled_time = time.monotonic()
 
     def _first_scheduled(self, seq: Sequence) -> None:
         seq.num_cached_prompt_tokens = seq.num_computed_tokens  # the prefix claimed from the cache

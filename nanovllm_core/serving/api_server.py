@@ -18,6 +18,7 @@ import hmac
 import json
 import logging
 import struct
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ from nanovllm_core.serving.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from nanovllm_core.serving.timeline import RequestTimelineLog
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,6 +111,7 @@ class ServerSettings:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: chat replies' thinking as reasoning_content
     max_request_body_bytes: int | None = None  # larger bodies get 413; None: sized from max_model_len
+    request_timeline: str | None = None  # --request-timeline: a JSON line of each finished request's stamps
 
     def __post_init__(self) -> None:
         check_reply_parsers(self.enable_auto_tool_choice, self.tool_call_parser, self.reasoning_parser)
@@ -177,6 +180,11 @@ async def read_body(request: Request, model: type[M]) -> M:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
 
 
+def received_time(request: Request) -> float | None:
+    """When the server got ``request`` (``time.monotonic()``, stamped by :class:`AdmissionMiddleware`)."""
+    return request.scope.get("state", {}).get("received")
+
+
 def tokenize_body_model(raw: bytes) -> type[TokenizeChatRequest] | type[TokenizeCompletionRequest]:
     """Which ``/tokenize`` body this is: chat when it has ``messages``, else a prompt (whose errors a body that is
     neither then gets)."""
@@ -236,6 +244,7 @@ class AdmissionMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope.setdefault("state", {})["received"] = time.monotonic()  # the start of the request's timeline
         headers = dict(scope["headers"])
         if self.expected_key is not None and scope["path"].startswith("/v1"):
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected_key):
@@ -444,7 +453,8 @@ class OpenAIServer:
         return await self.engine.encode(prompt)
 
     async def submit(
-        self, body: SamplingRequest, prompts: list[list[int]], requested: int | None, prompt_param: str, prefix: str
+        self, body: SamplingRequest, prompts: list[list[int]], requested: int | None, prompt_param: str, prefix: str,
+        request: Request,
     ) -> Job:
         self.check_model(body.model)
         self.check_guided_decoding_backend(body.guided_decoding_backend)
@@ -465,7 +475,7 @@ class OpenAIServer:
         self.check_capacity(len(prompts))
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         try:  # before any response starts: the engine's refusal (such as an invalid JSON schema) is a 400
-            streams = await self.add_requests(prompts, params, response_id)
+            streams = await self.add_requests(prompts, params, response_id, received_time(request))
         except InvalidRequestError as exc:
             raise body.engine_error(exc) from None
         return Job(
@@ -484,13 +494,14 @@ class OpenAIServer:
         )
 
     async def add_requests(
-        self, prompts: list[list[int]], params: SamplingParams, response_id: str
+        self, prompts: list[list[int]], params: SamplingParams, response_id: str, received: float | None = None
     ) -> list[RequestStream]:
-        """One engine request a prompt, ``{response_id}-{i}``; those added are aborted if one cannot be."""
+        """One engine request a prompt, ``{response_id}-{i}``; those added are aborted if one cannot be.
+        ``received``: when the HTTP request came (``time.monotonic()``), the start of each one's timeline."""
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(await self.engine.add_request(ids, params, f"{response_id}-{i}"))
+                streams.append(await self.engine.add_request(ids, params, f"{response_id}-{i}", arrival_time=received))
         except BaseException:
             abort_unfinished(self.engine, streams)
             raise
@@ -521,7 +532,7 @@ class OpenAIServer:
                 "least 1", "max_tokens"
             )
         prompts = [await self.prompt_ids(p, body.truncate_prompt_tokens, "prompt") for p in body.prompts()]
-        job = await self.submit(body, prompts, body.max_tokens, "prompt", "cmpl")
+        job = await self.submit(body, prompts, body.max_tokens, "prompt", "cmpl", request)
         return await self.respond(job, body, request, completion_events, completion_response)
 
     async def embeddings(self, body: EmbeddingRequest) -> EmbeddingResponse:
@@ -621,7 +632,7 @@ class OpenAIServer:
                 )
             parser = reply_parser("tool_parser", self.settings.tool_call_parser)()  # type: ignore[arg-type]
         ids = await self.chat_prompt(body, truncate=body.truncate_prompt_tokens)
-        job = await self.submit(body, [ids], body.requested_max_tokens, "messages", "chatcmpl")
+        job = await self.submit(body, [ids], body.requested_max_tokens, "messages", "chatcmpl", request)
         job.tool_parser = parser
         if body.forces_tool_calls:  # tool_choice "required" or a named function: structured outputs made calls
             job.forced_tool_calls = ForcedToolCalls(body.named_tool)
@@ -631,7 +642,9 @@ class OpenAIServer:
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
-    metrics = metrics or ServerMetrics(settings.served_model_name)
+    if metrics is None:
+        log = RequestTimelineLog(settings.request_timeline) if settings.request_timeline else None
+        metrics = ServerMetrics(settings.served_model_name, log)
     engine.observer = metrics
     server = OpenAIServer(engine, settings, metrics)
 
@@ -644,6 +657,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
         finally:
             lag.cancel()
             await engine.shutdown(settings.shutdown_timeout)
+            if metrics.timeline_log is not None:
+                metrics.timeline_log.close()
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
     app.state.server = server

@@ -30,8 +30,9 @@ from nanovllm_core.engine_client.factory import make_engine_client
 from nanovllm_core.engine_client.step_loop import InProcessClient
 from nanovllm_core.errors import InvalidRequestError, NanoVLLMError
 from nanovllm_core.output_processor import OutputProcessor, RequestState, engine_params
-from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams, with_priority
+from nanovllm_core.serving.timeline import RequestTimeline
 from nanovllm_core.tokenization import encode_text
 
 logger = logging.getLogger(__name__)
@@ -55,9 +56,9 @@ class OutputObserver(Protocol):
 
     def finished(self, seconds: float, finish_reason: str | None) -> None: ...
 
-    def stages(self, frontend_arrival: float, metrics: RequestMetrics) -> None:
-        """A finished request's engine timestamps, beside its arrival in the front-end (both ``time.monotonic()``,
-        one clock across processes)."""
+    def timeline(self, timeline: RequestTimeline) -> None:
+        """A finished request's stamps, the front-end's and the engine's (``time.monotonic()``, one clock across
+        processes)."""
 
     def delivery_lag(self, seconds: float) -> None:
         """How long a step's outputs took from the engine's hand-over to the front-end acting on them."""
@@ -118,6 +119,11 @@ class RequestStream:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.prompt = prompt
         self.arrival = time.monotonic()
+        # the front-end's stamps of the request's timeline (serving/timeline.py); add_request sets the first three
+        self.stamps: dict[str, float | None] = dict.fromkeys(
+            ("received", "validated", "handed", "first_token_delivered", "delivered"), self.arrival
+        )
+        self.stamps["first_token_delivered"] = None
         self.last_token_time: float | None = None
         self.finished = False  # the last item was handed to the consumer
         self.done = False  # the last item arrived (the consumer may not have read it yet)
@@ -190,8 +196,8 @@ class AsyncLLM:
         # only reads the tokenizer's state.
         self._tokenizer_pool: ThreadPoolExecutor | None = None
         self._streams: dict[str, RequestStream] = {}
-        # requests a stop string ended whose engine metrics come with the abort's output: their front-end arrival
-        self._awaiting_metrics: dict[str, float] = {}
+        # requests a stop string ended whose engine metrics come with the abort's output: their streams
+        self._awaiting_metrics: dict[str, RequestStream] = {}
         self._num_queued = 0  # accepted requests without any output yet (waiting or in their first prefill)
         self._ids = itertools.count()
         self._call_ids = itertools.count()
@@ -293,12 +299,16 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int | None = None,
+        arrival_time: float | None = None,
     ) -> RequestStream:
         """Queue one request; its outputs are deltas (``output_kind="delta"``) read from the returned stream.
 
         Raises InvalidRequestError at once (nothing queued) when the engine rejects the request. ``priority``
         (vLLM's argument) sets ``params.priority``: lower is more urgent under a priority policy.
+        ``arrival_time`` (vLLM's argument, ``time.monotonic()``): when the request reached the caller (a server:
+        its HTTP request), the start of the request's timeline; default, now.
         """
+        validated = time.monotonic()
         params = with_priority(params, priority)
         await self.start()
         self._check_alive()
@@ -313,6 +323,8 @@ class AsyncLLM:
         stream = RequestStream(request_id, token_ids, text, self.output_processor, state)
         self._streams[request_id] = stream
         self._num_queued += 1
+        stream.stamps.update(received=validated if arrival_time is None else arrival_time, validated=validated,
+                             handed=time.monotonic())  # fmt: skip
         try:
             await self._call("add", (token_ids, engine_params(params), request_id))
         except BaseException:
@@ -395,9 +407,9 @@ class AsyncLLM:
         for raw in outputs:
             stream = self._streams.get(raw.request_id)
             if stream is None:
-                arrival = self._awaiting_metrics.pop(raw.request_id, None) if raw.finished else None
-                if arrival is not None and raw.metrics is not None and self.observer is not None:
-                    self.observer.stages(arrival, raw.metrics)
+                ended = self._awaiting_metrics.pop(raw.request_id, None) if raw.finished else None
+                if ended is not None and raw.metrics is not None and self.observer is not None:
+                    self.observer.timeline(RequestTimeline.of(raw.request_id, ended.stamps, raw.metrics))
                 continue
             core_finished = raw.finished
             out = stream.process(raw) if stream.eager else raw
@@ -410,7 +422,7 @@ class AsyncLLM:
                 continue
             if out.finished and not core_finished:  # a stop string: the engine still runs it
                 if out.metrics is None:  # (an engine process sends them with finished outputs only)
-                    self._awaiting_metrics[out.request_id] = stream.arrival
+                    self._awaiting_metrics[out.request_id] = stream
             self._observe(stream, out, now)
             stream.put(out)
             if out.finished:
@@ -420,6 +432,8 @@ class AsyncLLM:
         produced = any(c.token_ids for c in out.outputs)
         if stream.last_token_time is None and (produced or out.finished):
             self._num_queued -= 1
+        if produced and stream.stamps["first_token_delivered"] is None:
+            stream.stamps["first_token_delivered"] = time.monotonic()
         if produced and self.observer is not None:
             if stream.last_token_time is None:
                 self.observer.first_token(now - stream.arrival)
@@ -427,12 +441,14 @@ class AsyncLLM:
                 self.observer.inter_token(now - stream.last_token_time)
         if produced or out.finished:
             stream.last_token_time = now
+        if out.finished:
+            stream.stamps["delivered"] = time.monotonic()
         if out.finished and self.observer is not None:
             reasons = {c.finish_reason for c in out.outputs if c.finish_reason is not None}
             reason = "abort" if "abort" in reasons else (reasons.pop() if len(reasons) == 1 else "stop")
             self.observer.finished(now - stream.arrival, reason)
             if out.metrics is not None:
-                self.observer.stages(stream.arrival, out.metrics)
+                self.observer.timeline(RequestTimeline.of(out.request_id, stream.stamps, out.metrics))
 
     def _fail_all(self, exc: BaseException) -> None:
         self._dead = exc

@@ -5,7 +5,8 @@ Engine state (running / waiting requests, KV-cache usage, prefix-cache hits, tok
 is read from ``LLMEngine.stats()`` at scrape time, with the step loop's own account (steps, time inside
 ``step()``, the loop thread's CPU time) and the process's CPU time; request latencies (time to first token, inter-token
 latency, end to end) are observed by the async front-end as outputs arrive, the stages of each finished request
-(queue, prefill, decode; the hand-overs to and from the engine) from the engine's timestamps, and finished
+(queue, prefill, decode, inference; the front-end's part and the hand-overs to and from the engine) from its
+timeline (``serving/timeline.py``), and finished
 requests are counted by finish reason. Two stall detectors: the engine steps over 50 ms / 200 ms / 1 s (and the
 longest), and the front-end event loop's lag.
 """
@@ -23,7 +24,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from nanovllm_core.engine_client.base import SLOW_STEP_SECONDS
-from nanovllm_core.outputs import RequestMetrics
+from nanovllm_core.serving.timeline import RequestTimeline, RequestTimelineLog
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -43,6 +44,7 @@ VLLM_HISTOGRAMS = {
     "request_queue_time_seconds": ("request_queue_time_seconds",),
     "request_prefill_time_seconds": ("request_prefill_time_seconds",),
     "request_decode_time_seconds": ("request_decode_time_seconds",),
+    "request_inference_time_seconds": ("request_inference_time_seconds",),
 }
 
 
@@ -159,7 +161,8 @@ class HistogramCollector(Collector):
 class ServerMetrics:
     """One registry per server (so several servers in one process, as in tests, do not collide)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, timeline_log: RequestTimelineLog | None = None) -> None:
+        self.timeline_log = timeline_log  # --request-timeline: each finished request's stamps, a JSON line
         self.registry = CollectorRegistry()
         self.engine = EngineStatsCollector(model_name)
         self.registry.register(self.engine)
@@ -191,6 +194,16 @@ class ServerMetrics:
         self.decode = histogram(
             "request_decode_time_seconds", "Time from a request's first token to its last.", E2E_BUCKETS
         )
+        self.inference = histogram(
+            "request_inference_time_seconds", "Time from a request's first scheduling to its end.", E2E_BUCKETS
+        )
+        # the front-end's own part before the engine: the HTTP body, its validation, the prompt's tokenization
+        self.frontend = histogram(
+            "request_frontend_time_seconds",
+            "Time from the server's receipt of a request (the start of its HTTP request) to its hand-over to the "
+            "engine: reading and validating the body, the chat template, tokenizing the prompt.",
+            TTFT_BUCKETS,
+        )
         # and the two hand-overs between the front-end and the engine, which the engine's timestamps leave out
         self.intake = histogram(
             "request_intake_time_seconds",
@@ -207,8 +220,8 @@ class ServerMetrics:
         self.registry.register(
             HistogramCollector(
                 model_name,
-                [self.ttft, self.itl, self.e2e, self.loop_lag, self.queue, self.prefill, self.decode, self.intake,
-                 self.delivery],
+                [self.ttft, self.itl, self.e2e, self.loop_lag, self.queue, self.prefill, self.decode, self.inference,
+                 self.frontend, self.intake, self.delivery],
             )
         )
         self.finished_requests, self.vllm_finished_requests = (
@@ -235,14 +248,20 @@ class ServerMetrics:
         self.finished_requests.labels(self.model_name, reason).inc()
         self.vllm_finished_requests.labels(self.model_name, reason).inc()
 
-    def stages(self, frontend_arrival: float, metrics: RequestMetrics) -> None:
-        self.intake.observe(max(0.0, metrics.arrival_time - frontend_arrival))
-        if metrics.first_scheduled_time is not None:
-            self.queue.observe(metrics.first_scheduled_time - metrics.arrival_time)
-            if metrics.first_token_time is not None:
-                self.prefill.observe(metrics.first_token_time - metrics.first_scheduled_time)
-        if metrics.first_token_time is not None and metrics.last_token_time is not None:
-            self.decode.observe(metrics.last_token_time - metrics.first_token_time)
+    def timeline(self, timeline: RequestTimeline) -> None:
+        t = timeline
+        self.frontend.observe(max(0.0, t.handed - t.received))
+        self.intake.observe(max(0.0, t.engine_arrival - t.handed))
+        if t.first_scheduled is not None:
+            self.queue.observe(t.first_scheduled - t.engine_arrival)
+            if t.first_token is not None:
+                self.prefill.observe(t.first_token - t.first_scheduled)
+            if t.finished is not None:
+                self.inference.observe(t.finished - t.first_scheduled)
+        if t.first_token is not None and t.finished is not None:
+            self.decode.observe(t.finished - t.first_token)
+        if self.timeline_log is not None:
+            self.timeline_log.write(t)
 
     def delivery_lag(self, seconds: float) -> None:
         self.delivery.observe(max(0.0, seconds))

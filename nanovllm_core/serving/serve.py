@@ -72,6 +72,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "batches of long prompts)",
     )
     parser.add_argument(
+        "--request-timeline",
+        metavar="FILE",
+        help="write each finished request's timeline to FILE, a JSON object a line: when the server received it, "
+        "validated it and handed it to the engine, when the engine took it, first scheduled it, scheduled its "
+        "prompt's last chunk, read its first token and finished it, and when the front-end had its first and last "
+        "output (time.monotonic() seconds; `nanovllm simulate --calibrate --request-timelines` reads it)",
+    )
+    parser.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -276,6 +284,7 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         reasoning_parser=args.reasoning_parser,
         max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        request_timeline=args.request_timeline,
     )
     app = build_app(engine, settings)
     freeze_startup_heap()  # this process is the server's own: see nanovllm_core.gc_heap

@@ -328,6 +328,51 @@ def frontend_from_metrics(paths: list[str]) -> dict[str, Any]:
     return frontend
 
 
+def frontend_from_timelines(paths: list[str]) -> dict[str, Any]:
+    """The front-end's time per request from ``nanovllm serve --request-timeline`` files: from the HTTP request to
+    the engine's arrival fitted as a fixed part plus a part per prompt token (least squares: a long prompt's body,
+    validation and tokenization cost more), and the mean from the engine reading a first token to the front-end
+    having it (the output hand-over)."""
+    intake: list[tuple[float, float]] = []  # (prompt tokens / 1000, ms)
+    delivery: list[float] = []
+    for path in paths:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"--request-timelines {path}: cannot read it ({exc})") from None
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise ConfigError(f"--request-timelines {path}:{number}: not a JSON line") from None
+            if "clock" in record:  # a server's first line: the clock the stamps are on
+                continue
+            try:
+                seconds = record["engine_arrival"] - record["received"]
+                intake.append((record["num_prompt_tokens"] / 1e3, 1e3 * seconds))
+                if record.get("first_token") is not None and record.get("first_token_delivered") is not None:
+                    delivery.append(1e3 * (record["first_token_delivered"] - record["first_token"]))
+            except (KeyError, TypeError):
+                raise ConfigError(
+                    f"--request-timelines {path}:{number}: not a request's timeline (nanovllm serve --request-timeline)"
+                ) from None
+    if not intake:
+        raise ConfigError(f"--request-timelines {' '.join(paths)}: no request in them")
+    n = len(intake)
+    mean_x = sum(x for x, _ in intake) / n
+    mean_y = sum(y for _, y in intake) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in intake)
+    per_1k = sum((x - mean_x) * (y - mean_y) for x, y in intake) / spread if spread > 0 else 0.0
+    per_1k = max(per_1k, 0.0)  # a negative slope is noise: longer prompts cost no less
+    return {
+        "intake_ms": max(mean_y - per_1k * mean_x, 0.0),
+        "intake_ms_per_1k_prompt_tokens": per_1k,
+        "delivery_ms": sum(delivery) / len(delivery) if delivery else 0.0,
+        "requests": n,
+        "source": " ".join(Path(p).name for p in paths),
+    }
+
+
 def calibrate(
     paths: list[str],
     commit: str | None = None,
@@ -337,7 +382,8 @@ def calibrate(
     """Fit a calibration from ``nanovllm bench --json`` results of one GPU, model shape and KV dtype.
 
     ``commit`` and ``date`` (of the bench run) are taken from the results when they carry them, else from here;
-    ``frontend`` (:func:`frontend_from_metrics`): the serving front-end's time per request, else none."""
+    ``frontend`` (:func:`frontend_from_metrics` or :func:`frontend_from_timelines`): the serving front-end's time
+    per request, else none."""
     if not paths:
         raise ConfigError("--calibrate needs at least one nanovllm bench --json result")
     results = []

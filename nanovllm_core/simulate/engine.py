@@ -233,6 +233,7 @@ class SimulatedEngine:
         """Every request of ``trace`` (sorted by arrival) through the engine; their token times."""
         cal = self.calibration
         intake = cal.frontend.get("intake_ms", 0.0) / 1e3
+        intake_per_token = cal.frontend.get("intake_ms_per_1k_prompt_tokens", 0.0) / 1e6
         host_gap = cal.host_gap_ms / 1e3
         pending = sorted(trace, key=lambda r: r.arrival)
         for i, req in enumerate(pending):
@@ -240,7 +241,8 @@ class SimulatedEngine:
                 req.request_id = str(i)
         if len({r.request_id for r in pending}) != len(pending):
             raise ConfigError("the trace repeats a request id")
-        timed = [RequestTimes(req, admitted=req.arrival + intake) for req in pending]
+        timed = [RequestTimes(req, admitted=req.arrival + intake + intake_per_token * len(req.prompt))
+                 for req in pending]  # fmt: skip
         assert self.token_times is not None
         for t in timed:
             self.times[t.request.request_id] = t

@@ -29,6 +29,7 @@ from nanovllm_core.simulate.cost import (
     Calibration,
     calibrate,
     frontend_from_metrics,
+    frontend_from_timelines,
     load_calibration,
     shipped_calibrations,
 )
@@ -272,6 +273,12 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --calibrate: a nanovllm serve /metrics scrape (and optionally an earlier one of the same server, "
         "subtracted) whose mean request intake time and output delivery lag become the per-request front-end time",
     )
+    parser.add_argument(
+        "--request-timelines", nargs="+", metavar="JSONL",
+        help="with --calibrate: nanovllm serve --request-timeline files, from which the front-end's time per request "
+        "(a fixed part and a part per prompt token) and its output hand-over are fitted, in place of "
+        "--frontend-metrics",
+    )
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -284,7 +291,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.calibrate:
         if not args.out:
             raise ConfigError("--calibrate needs --out FILE (where the calibration is written)")
+        if args.frontend_metrics and args.request_timelines:
+            raise ConfigError("--frontend-metrics or --request-timelines: the front-end is fitted from one of them")
         frontend = frontend_from_metrics(args.frontend_metrics) if args.frontend_metrics else None
+        if args.request_timelines:
+            frontend = frontend_from_timelines(args.request_timelines)
         cal = calibrate(args.calibrate, commit=args.commit, date=args.date, frontend=frontend)
         Path(args.out).write_text(cal.to_json())
         c = cal.coefficients_ms

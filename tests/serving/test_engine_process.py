@@ -60,8 +60,8 @@ def test_a_stop_string_across_the_pipe_aborts_in_the_engine_and_reports_its_stag
     text = greedy("Hello", 60)[0]
     at = next(i for i in range(2, 50) if "\ufffd" not in text[i : i + 3] and text.find(text[i : i + 3]) == i)
     stop = text[at : at + 3]
-    stages = []
-    monkeypatch.setattr(llm.observer, "stages", lambda arrival, metrics: stages.append(metrics))
+    timelines = []
+    monkeypatch.setattr(llm.observer, "timeline", timelines.append)
 
     async def body():
         params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, stop=[stop])
@@ -72,7 +72,8 @@ def test_a_stop_string_across_the_pipe_aborts_in_the_engine_and_reports_its_stag
     assert "".join(o.outputs[0].text for o in outs) == text[:at]
     assert (outs[-1].outputs[0].finish_reason, outs[-1].outputs[0].stop_reason) == ("stop", stop)
     assert stats.num_running == 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
-    assert len(stages) == 1 and stages[0].first_token_time is not None
+    assert len(timelines) == 1 and timelines[0].first_token is not None
+    assert timelines[0].handed <= timelines[0].engine_arrival <= timelines[0].first_token <= timelines[0].finished
 
 
 def test_a_stop_string_ended_request_pulled_from_an_engine_process_keeps_its_metrics(tiny_path, offline, greedy):

@@ -26,6 +26,8 @@ VLLM_SERIES = {
     "vllm:request_queue_time_seconds_count": "nanovllm:request_queue_time_seconds_count",
     "vllm:request_prefill_time_seconds_count": "nanovllm:request_prefill_time_seconds_count",
     "vllm:request_decode_time_seconds_count": "nanovllm:request_decode_time_seconds_count",
+    "vllm:request_inference_time_seconds_count": "nanovllm:request_inference_time_seconds_count",
+    "vllm:request_inference_time_seconds_sum": "nanovllm:request_inference_time_seconds_sum",
 }
 
 

@@ -336,3 +336,43 @@ def test_sweep_plot_needs_matplotlib_or_draws(tmp_path, capsys):
     else:
         assert cli_main([*argv, "--plot", str(png)]) == 0
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_request_timelines_fit_the_front_end_per_request_and_per_prompt_token(tmp_path):
+    """A server's timelines whose intake is 2 ms + 0.5 ms per 1k prompt tokens, and 0.3 ms from the engine's first
+    token to the front-end's: the fit finds both, and the simulator admits a long prompt that much later."""
+    from nanovllm_core.simulate.cost import frontend_from_timelines
+
+    rng = random.Random(0)
+    lines = [json.dumps({"clock": "time.monotonic", "monotonic": 0.0, "unix": 0.0, "stages": []})]
+    for i in range(50):
+        prompt = rng.randint(10, 30000)
+        received = 100.0 + i
+        arrival = received + (2.0 + 0.5 * prompt / 1e3) / 1e3
+        lines.append(json.dumps({"request_id": str(i), "num_prompt_tokens": prompt, "received": received,
+                                 "engine_arrival": arrival, "first_token": arrival + 0.05,
+                                 "first_token_delivered": arrival + 0.0503}))  # fmt: skip
+    path = tmp_path / "timeline.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    frontend = frontend_from_timelines([str(path)])
+    assert frontend["intake_ms"] == pytest.approx(2.0, abs=1e-6)
+    assert frontend["intake_ms_per_1k_prompt_tokens"] == pytest.approx(0.5, abs=1e-6)
+    assert frontend["delivery_ms"] == pytest.approx(0.3, abs=1e-6) and frontend["requests"] == 50
+    engine = SimulatedEngine(small_calibration(frontend=frontend), max_num_seqs=8, max_num_batched_tokens=128,
+                             max_model_len=512)  # fmt: skip
+    short, long = TraceRequest(0.0, [5] * 10, 2), TraceRequest(5.0, [6] * 400, 2)
+    times = {t.request.arrival: t for t in engine.run([short, long])}
+    assert times[0.0].admitted == pytest.approx(0.002 + 0.5e-6 * 10)
+    assert times[5.0].admitted == pytest.approx(5.0 + 0.002 + 0.5e-6 * 400)
+
+
+def test_request_timelines_and_frontend_metrics_are_one_or_the_other(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"request_id": "x"}\n')
+    assert cli_main(["simulate", "--calibrate", "b.json", "--out", "c.json", "--request-timelines", str(bad),
+                     "--frontend-metrics", "m.txt"]) == 2  # fmt: skip
+    assert "--frontend-metrics or --request-timelines" in capsys.readouterr().err
+    from nanovllm_core.simulate.cost import frontend_from_timelines
+
+    with pytest.raises(ConfigError, match="bad.jsonl:1: not a request's timeline"):
+        frontend_from_timelines([str(bad)])

@@ -1,0 +1,105 @@
+"""Where an idle server's time to first token goes: long and short prompts sent one at a time to a running
+``nanovllm serve ... --request-timeline FILE``, each timed by this client to its first streamed token, then
+the server's timeline of each split into its stages.
+
+    nanovllm serve MODEL --request-timeline /tmp/timeline.jsonl [--step-records-file steps.json] ... &
+    python benchmarks/request_timeline.py --timeline /tmp/timeline.jsonl [--long 20000 --short 200 --runs 3]
+
+Prompts are fresh random token ids (the prefix cache has seen none of them), sent as token ids, ``max_tokens``
+1. Stages (median over the runs, ms): ``received -> validated`` (HTTP body, its validation, the prompt check),
+``validated -> handed`` (the front-end's hand-over), ``handed -> engine_arrival`` (the pipe to the engine, and
+the wait for the running step), ``engine_arrival -> first_scheduled`` (the engine's queue),
+``first_scheduled -> prompt_scheduled`` (the prompt's chunks before its last), ``prompt_scheduled ->
+first_token`` (the last chunk's step and the read of its token), ``first_token -> first_token_delivered`` (the
+hand-over back) and what the client saw beyond ``received -> first_token_delivered`` (the HTTP reply's way out
+and the request's way in). Standard library only: it runs beside any server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+STAGES = ("received", "validated", "handed", "engine_arrival", "first_scheduled", "prompt_scheduled", "first_token",
+          "first_token_delivered")  # fmt: skip
+
+
+def first_token_seconds(host: str, port: int, model: str, prompt: list[int], api_key: str | None) -> float:
+    """Send one streamed completion of ``prompt``; seconds from the request's first byte to its first token."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "stream": True, "ignore_eos": True})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    conn = http.client.HTTPConnection(host, port, timeout=600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/completions", body=body, headers=headers)
+    response = conn.getresponse()
+    if response.status != 200:
+        raise SystemExit(f"error: the server answered {response.status}: {response.read()[:300]!r}")
+    while True:
+        line = response.readline()
+        if not line:
+            raise SystemExit("error: the stream ended before a token")
+        if line.startswith(b"data: ") and b'"text"' in line:
+            seconds = time.perf_counter() - start
+            break
+    response.read()
+    conn.close()
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--timeline", type=Path, required=True, help="the server's --request-timeline file")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default=None, help="the served model name (default: the server's first)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--long", type=int, default=20000, help="tokens of a long prompt")
+    parser.add_argument("--short", type=int, default=200, help="tokens of a short prompt")
+    parser.add_argument("--runs", type=int, default=3, help="prompts of each length, one at a time")
+    parser.add_argument("--max-token-id", type=int, default=10000, help="prompts draw ids from 10 to this")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    model = args.model
+    if model is None:
+        conn = http.client.HTTPConnection(args.host, args.port, timeout=30)
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
+        model = json.loads(conn.getresponse().read())["data"][0]["id"]
+    rng = random.Random(0)
+    before = len(args.timeline.read_text().splitlines()) if args.timeline.exists() else 0
+    client: dict[str, list[float]] = {"long": [], "short": []}
+    for _ in range(args.runs):
+        for kind, length in (("long", args.long), ("short", args.short)):
+            prompt = [rng.randrange(10, args.max_token_id) for _ in range(length)]
+            client[kind].append(first_token_seconds(args.host, args.port, model, prompt, args.api_key))
+    time.sleep(0.5)  # the last request's line is written as it finishes
+    records = [json.loads(line) for line in args.timeline.read_text().splitlines()[before:]]
+    records = [r for r in records if "clock" not in r]
+    result: dict = {"model": model, "runs": args.runs}
+    for kind, length in (("long", args.long), ("short", args.short)):
+        mine = [r for r in records if r["num_prompt_tokens"] == length]
+        stages = {
+            f"{a} -> {b}": 1e3 * statistics.median(r[b] - r[a] for r in mine) for a, b in zip(STAGES, STAGES[1:])
+        }  # fmt: skip
+        server = 1e3 * statistics.median(r["first_token_delivered"] - r["received"] for r in mine)
+        seen = 1e3 * statistics.median(client[kind])
+        result[kind] = {"prompt_tokens": length, "client_ttft_ms": seen, "server_ttft_ms": server,
+                        "outside_server_ms": seen - server, "stages_ms": stages}  # fmt: skip
+        print(f"{kind} prompt ({length} tokens): first token {seen:.1f} ms at the client, {server:.1f} ms from the "
+              f"server's receipt to its hand-over of the token (medians of {len(mine)})")  # fmt: skip
+        for name, ms in stages.items():
+            print(f"  {name:<44} {ms:9.2f} ms")
+        print(f"  {'the way in and out (client minus server)':<44} {seen - server:9.2f} ms")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
