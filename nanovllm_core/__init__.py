@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nanovllm_core.commands import Command
 from nanovllm_core.config import EngineConfig, PluginsConfig
 from nanovllm_core.errors import (
     ConfigError,
@@ -75,6 +76,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "Command",
     "LLM",
     "AsyncLLM",
     "PLACEHOLDER_TOKEN",

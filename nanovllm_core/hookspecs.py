@@ -123,3 +123,13 @@ def nanovllm_register_reasoning_parsers(register: Register) -> None:
     ``end`` and ``opens_in_prompt``). ``nanovllm serve --reasoning-parser qwen3`` selects it; the server builds it
     as ``cls()`` for each chat request and returns the thinking as ``reasoning_content``.
     """
+
+
+@hookspec
+def nanovllm_register_commands(register: Register) -> None:
+    """Register ``nanovllm`` subcommands: ``register("hello", HelloCommand)``.
+
+    The class subclasses :class:`nanovllm_core.Command` (``help``, ``add_arguments(parser)``, ``run(args)``).
+    ``nanovllm hello ...`` builds it as ``cls()``, adds its arguments to a subparser of its own and runs it; a
+    name the command already has (``serve``, ``bench``, ...) is not added, and says so on stderr.
+    """

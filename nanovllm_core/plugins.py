@@ -33,6 +33,7 @@ import pluggy
 from torch import nn
 
 import nanovllm_core.hookspecs as hookspecs
+from nanovllm_core.commands import Command
 from nanovllm_core.errors import ModelLoadError, PluginConflictError, UnknownPluginError
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler
 from nanovllm_core.parsing import ReasoningParser, ToolParser
@@ -46,6 +47,7 @@ KINDS: dict[str, str] = {
     "structured_output": "nanovllm_register_structured_output_backends",
     "tool_parser": "nanovllm_register_tool_parsers",
     "reasoning_parser": "nanovllm_register_reasoning_parsers",
+    "command": "nanovllm_register_commands",
 }
 HOOK_NAMES = frozenset(KINDS.values())
 API_ATTRIBUTE = "NANOVLLM_PLUGIN_API"
@@ -78,6 +80,7 @@ _BASES: dict[str, type] = {
     "tool_parser": ToolParser,
     "reasoning_parser": ReasoningParser,
     "structured_output": StructuredOutputBackend,
+    "command": Command,
 }
 _MODEL_METHODS = ("forward", "compute_logits", "load_weights")
 

@@ -285,13 +285,13 @@ def test_combine_stats_sums_counters_and_rates_over_all_blocks_and_queries():
 
 
 def test_config_flag_and_placement(qwen3_path, tmp_path, monkeypatch):
-    from nanovllm_core.cli import _cli_overrides, build_parser
+    from nanovllm_core.cli import build_parser, cli_overrides
     from nanovllm_core.engine.llm_engine import resolve_config
 
     with pytest.raises(ConfigError, match="data_parallel_size"):
         EngineConfig.load(overrides={"model": "m", "data_parallel_size": 0})
     args = build_parser().parse_args(["generate", "--model", "m", "--data-parallel-size", "2"])
-    assert _cli_overrides(args)["data_parallel_size"] == 2
+    assert cli_overrides(args)["data_parallel_size"] == 2
     toml = tmp_path / "dp.toml"
     toml.write_text("data_parallel_size = 3\n")
     assert resolve_config(str(qwen3_path), toml, None, {}).data_parallel_size == 3

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from nanovllm_core.cli import _cli_overrides, build_parser, cmd_bench, cmd_bench_serve, cmd_serve, main
+from nanovllm_core.cli import build_parser, cli_overrides, cmd_bench, cmd_bench_serve, cmd_serve, main
 
 
 def test_serve_parses_server_and_engine_flags():
@@ -16,7 +16,7 @@ def test_serve_parses_server_and_engine_flags():
     assert build_parser().parse_args(["serve", "/m", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
     assert args.host == "127.0.0.1" and args.shutdown_timeout == 10.0 and args.engine_process is True
     assert build_parser().parse_args(["serve", "/m", "--no-engine-process"]).engine_process is False
-    overrides = _cli_overrides(args)
+    overrides = cli_overrides(args)
     assert overrides["max_num_seqs"] == 4 and overrides["enable_prefix_caching"] is False
     assert overrides["plugins"] == {"scheduler": "fifo"}
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from serving_helpers import API_KEY, MODEL, ScriptedJob, pieces_of, start_server
 
-from nanovllm_core.cli import _cli_overrides, build_parser
+from nanovllm_core.cli import build_parser, cli_overrides
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.sampling_params import StructuredOutputsParams
 from nanovllm_core.serving.api_server import ServerSettings
@@ -220,8 +220,8 @@ def test_the_serve_flag_sets_the_backend() -> None:
     parser = build_parser()
     for flag in ("--structured-outputs-backend", "--guided-decoding-backend"):
         args = parser.parse_args(["serve", "--demo", flag, "guidance"])
-        assert _cli_overrides(args)["plugins"] == {"structured_output_backend": "guidance"}
-    assert "plugins" not in _cli_overrides(parser.parse_args(["serve", "--demo"]))
+        assert cli_overrides(args)["plugins"] == {"structured_output_backend": "guidance"}
+    assert "plugins" not in cli_overrides(parser.parse_args(["serve", "--demo"]))
 
 
 # --- constrained replies as tool calls -----------------------------------------------------------------

@@ -97,11 +97,11 @@ def test_ray_settings_and_their_errors(monkeypatch):
     # two replicas sharing one GPU
     assert EngineConfig.load(overrides={"model": "m", "ray_num_gpus_per_replica": 0.5}).ray_num_gpus_per_replica == 0.5
 
-    from nanovllm_core.cli import _cli_overrides, build_parser
+    from nanovllm_core.cli import build_parser, cli_overrides
 
     flags = ["--data-parallel-backend", "ray", "--ray-address", "auto", "--ray-num-gpus-per-replica", "0.5"]
     args = build_parser().parse_args(["generate", "--model", "m", "-dp", "2", *flags])
-    overrides = _cli_overrides(args)
+    overrides = cli_overrides(args)
     assert (overrides["data_parallel_backend"], overrides["ray_address"]) == ("ray", "auto")
     assert overrides["ray_num_gpus_per_replica"] == 0.5
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from nanovllm_core import LLMEngine
-from nanovllm_core.cli import _cli_overrides, build_parser, main, parse_command_line
+from nanovllm_core.cli import build_parser, cli_overrides, main, parse_command_line
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.errors import ConfigError, NanoVLLMError
 from nanovllm_core.sampling_params import RequestOutputKind, SamplingParams
@@ -88,7 +88,7 @@ def resolve_serve(argv: list[str], environ: dict[str, str] | None = None) -> tup
     """What ``nanovllm serve ARGV`` would run with, without loading anything: the engine configuration and the
     parsed server flags."""
     args = parse_command_line(argv)
-    overrides = _cli_overrides(args)
+    overrides = cli_overrides(args)
     resolve_model(args, overrides)
     args.api_key = resolve_api_key(args.api_key, environ or {})
     return EngineConfig.load(args.config, cli_overrides=overrides), args
@@ -137,7 +137,7 @@ def test_both_spellings_resolve_to_one_setting() -> None:
         assert a.model_dump() == b.model_dump(), theirs
     for command in ("generate", "config", "bench"):  # every command with engine flags takes vLLM's spellings
         args = build_parser().parse_args([command, "--block-size", "16", "--scheduling-policy", "priority"])
-        assert _cli_overrides(args) == {"kvcache_block_size": 16, "plugins": {"scheduler": "priority"}}
+        assert cli_overrides(args) == {"kvcache_block_size": 16, "plugins": {"scheduler": "priority"}}
 
 
 @pytest.mark.parametrize(
