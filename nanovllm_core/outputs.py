@@ -47,13 +47,13 @@ class RequestMetrics:
 
     arrival_time: float
     first_scheduled_time: float | None = None
-    prompt_scheduled_time: float | None = None  # the step that computes the prompt's last token was scheduled
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_generation_tokens: int = 0
+    prompt_scheduled_time: float | None = None  # the step that computes the prompt's last token was scheduled
 
     @property
     def time_to_first_token(self) -> float | None:
