@@ -120,10 +120,10 @@ class RequestStream:
         self.prompt = prompt
         self.arrival = time.monotonic()
         # the front-end's stamps of the request's timeline (serving/timeline.py); add_request sets the first three
-        self.stamps: dict[str, float | None] = dict.fromkeys(
-            ("received", "validated", "handed", "first_token_delivered", "delivered"), self.arrival
-        )
-        self.stamps["first_token_delivered"] = None
+        self.stamps: dict[str, float | None] = {
+            "received": self.arrival, "validated": self.arrival, "handed": self.arrival,
+            "first_token_delivered": None, "delivered": None,
+        }  # fmt: skip
         self.last_token_time: float | None = None
         self.finished = False  # the last item was handed to the consumer
         self.done = False  # the last item arrived (the consumer may not have read it yet)
