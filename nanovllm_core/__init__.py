@@ -36,6 +36,7 @@ from nanovllm_core.interfaces import (
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.parsing import ParsedToolCall, ReasoningParser, TaggedToolParser, ThinkTagReasoningParser, ToolParser
 from nanovllm_core.plugins import get_registry, register_plugin, unregister_plugin
+from nanovllm_core.quantization import LinearMethod, QuantizationMethod
 from nanovllm_core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from nanovllm_core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from nanovllm_core.structured_output import StructuredOutputBackend, StructuredOutputGrammar, bitmask_words
@@ -93,12 +94,14 @@ __all__ = [
     "EngineConfig",
     "InvalidRequestError",
     "LLMEngine",
+    "LinearMethod",
     "ModelLoadError",
     "NanoVLLMError",
     "PluginConflictError",
     "PluginError",
     "ParsedToolCall",
     "PluginsConfig",
+    "QuantizationMethod",
     "ReasoningParser",
     "RequestOutput",
     "RequestOutputKind",

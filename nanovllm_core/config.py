@@ -93,6 +93,13 @@ class EngineConfig(BaseModel):
         "same memory and half the KV for decode attention to read, for logits further from float32 than the bf16 "
         "cache's (docs/performance.md measures both); attention backends `triton` and `torch`.",
     )
+    quantization: str | None = Field(
+        None,
+        description="How the linear layers' weights are stored and multiplied, by a quantization method's registered "
+        "name (vLLM's --quantization): `fp8` quantizes a 16-bit checkpoint to FP8 W8A8 as it loads "
+        "(nanovllm-quant-fp8). Unset: what the checkpoint's config.json says in its quantization_config (a checkpoint "
+        "stored quantized), else none. A name that contradicts the checkpoint's is an error naming both.",
+    )
     num_kvcache_blocks: int | None = Field(
         None, ge=1, description="Number of KV-cache blocks; when unset it is sized from free memory."
     )

@@ -133,3 +133,17 @@ def nanovllm_register_commands(register: Register) -> None:
     ``nanovllm hello ...`` builds it as ``cls()``, adds its arguments to a subparser of its own and runs it; a
     name the command already has (``serve``, ``bench``, ...) is not added, and says so on stderr.
     """
+
+
+@hookspec
+def nanovllm_register_quantization_methods(register: Register) -> None:
+    """Register quantization methods by vLLM's name: ``register("fp8", Fp8Method)``.
+
+    The class subclasses :class:`nanovllm_core.QuantizationMethod`. It is picked by ``quantization = "fp8"``
+    (``--quantization``) or by the ``quant_method`` of a checkpoint's ``quantization_config``, and built once per
+    model as ``cls(checkpoint_config)`` (the checkpoint's ``quantization_config``, or ``None`` for a 16-bit
+    checkpoint to quantize at load). Its ``linear_method(prefix, layer)`` gives each linear layer of
+    :mod:`nanovllm_core.layers.linear` a :class:`nanovllm_core.LinearMethod` (create the weights and scales,
+    process them after loading, apply the product), so that model plugins never know which method runs.
+    :class:`nanovllm_core.testing.conformance.QuantizationConformance` checks it.
+    """

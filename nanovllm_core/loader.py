@@ -33,6 +33,17 @@ def load_hf_config(model_path: str | Path) -> Any:
         raise ModelLoadError(f"{str(config_file)!r} could not be read by transformers: {exc}") from None
 
 
+def checkpoint_quantization_config(hf_config: Any) -> dict[str, Any] | None:
+    """The ``quantization_config`` of a checkpoint's ``config.json`` as a dict (a checkpoint stored quantized), or
+    None."""
+    found = getattr(hf_config, "quantization_config", None)
+    if found is None:
+        return None
+    if not isinstance(found, dict):
+        found = found.to_dict() if hasattr(found, "to_dict") else vars(found)
+    return dict(found)
+
+
 def safetensors_files(model_path: str | Path) -> list[Path]:
     path = Path(model_path)
     index = path / "model.safetensors.index.json"

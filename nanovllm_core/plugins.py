@@ -37,6 +37,7 @@ from nanovllm_core.commands import Command
 from nanovllm_core.errors import ModelLoadError, PluginConflictError, UnknownPluginError
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler
 from nanovllm_core.parsing import ReasoningParser, ToolParser
+from nanovllm_core.quantization import QuantizationMethod
 from nanovllm_core.structured_output import StructuredOutputBackend
 
 KINDS: dict[str, str] = {
@@ -48,6 +49,7 @@ KINDS: dict[str, str] = {
     "tool_parser": "nanovllm_register_tool_parsers",
     "reasoning_parser": "nanovllm_register_reasoning_parsers",
     "command": "nanovllm_register_commands",
+    "quantization": "nanovllm_register_quantization_methods",
 }
 HOOK_NAMES = frozenset(KINDS.values())
 API_ATTRIBUTE = "NANOVLLM_PLUGIN_API"
@@ -69,6 +71,7 @@ PROVIDERS: dict[str, dict[str, str]] = {
         "Qwen3MoeForCausalLM": "nanovllm-models-qwen3",
     },
     "structured_output": {"xgrammar": "nanovllm-structured-xgrammar", "guidance": "nanovllm-structured-llguidance"},
+    "quantization": {"fp8": "nanovllm-quant-fp8", "compressed-tensors": "nanovllm-quant-fp8"},
 }
 """The nanovllm distribution that registers each of the project's own names, kind by kind (for error messages)."""
 REPLY_PARSER_FLAGS = {"tool_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser"}
@@ -81,6 +84,7 @@ _BASES: dict[str, type] = {
     "reasoning_parser": ReasoningParser,
     "structured_output": StructuredOutputBackend,
     "command": Command,
+    "quantization": QuantizationMethod,
 }
 _MODEL_METHODS = ("forward", "compute_logits", "load_weights")
 
@@ -175,6 +179,8 @@ def missing_hint(kind: str, name: str) -> str:
         return "Install a model plugin that registers this architecture."
     if kind in REPLY_PARSER_FLAGS:
         return f"Install a plugin that registers it, or fix {REPLY_PARSER_FLAGS[kind]}."
+    if kind == "quantization":
+        return "Install a plugin that registers this quantization method, or fix `quantization` (--quantization)."
     return f"Install the plugin that registers it, or fix [plugins] {kind}."
 
 

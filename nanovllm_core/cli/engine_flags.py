@@ -18,6 +18,7 @@ VLLM_FLAG_ALIASES: dict[str, tuple[str, ...]] = {
     "num_kvcache_blocks": ("--num-gpu-blocks-override",),
     "tensor_parallel_size": ("-tp",),
     "data_parallel_size": ("-dp",),
+    "quantization": ("-q",),
 }
 """More spellings of an EngineConfig field's flag: ``vllm serve``'s, where the meaning is the same."""
 

@@ -28,10 +28,10 @@ from nanovllm_core.engine.parallel import (
     serve_torchrun,
 )
 from nanovllm_core.engine.structured_output import StructuredOutputManager, select_structured_output_backend
-from nanovllm_core.errors import ConfigError, ModelLoadError
+from nanovllm_core.errors import ConfigError, ModelLoadError, UnknownPluginError
 from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler, SchedulerOutput
-from nanovllm_core.loader import load_hf_config
+from nanovllm_core.loader import checkpoint_quantization_config, load_hf_config
 from nanovllm_core.output_processor import OutputProcessor, engine_params
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.plugins import (
@@ -166,6 +166,46 @@ def select_attention_backend(
     raise ConfigError(f"no attention backend runs on {device} / {dtype} (installed: {installed}): {'; '.join(reasons)}")
 
 
+def select_quantization(
+    registry: PluginRegistry, configured: str | None, hf_config: Any, model: str, device: torch.device
+) -> str | None:
+    """The quantization method the model loads with: ``configured`` (``quantization``), else the ``quant_method``
+    of the checkpoint's ``quantization_config``, else None. Checked before any weight loads: the method is
+    installed, agrees with the checkpoint, can read a 16-bit checkpoint when given one, and runs on ``device``."""
+    checkpoint = checkpoint_quantization_config(hf_config)
+    stored = None
+    if checkpoint is not None:
+        stored = checkpoint.get("quant_method")
+        if not isinstance(stored, str) or not stored:
+            raise ModelLoadError(
+                f"{model}/config.json has a quantization_config without a quant_method (got {stored!r}); it names "
+                "the method that wrote the checkpoint (fp8, compressed-tensors, ...)"
+            )
+    if configured is not None and stored is not None and configured != stored:
+        raise ConfigError(
+            f"quantization={configured!r} contradicts the checkpoint, whose config.json says quant_method "
+            f"{stored!r}: leave quantization unset to load it as stored, or give a 16-bit checkpoint"
+        )
+    name = configured or stored
+    if name is None:
+        return None
+    try:
+        cls = registry.get("quantization", name).obj
+    except UnknownPluginError as exc:
+        if configured is None:
+            raise UnknownPluginError(f"{model} is stored quantized with {name!r}: {exc}") from None
+        raise
+    if checkpoint is None and not cls.quantizes_on_load:
+        raise ConfigError(
+            f"quantization {name!r} reads checkpoints stored quantized with it, and {model} is a 16-bit checkpoint "
+            "(its config.json has no quantization_config); `nanovllm plugins` lists the methods that quantize at load"
+        )
+    reason = cls.check_available(device)
+    if reason is not None:
+        raise ConfigError(f"quantization {name!r} cannot run on {device}: {reason}")
+    return name
+
+
 def resolve_config(
     model: str | None, config: str | Path | EngineConfig | None, cli_overrides: dict[str, Any] | None,
     kwargs: dict[str, Any],
@@ -253,6 +293,7 @@ class LLMEngine(EngineCore):
             )
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.hf_config)
+        cfg.quantization = select_quantization(registry, cfg.quantization, self.hf_config, cfg.model, self.device)
         _, _, _, head_dim = model_shape(self.hf_config)
         backend_cls = select_attention_backend(
             registry, cfg.plugins.attention, self.device, self.dtype, head_dim, cfg.kvcache_block_size,

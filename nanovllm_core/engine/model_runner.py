@@ -35,10 +35,12 @@ from nanovllm_core.host_tensor import host_tensor
 from nanovllm_core.interfaces import AttentionBackend, SchedulerOutput
 from nanovllm_core.layers.attention import Attention
 from nanovllm_core.layers.fused import set_compile
+from nanovllm_core.layers.linear import process_weights_after_loading, quantize_model
 from nanovllm_core.layers.sampler import Sampler
 from nanovllm_core.layers.token_bitmask import apply_token_bitmask
 from nanovllm_core.layers.triton_jit import set_pdl
-from nanovllm_core.loader import iter_safetensors
+from nanovllm_core.loader import checkpoint_quantization_config, iter_safetensors
+from nanovllm_core.plugins import get_registry
 from nanovllm_core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -71,7 +73,11 @@ class ModelRunner:
                 self.model = model_cls(hf_config)
         finally:
             torch.set_default_dtype(previous)
+        if config.quantization is not None:  # named (and checked) by the engine: select_quantization
+            method_cls = get_registry().get("quantization", config.quantization).obj
+            quantize_model(self.model, method_cls(checkpoint_quantization_config(hf_config)))
         self.model.load_weights(iter_safetensors(config.model))
+        process_weights_after_loading(self.model)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if not self.attention_layers:

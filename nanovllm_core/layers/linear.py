@@ -1,7 +1,9 @@
 """Linear layers that shard their weight over tensor-parallel ranks and load HF tensors into the shard.
 
 Each parameter carries a ``weight_loader(param, loaded_weight[, shard_id])`` that slices the full HF
-tensor for this rank; :func:`nanovllm_core.loader.load_weights` calls it.
+tensor for this rank; :func:`nanovllm_core.loader.load_weights` calls it. A layer stores and multiplies its weight
+through its ``quant_method`` (:mod:`nanovllm_core.quantization`): the plain 16-bit product unless a
+quantization method gave it another; the loaders slice a quantized layer's scales as they slice its weight.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from nanovllm_core.layers.activation import SiluAndMul
 from nanovllm_core.layers.fused import fused_enabled
 from nanovllm_core.layers.norm import RMSNorm
 from nanovllm_core.layers.triton_jit import kernel_module
+from nanovllm_core.quantization import LinearMethod, QuantizationMethod, weight_narrow
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -42,6 +45,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, or the skinny kernel for a decode step's few rows (:func:`_skinny_kernels`)."""
     kernels = _skinny_kernels(x, weight) if bias is None else None
     return kernels.skinny_linear(x, weight) if kernels is not None else F.linear(x, weight, bias)
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """The weight in the model's dtype; ``F.linear``, or the core's few-row kernel on a decode step."""
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, output_sizes: list[int], dtype: torch.dtype
+    ) -> None:
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, layer.weight, bias)
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
+"""The method of every layer that no quantization method claims (stateless: one instance)."""
 
 
 def _is_gate_up(layer: nn.Module) -> bool:
@@ -72,7 +91,7 @@ def _norm_linear_kernels(
     subclass overrides their forward, no bias, a row-parallel layer's all-reduce never skipped) and the tensors
     are what it takes."""
     ok = type(norm).forward is RMSNorm.forward and norm.weight.dtype == x.dtype and norm.weight.is_contiguous()
-    ok = ok and type(layer).forward is _Linear.forward and layer.bias is None
+    ok = ok and type(layer).forward is _Linear.forward and layer.bias is None and layer.quant_method is UNQUANTIZED
     if silu_mul:
         ok = ok and getattr(type(layer), "silu_and_mul", None) is MergedColumnParallelLinear.silu_and_mul
         ok = ok and _is_gate_up(layer)
@@ -86,6 +105,7 @@ class _Linear(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
+        self.quant_method: LinearMethod = UNQUANTIZED
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -94,11 +114,28 @@ class _Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    @property
+    def local_output_sizes(self) -> list[int]:
+        """This rank's parts of the output: one, or the parts of a merged projection (``[q, k, v]``)."""
+        return [self.output_size]
+
+    def set_quant_method(self, method: LinearMethod) -> None:
+        """Store and multiply the weight through ``method``: its parameters replace the 16-bit weight (the bias
+        stays), on the same device, each loaded by this layer's ``weight_loader``."""
+        placeholder = self.weight
+        del self.weight
+        with torch.device(placeholder.device):
+            method.create_weights(self, self.input_size, self.output_size, self.local_output_sizes, placeholder.dtype)
+        for name, param in self.named_parameters(recurse=False):
+            if name != "bias":
+                param.weight_loader = self.weight_loader
+        self.quant_method = method
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(_Linear):
@@ -113,8 +150,8 @@ class ColumnParallelLinear(_Linear):
         super().__init__(input_size, _divide(output_size, self.tp_size, "output size"), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        shard = param.data.size(0)
-        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard, shard))
+        size = self.output_size
+        param.data.copy_(weight_narrow(param, loaded_weight, 0, self.tp_rank * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -124,16 +161,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
+    @property
+    def local_output_sizes(self) -> list[int]:
+        return [size // self.tp_size for size in self.output_sizes]
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        src = loaded_weight.narrow(0, self.tp_rank * size, size)
-        param.data.narrow(0, offset, size).copy_(src)
+        src = weight_narrow(param, loaded_weight, 0, self.tp_rank * size, size)
+        weight_narrow(param, param.data, 0, offset, size).copy_(src)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``SiluAndMul()(self(x))`` for a ``[gate, up]`` projection; a decode step's few rows take one kernel for
         both, without writing the projection."""
-        kernels = _skinny_kernels(x, self.weight) if _is_gate_up(self) else None
+        kernels = _skinny_kernels(x, self.weight) if _is_gate_up(self) and self.quant_method is UNQUANTIZED else None
         if kernels is not None:
             return kernels.skinny_linear(x, self.weight, silu_mul=True)
         return _SILU_AND_MUL(self(x))
@@ -155,6 +196,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         output = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output, bias)
 
+    @property
+    def local_output_sizes(self) -> list[int]:
+        return [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -163,7 +208,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, index = kv_size, self.tp_rank // self.kv_replicas
-        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, index * size, size))
+        src = weight_narrow(param, loaded_weight, 0, index * size, size)
+        weight_narrow(param, param.data, 0, offset, size).copy_(src)
 
 
 class RowParallelLinear(_Linear):
@@ -177,11 +223,32 @@ class RowParallelLinear(_Linear):
         if param.dim() == 1:  # bias: not sharded
             param.data.copy_(loaded_weight)
             return
-        shard = param.data.size(1)
-        param.data.copy_(loaded_weight.narrow(1, self.tp_rank * shard, shard))
+        size = self.input_size
+        param.data.copy_(weight_narrow(param, loaded_weight, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight))
+        y = all_reduce(self.quant_method.apply(self, x))
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def quantize_model(model: nn.Module, method: QuantizationMethod) -> int:
+    """Give every linear layer of ``model`` the :class:`LinearMethod` that ``method`` picks for it, replacing the
+    unquantized parameters it was built with; returns how many layers it quantized. Call it after building the
+    model and before loading its weights."""
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, _Linear):
+            chosen = method.linear_method(name, module)
+            if chosen is not None:
+                module.set_quant_method(chosen)
+                count += 1
+    return count
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each linear layer's method finish its weights (quantize, convert scales) once all are loaded."""
+    for module in model.modules():
+        if isinstance(module, _Linear) and module.quant_method is not UNQUANTIZED:
+            module.quant_method.process_weights_after_loading(module)
