@@ -6,7 +6,8 @@ a CPU test can check it. The bound follows the configuration:
 - KV bytes per token from ``kv_cache_dtype``: the model's dtype for ``auto``; for ``fp8`` one byte an element plus
   the scale each (token, KV head) carries (a float32 in the ``triton`` and ``torch`` backends' layout;
   ``nanovllm bench`` passes the running backend's own bytes);
-- weight bytes from the weight dtype;
+- weight bytes from the weight dtype, or, with a quantization method, its bits per weight for the decoder's linear
+  layers (the LM head stays in the weight dtype; scales are not counted, which keeps it a bound);
 - the tensor-parallel size: each GPU holds its share of the heads, the MLP and the LM head (KV heads are
   replicated when there are fewer than GPUs) and moves it at one GPU's rates, all GPUs at once. The all-reduces
   between them are not counted, which keeps it a lower bound.
@@ -45,6 +46,7 @@ class ModelCost:
     kv_cache_dtype: str
     weight_dtype: str
     tensor_parallel_size: int
+    quantization: str | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -59,10 +61,10 @@ class ModelCost:
             kv = f"KV fp8 e4m3 + {scales} ({per_layer})"
         else:
             kv = f"KV {self.weight_dtype} ({per_layer})"
-        return (
-            f"{kv}, weights {self.weight_dtype} ({self.weight_bytes / 2**30:.2f} GiB a GPU), "
-            f"TP {self.tensor_parallel_size}"
-        )
+        weights = self.weight_dtype
+        if self.quantization is not None:
+            weights = f"{self.quantization} (LM head {self.weight_dtype})"
+        return f"{kv}, weights {weights} ({self.weight_bytes / 2**30:.2f} GiB a GPU), TP {self.tensor_parallel_size}"
 
 
 def _per_gpu(count: int, tp: int, what: str) -> int:
@@ -77,8 +79,13 @@ def model_cost(
     kv_cache_dtype: str = "auto",
     tensor_parallel_size: int = 1,
     kv_bytes_per_token_per_layer: int | None = None,
+    quantization: str | None = None,
+    quantized_weight_bits: int | None = None,
 ) -> ModelCost:
     """One GPU's share of ``hf_config``'s weights and KV cache under this configuration.
+
+    ``quantization``, ``quantized_weight_bits``: the quantization method's name and its bits per weight of the
+    decoder layers' linear layers (the LM head keeps ``weight_dtype``).
 
     ``kv_bytes_per_token_per_layer``: the running cache's bytes when known (the attention backend's layout);
     otherwise computed from ``kv_cache_dtype`` (``auto``: ``weight_dtype``'s bytes; ``fp8``/``fp8_e4m3``: one
@@ -103,8 +110,13 @@ def model_cost(
         + heads_local * head_dim * hidden  # o
         + 3 * hidden * inter_local  # gate, up and down
     )
-    matmul_params = layers * per_layer + vocab_local * hidden  # the LM head is a matmul too
+    lm_head_params = vocab_local * hidden
+    matmul_params = layers * per_layer + lm_head_params  # the LM head is a matmul too
     element_bytes = weight_dtype.itemsize
+    weight_bytes = matmul_params * element_bytes
+    if quantization is not None:
+        bits = quantized_weight_bits or 8 * element_bytes
+        weight_bytes = layers * per_layer * bits // 8 + lm_head_params * element_bytes
     if kv_bytes_per_token_per_layer is None:
         if kv_cache_dtype in FP8_KV_DTYPES:
             kv_bytes_per_token_per_layer = 2 * kv_local * (head_dim + FP8_SCALE_BYTES)
@@ -116,11 +128,12 @@ def model_cost(
         num_kv_heads=kv_local,
         head_dim=head_dim,
         matmul_params=matmul_params,
-        weight_bytes=matmul_params * element_bytes,
+        weight_bytes=weight_bytes,
         kv_bytes_per_token_per_layer=kv_bytes_per_token_per_layer,
         kv_cache_dtype=kv_cache_dtype,
         weight_dtype=DTYPE_NAMES[weight_dtype],
         tensor_parallel_size=tp,
+        quantization=quantization,
     )
 
 

@@ -327,6 +327,8 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             llm.config.kv_cache_dtype,
             llm.config.tensor_parallel_size,
             kv_bytes_per_token_per_layer=kv_per_token // llm.hf_config.num_hidden_layers if kv_per_token else None,
+            quantization=llm.config.quantization,
+            quantized_weight_bits=quantized_weight_bits(llm.config.quantization),
         )
         result.update(_bound_report(cost, prompts, max_tokens, rates, produced, elapsed))
     _print_report(result, rates, args, data_parallel)
@@ -342,6 +344,15 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     return 0
 
 
+def quantized_weight_bits(quantization: str | None) -> int | None:
+    """Bits per weight of the quantization method ``quantization`` (its ``weight_bits``), None without one."""
+    if quantization is None:
+        return None
+    from nanovllm_core.plugins import get_registry
+
+    return get_registry().get("quantization", quantization).obj.weight_bits
+
+
 def _engine_report(llm: Any, stats: Any, in_process: bool, data_parallel: int) -> dict[str, Any]:
     if in_process:
         totals = llm.step_stats.totals
@@ -349,6 +360,7 @@ def _engine_report(llm: Any, stats: Any, in_process: bool, data_parallel: int) -
             "attention": llm.attention_backend_name,
             "dtype": str(llm.dtype),
             "kv_cache_dtype": llm.config.kv_cache_dtype,
+            "quantization": llm.config.quantization,
             "tensor_parallel_size": llm.config.tensor_parallel_size,
             "prefill_tok_per_s": totals["prefill_tokens"] / totals["prefill_s"] if totals["prefill_s"] else 0.0,
             "decode_tok_per_s": totals["decode_tokens"] / totals["decode_s"] if totals["decode_s"] else 0.0,

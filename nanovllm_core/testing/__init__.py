@@ -7,7 +7,9 @@ from nanovllm_core.testing.checkpoints import (
     TINY_CORPUS,
     build_tokenizer,
     hf_greedy,
+    rewrite_checkpoint,
     write_tiny_checkpoint,
 )
 
-__all__ = ["GPU_TEST_SHAPE", "PARITY_PROMPTS", "TINY_CORPUS", "build_tokenizer", "hf_greedy", "write_tiny_checkpoint"]
+__all__ = ["GPU_TEST_SHAPE", "PARITY_PROMPTS", "TINY_CORPUS", "build_tokenizer", "hf_greedy", "rewrite_checkpoint",
+           "write_tiny_checkpoint"]

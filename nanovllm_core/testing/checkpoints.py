@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -8,7 +12,7 @@ from nanovllm_core.demo import TINY_CHAT_TEMPLATE, TINY_CORPUS, build_tokenizer,
 
 __all__ = [
     "GPU_TEST_SHAPE", "PARITY_PROMPTS", "TINY_CHAT_TEMPLATE", "TINY_CORPUS", "build_tokenizer", "hf_greedy",
-    "write_tiny_checkpoint",
+    "rewrite_checkpoint", "write_tiny_checkpoint",
 ]
 
 # The GPU tests' checkpoint shape: Qwen3-0.6B's attention (16 query / 8 KV heads of 128, which the GPU kernels
@@ -50,3 +54,34 @@ def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -
             )
         outputs.append(out[0, len(ids) :].tolist())
     return outputs
+
+
+def rewrite_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+    config_update: Callable[[dict[str, Any]], None] | None = None,
+) -> Path:
+    """Copy the checkpoint folder ``src`` to ``dst`` with every tensor replaced by what ``convert(name, tensor)``
+    returns (``{}`` drops it; several entries add tensors, e.g. a weight and its scale), into one safetensors
+    file, and ``config.json`` edited in place by ``config_update``: how a quantization plugin's tests write
+    quantized checkpoints and their dequantized references from a tiny 16-bit one."""
+    from safetensors.torch import save_file
+
+    from nanovllm_core.loader import iter_safetensors
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():
+        if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
+            shutil.copy(item, dst / item.name)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_safetensors(src):
+        tensors.update(convert(name, tensor))
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if config_update is not None:
+        config = json.loads((dst / "config.json").read_text())
+        config_update(config)
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst

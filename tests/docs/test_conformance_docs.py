@@ -24,6 +24,7 @@ BLOCK = re.compile(r'^```\w+ title="([^"]+)"\n(.*?)^```$', re.M | re.S)
 with folder_on_sys_path(HOOKS):  # as pytest would for a test file in examples/hooks, for the imports only
     from test_find_models_command import test_find_models_lists_each_checkpoint  # noqa: F401
     from test_function_tag_tool_parser import TestFunctionTagToolParser  # noqa: F401
+    from test_int8_weight_only import TestInt8WeightOnly  # noqa: F401
     from test_llama_model import TestLlamaForCausalLM  # noqa: F401
     from test_naive_attention import TestNaiveAttentionBackend  # noqa: F401
     from test_reasoning_tag_parser import TestReasoningTagParser  # noqa: F401
@@ -49,6 +50,7 @@ def test_plugins_md_shows_every_example_verbatim() -> None:
         ("function_tag_tool_parser", "tool_parser", "function_tag"),
         ("reasoning_tag_parser", "reasoning_parser", "reasoning_tag"),
         ("find_models_command", "command", "find-models"),
+        ("int8_weight_only", "quantization", "int8"),
     ],
 )
 def test_each_example_registers_as_a_plugin(module: str, kind: str, name: str) -> None:

@@ -42,6 +42,7 @@ FOLDERS = {
     "nanovllm-models-qwen3": ROOT / "plugins" / "models_qwen3",
     "nanovllm-structured-xgrammar": ROOT / "plugins" / "structured_xgrammar",
     "nanovllm-structured-llguidance": ROOT / "plugins" / "structured_llguidance",
+    "nanovllm-quant-fp8": ROOT / "plugins" / "quant_fp8",
 }
 PLUGINS = [name for name in FOLDERS if name != "nanovllm-core"]
 SUBSET = ["nanovllm-scheduler-fifo", "nanovllm-attention-flash", "nanovllm-models-qwen3"]

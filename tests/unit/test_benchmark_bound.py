@@ -1,5 +1,5 @@
 """The throughput bound `nanovllm bench` reports: the additive form and the per-step form by hand, and how it
-follows the configuration (KV cache dtype, weight dtype, tensor-parallel size)."""
+follows the configuration (KV cache dtype, weight dtype, quantized weights, tensor-parallel size)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,15 @@ def test_weight_bytes_follow_the_weight_dtype():
     assert "weights fp32" in fp32.describe() and "KV fp32 (128 bytes/token/layer)" in fp32.describe()
     with pytest.raises(ConfigError, match="weight dtype torch.int8: the bound knows"):
         model_cost(CONFIG, torch.int8)
+
+
+def test_quantized_weights_count_their_bits_in_the_decoder_layers_and_the_lm_head_in_the_weight_dtype():
+    lm_head = 32 * 8
+    fp8 = model_cost(CONFIG, torch.bfloat16, quantization="fp8", quantized_weight_bits=8)
+    assert fp8.weight_bytes == (MATMUL_PARAMS - lm_head) + 2 * lm_head
+    assert fp8.matmul_params == MATMUL_PARAMS  # the same FLOPs
+    assert "weights fp8 (LM head bf16)" in fp8.describe()
+    assert model_cost(CONFIG, torch.bfloat16).weight_bytes == 2 * MATMUL_PARAMS
 
 
 def test_tensor_parallel_counts_one_gpus_share():

@@ -17,6 +17,8 @@ class; pytest collects every check::
 - :class:`ModelConformance` compares the engine's greedy output with ``transformers``.
 - :class:`StructuredOutputConformance`: random walks through a grammar backend's bitmasks and the engine's
   constrained outputs (random weights, so every output is a walk) satisfy their JSON schema, regex or choice.
+- :class:`QuantizationConformance`: a quantization method's tiny checkpoints of each model family, greedy against
+  ``transformers`` on the dequantized weights, every linear layer quantized, tensor-parallel shards of the scales.
 - :class:`ToolParserConformance` and :class:`ReasoningParserConformance` cut replies in every way a stream can
   and compare with the whole reply's parse.
 
@@ -24,7 +26,8 @@ The other roles come from the installed plugins, by name (``prefix_cache``, ``fi
 ``Qwen3ForCausalLM``); a class under test that is not installed is registered in-process for the run.
 
 Each kit has its own module (``scheduler``, ``scheduler_parity``, ``block_manager``, ``attention``, ``model``,
-``parsers``, ``structured_output``) and ``_shared`` holds what they share; import the kits from this package.
+``parsers``, ``structured_output``, ``quantization``) and ``_shared`` holds what they share; import the kits from
+this package.
 """
 
 from nanovllm_core.testing.conformance._shared import registered_for_test, shared_tiny_checkpoint
@@ -32,6 +35,7 @@ from nanovllm_core.testing.conformance.attention import AttentionBackendConforma
 from nanovllm_core.testing.conformance.block_manager import BlockManagerConformance
 from nanovllm_core.testing.conformance.model import ModelConformance
 from nanovllm_core.testing.conformance.parsers import ReasoningParserConformance, ToolParserConformance
+from nanovllm_core.testing.conformance.quantization import QuantizationConformance
 from nanovllm_core.testing.conformance.scheduler import SchedulerConformance
 from nanovllm_core.testing.conformance.scheduler_parity import SchedulerParity
 from nanovllm_core.testing.conformance.structured_output import StructuredOutputConformance
@@ -41,6 +45,7 @@ __all__ = [
     "AttentionBackendConformance",
     "BlockManagerConformance",
     "ModelConformance",
+    "QuantizationConformance",
     "ReasoningParserConformance",
     "SchedulerConformance",
     "SchedulerParity",

@@ -1,0 +1,154 @@
+"""The FP8 arithmetic on the CPU, the checkpoints in the releases' tensor names and dtypes, and each way a
+checkpoint or a device can be refused (one line each)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from nanovllm_quant_fp8 import method as fp8_method
+from nanovllm_quant_fp8.checkpoints import compressed_tensors_config, write_fp8_checkpoint
+from nanovllm_quant_fp8.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_weight,
+    quantize_activation,
+    quantize_weight_blockwise,
+    quantize_weight_per_channel,
+    w8a8_reference,
+    w8a16_reference,
+)
+from nanovllm_quant_fp8.method import CompressedTensorsFp8Method, Fp8Method
+
+from nanovllm_core import LLM, ConfigError, ModelLoadError
+from nanovllm_core.loader import iter_safetensors
+from nanovllm_core.testing import write_tiny_checkpoint
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=4, head_dim=64)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def test_per_channel_quantization_keeps_each_rows_largest_value_and_a_small_error():
+    torch.manual_seed(0)
+    weight = torch.randn(96, 200) * torch.logspace(-3, 1, 96)[:, None]  # rows of very different magnitudes
+    wq, scale = quantize_weight_per_channel(weight)
+    assert wq.dtype == FP8_DTYPE and scale.shape == (96,) and scale.dtype == torch.float32
+    assert torch.equal(wq.float().abs().amax(dim=1), torch.full((96,), FP8_MAX))
+    assert relative_error(dequantize_weight(wq, scale), weight) < 0.04  # e4m3: 3 mantissa bits
+
+
+def test_block_quantization_scales_each_tile_including_partial_ones():
+    torch.manual_seed(1)
+    weight = torch.randn(300, 260)
+    weight[:128, :128] *= 1000  # one loud tile must not coarsen the others
+    wq, scale = quantize_weight_blockwise(weight, (128, 128))
+    assert scale.shape == (3, 3)
+    assert relative_error(dequantize_weight(wq, scale, (128, 128)), weight) < 0.04
+    quiet = (slice(128, 300), slice(0, 260))
+    assert relative_error(dequantize_weight(wq, scale, (128, 128))[quiet], weight[quiet]) < 0.04
+
+
+def test_an_all_zero_row_stays_zero():
+    wq, scale = quantize_weight_per_channel(torch.zeros(4, 16))
+    assert torch.equal(dequantize_weight(wq, scale), torch.zeros(4, 16))
+    xq, x_scale = quantize_activation(torch.zeros(2, 16), 8)
+    assert torch.equal(xq.float(), torch.zeros(2, 16)) and bool((x_scale > 0).all())
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_the_reference_products_are_close_to_the_16_bit_product(block):
+    torch.manual_seed(2)
+    x, weight = torch.randn(5, 384), torch.randn(256, 384) / 20
+    wq, scale = quantize_weight_per_channel(weight) if block is None else quantize_weight_blockwise(weight, block)
+    exact = x @ weight.t()
+    assert relative_error(w8a16_reference(x, wq, scale, block), exact) < 0.04
+    assert relative_error(w8a8_reference(x, wq, scale, block), exact) < 0.06  # activations rounded too
+
+
+def test_checkpoints_use_the_releases_tensor_names_and_dtypes(tmp_path):
+    src = write_tiny_checkpoint(tmp_path / "bf16", "qwen3", dtype=torch.bfloat16, tie_word_embeddings=False, **SHAPE)
+    qwen = dict(iter_safetensors(write_fp8_checkpoint(src, tmp_path / "qwen-fp8", "fp8")))
+    name = "model.layers.0.mlp.down_proj"  # [256, 512]
+    assert qwen[f"{name}.weight"].dtype == FP8_DTYPE and qwen[f"{name}.weight"].shape == (256, 512)
+    assert qwen[f"{name}.weight_scale_inv"].dtype == torch.bfloat16
+    assert qwen[f"{name}.weight_scale_inv"].shape == (2, 4)
+    assert qwen["lm_head.weight"].dtype == torch.bfloat16 and "lm_head.weight_scale_inv" not in qwen
+    config = json.loads((tmp_path / "qwen-fp8" / "config.json").read_text())["quantization_config"]
+    assert config == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                      "weight_block_size": [128, 128]}  # fmt: skip
+    ct = dict(iter_safetensors(write_fp8_checkpoint(src, tmp_path / "ct", "compressed-tensors")))
+    assert ct[f"{name}.weight"].dtype == FP8_DTYPE
+    assert ct[f"{name}.weight_scale"].dtype == torch.bfloat16 and ct[f"{name}.weight_scale"].shape == (256, 1)
+    assert "model.layers.0.input_layernorm.weight" in ct and "lm_head.weight_scale" not in ct
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+         "static activation scales are not supported"),
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "per-tensor scales are not"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, "supported are block-wise scales"),
+    ],
+)  # fmt: skip
+def test_fp8_checkpoint_configs_it_cannot_read_are_one_line(config, message):
+    with pytest.raises(ModelLoadError, match=message):
+        Fp8Method(config)
+
+
+def test_compressed_tensors_schemes_it_cannot_read_are_one_line():
+    weight_only = compressed_tensors_config()
+    weight_only["config_groups"]["group_0"]["input_activations"] = None
+    with pytest.raises(ModelLoadError, match="supported are dynamic per-token FP8 activations"):
+        CompressedTensorsFp8Method(weight_only)
+    int8 = compressed_tensors_config()
+    int8["config_groups"]["group_0"]["weights"].update(type="int")
+    with pytest.raises(ModelLoadError, match=r"weights \{type: 'int'.*supported are FP8 weights"):
+        CompressedTensorsFp8Method(int8)
+    with pytest.raises(ModelLoadError, match="reads checkpoints stored quantized"):
+        CompressedTensorsFp8Method(None)
+
+
+def test_the_compressed_tensors_ignore_list_and_the_moe_router_stay_16_bit():
+    config = compressed_tensors_config()
+    config["ignore"] = ["lm_head", "re:.*layers\\.1\\..*", "model.layers.0.mlp.down_proj"]
+    method = CompressedTensorsFp8Method(config)
+    assert method.linear_method("model.layers.0.self_attn.qkv_proj", None) is not None
+    assert method.linear_method("model.layers.0.mlp.down_proj", None) is None
+    assert method.linear_method("model.layers.1.self_attn.o_proj", None) is None
+    assert Fp8Method(None).linear_method("model.layers.3.mlp.gate", None) is None
+
+
+def test_a_gpu_without_fp8_gets_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    reason = Fp8Method.check_available(torch.device("cuda", 0))
+    assert reason == "FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); this one is 8.0"
+    assert Fp8Method.check_available(torch.device("cpu")) is None
+
+
+def test_block_scales_that_a_tensor_parallel_shard_would_cut_are_refused(tmp_path):
+    src = write_tiny_checkpoint(tmp_path / "16bit", "qwen3", hidden_size=256, intermediate_size=320, num_heads=4,
+                                num_kv_heads=4, head_dim=64)  # fmt: skip
+    path = write_fp8_checkpoint(src, tmp_path / "fp8", "fp8")  # gate and up: 320 rows each, not whole blocks
+    with pytest.raises(ModelLoadError, match=r"FP8 block scales of 128 x 128: MergedColumnParallelLinear"):
+        LLM(str(path))
+
+
+def test_on_the_fly_fp8_on_a_checkpoint_stored_as_compressed_tensors_is_refused(tmp_path):
+    src = write_tiny_checkpoint(tmp_path / "16bit", "qwen3", **SHAPE)
+    path = write_fp8_checkpoint(src, tmp_path / "ct", "compressed-tensors")
+    with pytest.raises(ConfigError, match="quantization='fp8' contradicts .* 'compressed-tensors'"):
+        LLM(str(path), quantization="fp8")
+
+
+def test_the_plugin_registers_both_methods():
+    from nanovllm_core.plugins import get_registry
+
+    registry = get_registry()
+    assert registry.get("quantization", "fp8").obj is Fp8Method
+    assert registry.get("quantization", "compressed-tensors").obj is CompressedTensorsFp8Method
+    assert fp8_method.MIN_CAPABILITY == (8, 9)
