@@ -2,6 +2,7 @@
 
     python benchmarks/calibrate.py                                  # 0.6B, bf16 KV cache, on this GPU
     python benchmarks/calibrate.py --shape qwen3-8b --kv-cache-dtype fp8
+    python benchmarks/calibrate.py --shape qwen3-8b --kv-cache-dtype fp8 --quantization fp8   # FP8 weights too
     python benchmarks/calibrate.py --dry-run                        # the commands, nothing run
     python benchmarks/calibrate.py --from-servers                   # from three servers' own steps instead
 
@@ -45,6 +46,7 @@ RUNS: dict[str, list[str]] = {  # nanovllm bench flags of each run
 def bench_command(name: str, args: argparse.Namespace, folder: Path) -> list[str]:
     return nanovllm(
         "bench", "--shape", args.shape, "--attention", "triton", "--kv-cache-dtype", args.kv_cache_dtype,
+        *(["--quantization", args.quantization] if args.quantization else []),
         "--runs", "1", "--no-progress", *RUNS[name], "--json", str(folder / f"{name}.json"),
     )  # fmt: skip
 
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "qwen3-8b"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--quantization", help="the weights' quantization method, e.g. fp8 (nanovllm-quant-fp8)")
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset (default: all)")
     parser.add_argument(
         "--from-servers",
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --runs {args.runs!r}: choose from {', '.join(RUNS)}")
     folder = out_dir(args.results_dir, "calibrate", make=not args.dry_run)
     kv = "bf16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-    out = Path(args.out) if args.out else folder / f"{args.shape}-{kv}.json"
+    weights = f"-{args.quantization}-weights" if args.quantization else ""
+    out = Path(args.out) if args.out else folder / f"{args.shape}-{kv}{weights}.json"
     if args.from_servers:
         commands = [("servers", servers_command(args))]
         steps = out_dir(args.results_dir, "policies", make=False)

@@ -1,16 +1,20 @@
-"""Accuracy of the FP8 KV cache (``kv_cache_dtype = "fp8"``) beside the default (model-dtype, bf16) cache.
+"""Accuracy of FP8 beside 16 bits: the FP8 KV cache (``kv_cache_dtype = "fp8"``) against the model-dtype cache, or
+FP8 weights (``quantization = "fp8"``, nanovllm-quant-fp8) against the checkpoint's bf16 weights (``--compare
+weights``).
 
     python benchmarks/fp8_accuracy.py [--shape test-tiny|tiny|qwen3-0.6b|...] [--model PATH] [--device cuda|cpu]
                                       [--attention triton|torch|...] [--num-tokens 256] [--json PATH]
+                                      [--compare kv-cache|weights]
 
-On a random-weight checkpoint (or ``--model``), with the same engine settings for both caches:
+On a random-weight checkpoint (or ``--model``), with the same engine settings for both variants (``auto``, the
+16-bit one, and ``fp8``):
 
 1. logit error against float32 ``transformers``: the relative L2 error of the last prompt token's logits, for
    prompts 2-4 of the parity prompts, the metric ``tests/gpu/test_gpu_engine.py`` uses; ``transformers`` in the
    model's dtype is measured the same way, as the yardstick of 16-bit rounding;
 2. greedy agreement over ``--num-tokens`` generated tokens on the parity prompts (``PROMPTS`` of
    ``tests/gpu/test_gpu_engine.py``): the fraction of positions with the same token and each prompt's first
-   divergence (``--num-tokens`` when none), fp8 cache against the default cache and each against float32
+   divergence (``--num-tokens`` when none), fp8 against auto and each against float32
    ``transformers``. Random weights give near-tied logits, so one flipped token changes all that follows: a free
    run's agreement is a pessimistic measure, the logit error the direct one.
 
@@ -18,7 +22,7 @@ Shapes: ``test-tiny`` is the GPU tests' checkpoint (2 layers, hidden 256, Qwen3-
 heads of 128); the others are the random-weight shapes of ``nanovllm bench --shape`` (HF-like ``init_std=0.02``;
 ``tiny`` has head_dim 32, which only the ``torch`` backend runs). Defaults: CUDA when available with the ``triton``
 backend and bfloat16, else the CPU with the ``torch`` backend (bfloat16 too: ``--dtype``). Without ``--json`` the
-results go to RESULTS_DIR/fp8_accuracy/SHAPE.json.
+results go to RESULTS_DIR/fp8_accuracy/SHAPE.json (SHAPE-weights.json with ``--compare weights``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_che
 PROMPTS = PARITY_PROMPTS  # the GPU parity tests' prompts (tests/gpu/test_gpu_engine.py, the FP8 engine test)
 LOGIT_PROMPTS = slice(1, 4)  # the prompts whose last-token logits the GPU tests compare
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+VARIANTS = {  # --compare: the engine settings of the 16-bit variant (auto) and the FP8 one
+    "kv-cache": {"auto": {"kv_cache_dtype": "auto"}, "fp8": {"kv_cache_dtype": "fp8"}},
+    "weights": {"auto": {}, "fp8": {"quantization": "fp8"}},
+}
 CACHES = ("auto", "fp8")
 
 
@@ -108,7 +116,7 @@ def engine_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 
 def run_engine(
-    path: Path, kv_cache_dtype: str, args: argparse.Namespace, num_tokens: int
+    path: Path, settings: dict[str, str], args: argparse.Namespace, num_tokens: int
 ) -> tuple[list[torch.Tensor], list[list[int]], str]:
     """Last-token logits of the logit prompts, greedy tokens of every prompt, and the KV cache's storage type."""
     block = args.block_size
@@ -118,16 +126,16 @@ def run_engine(
         device=args.device,
         dtype=args.dtype,
         plugins={"attention": args.attention},
-        kv_cache_dtype=kv_cache_dtype,
         kvcache_block_size=block,
         max_model_len=longest,
         num_kvcache_blocks=len(PROMPTS) * -(-longest // block) + 1,
         max_num_seqs=len(PROMPTS),
         enforce_eager=args.enforce_eager,
+        **settings,
     )
     try:
         cache = f"{llm.runner.kv_cache.dtype}".removeprefix("torch.")
-        if kv_cache_dtype == "fp8":
+        if llm.config.kv_cache_dtype == "fp8":
             cache += " (e4m3 values + float32 scales)"
         logits = [engine_logits(llm, p) for p in PROMPTS[LOGIT_PROMPTS]]
         greedy = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
@@ -146,7 +154,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     n = args.num_tokens
     start = time.perf_counter()
     ref_logits, ref_tokens, low_logits = transformers_reference(path, device, dtype, n)
-    engines = {name: run_engine(path, name, args, n) for name in CACHES}
+    engines = {name: run_engine(path, VARIANTS[args.compare][name], args, n) for name in CACHES}
     logits_error = {
         name: [relative_error(ours, ref) for ours, ref in zip(engines[name][0], ref_logits)] for name in CACHES
     }
@@ -157,6 +165,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "dtype": args.dtype,
         "attention": args.attention,
+        "compare": args.compare,
+        "variants": VARIANTS[args.compare],
         "enforce_eager": args.enforce_eager,
         "kvcache_block_size": args.block_size,
         "kv_cache": {name: engines[name][2] for name in CACHES},
@@ -179,6 +189,7 @@ def report(result: dict[str, Any]) -> str:
     errors = result["logits_rel_l2_error_vs_float32_transformers"]
     lines = [
         f"{result['model']} on {result['device']}, {result['dtype']}, attention {result['attention']}; "
+        f"auto = {result['variants']['auto']}, fp8 = {result['variants']['fp8']}; "
         f"KV caches: auto = {result['kv_cache']['auto']}, fp8 = {result['kv_cache']['fp8']}",
         f"last-token logits, relative L2 error against float32 transformers "
         f"(prompts of {result['logit_prompt_lengths']} tokens):",
@@ -202,6 +213,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=256, help="kvcache_block_size")
     parser.add_argument("--num-tokens", type=int, default=256, help="greedy tokens generated per prompt (default 256)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--compare", choices=sorted(VARIANTS), default="kv-cache",
+        help="kv-cache: the fp8 KV cache against the model-dtype one (default); weights: FP8 weights "
+        "(quantization fp8, nanovllm-quant-fp8) against the checkpoint's",
+    )
     parser.add_argument("--json", help="write the results as JSON to this file (default: in --results-dir)")
     parser.add_argument(
         "--results-dir", default="results", help="without --json: RESULTS_DIR/fp8_accuracy/ (default results)"
@@ -222,7 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     else:
         name = Path(args.model).name if args.model else args.shape
-        write_json(out_dir(args.results_dir, "fp8_accuracy") / f"{name}.json", result)
+        suffix = "-weights" if args.compare == "weights" else ""
+        write_json(out_dir(args.results_dir, "fp8_accuracy") / f"{name}{suffix}.json", result)
     return result
 
 

@@ -9,13 +9,15 @@ attention backend):
 
 - ``0.6b-bf16``, ``0.6b-fp8``, ``8b-bf16``, ``8b-fp8``: nano-vllm's benchmark (256 sequences, prompts and outputs
   of 100-1,024 tokens) on the Qwen3-0.6B or Qwen3-8B shape, with the model's bf16 KV cache or the fp8 one.
-  ``nanovllm bench`` runs it ``--runs`` times in one process; every run after the first shifts the token ids, so
-  nothing comes from the prefix cache. Reported: the first run (what a fresh process gives), the later runs, the
-  bound ``nanovllm bench`` prints and the share of it reached.
+  ``8b-fp8-weights`` is ``8b-fp8`` with FP8 weights (``--quantization fp8``: the bf16 checkpoint quantized as it
+  loads; nanovllm-quant-fp8). ``nanovllm bench`` runs it ``--runs`` times in one process; every run after the
+  first shifts the token ids, so nothing comes from the prefix cache. Reported: the first run (what a fresh
+  process gives), the later runs, the bound ``nanovllm bench`` prints and the share of it reached.
 - ``single-0.6b``: one request alone on the 0.6B shape, a 512-token prompt and 512 output tokens: milliseconds
   per output token (the whole request's time over its tokens), the decode part alone, and the time to read the
   weights once at the measured copy rate (a decode step cannot take less). ``nanovllm bench`` draws its lengths
-  at random, so this one drives ``LLM`` directly (``--single``, in a process of its own).
+  at random, so this one drives ``LLM`` directly (``--single``, in a process of its own). ``single-8b`` and
+  ``single-8b-fp8-weights``: the same on the 8B shape, with bf16 or FP8 weights.
 
 Each workload runs in a process of its own. Results go to RESULTS_DIR/offline/: NAME.json (what ``nanovllm
 bench --json`` writes, or the single request's figures), NAME.log, and summary.json with the GPU, date and
@@ -53,9 +55,17 @@ WORKLOADS: dict[str, list[str]] = {  # `nanovllm bench` flags of each workload; 
     "0.6b-fp8": ["--shape", "qwen3-0.6b", "--attention", "triton", "--kv-cache-dtype", "fp8"],
     "8b-bf16": ["--shape", "qwen3-8b", "--attention", "triton"],
     "8b-fp8": ["--shape", "qwen3-8b", "--attention", "triton", "--kv-cache-dtype", "fp8"],
+    "8b-fp8-weights": ["--shape", "qwen3-8b", "--attention", "triton", "--kv-cache-dtype", "fp8",
+                       "--quantization", "fp8"],
     "single-0.6b": [],
+    "single-8b": [],
+    "single-8b-fp8-weights": [],
 }
-SINGLE = {"single-0.6b": "qwen3-0.6b"}
+SINGLE = {  # --single's flags of each single-request workload
+    "single-0.6b": ["--shape", "qwen3-0.6b"],
+    "single-8b": ["--shape", "qwen3-8b"],
+    "single-8b-fp8-weights": ["--shape", "qwen3-8b", "--quantization", "fp8"],
+}
 
 
 def command(name: str, args: argparse.Namespace, json_path: Path) -> list[str]:
@@ -64,8 +74,7 @@ def command(name: str, args: argparse.Namespace, json_path: Path) -> list[str]:
             sys.executable,
             str(Path(__file__).resolve()),
             "--single",
-            "--shape",
-            SINGLE[name],
+            *SINGLE[name],
             "--runs",
             str(args.runs),
             "--json",
@@ -150,6 +159,7 @@ def single_request(args: argparse.Namespace) -> dict[str, Any]:
         str(random_checkpoint(args.shape)),
         plugins={"attention": args.attention},
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         max_model_len=4096,
         programmatic_dependent_launch=args.programmatic_dependent_launch,
     )
@@ -182,6 +192,7 @@ def single_request(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": args.output_len,
         "attention": args.attention,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         **best,
         "runs": runs,
@@ -213,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     single.add_argument("--output-len", type=int, default=512)
     single.add_argument("--attention", default="triton")
     single.add_argument("--kv-cache-dtype", default="auto")
+    single.add_argument("--quantization", help="a quantization method, e.g. fp8 (nanovllm-quant-fp8)")
     single.add_argument(
         "--programmatic-dependent-launch",
         action=argparse.BooleanOptionalAction,

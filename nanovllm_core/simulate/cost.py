@@ -48,6 +48,7 @@ class Calibration:
     shape: dict[str, int] = field(default_factory=dict)
     dtype: str = "unknown"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None  # the weights' quantization method (None: the checkpoint's dtype)
     attention: str = "unknown"
     tensor_parallel_size: int = 1
     num_kvcache_blocks: int = 4096
@@ -400,7 +401,7 @@ def calibrate(
             )
         records += [tuple(rec) for rec in r["step_records"]]  # type: ignore[misc]
     first = results[0]
-    for key in ("device", "model", "kv_cache_dtype", "dtype", "tensor_parallel_size"):
+    for key in ("device", "model", "kv_cache_dtype", "quantization", "dtype", "tensor_parallel_size"):
         values = {str(r.get(key)) for r in results}
         if len(values) > 1:
             raise ConfigError(f"--calibrate: the bench results differ in {key} ({sorted(values)}): fit one at a time")
@@ -444,6 +445,7 @@ def calibrate(
         shape=shape,
         dtype=dtype,
         kv_cache_dtype=str(first.get("kv_cache_dtype", "auto")),
+        quantization=first.get("quantization"),
         attention=str(first.get("attention", "unknown")),
         tensor_parallel_size=int(first.get("tensor_parallel_size", 1)),
         num_kvcache_blocks=int(first.get("num_kvcache_blocks") or 4096),
