@@ -152,3 +152,28 @@ def test_the_plugin_registers_both_methods():
     assert registry.get("quantization", "fp8").obj is Fp8Method
     assert registry.get("quantization", "compressed-tensors").obj is CompressedTensorsFp8Method
     assert fp8_method.MIN_CAPABILITY == (8, 9)
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "block"])
+@pytest.mark.parametrize("rows", [3, 40], ids=["decode rows", "prompt rows"])
+def test_the_fp8_product_path_runs_the_kernels_the_gpu_runs(block, rows):
+    """``Fp8LinearMethod.apply`` on FP8 weights, as on a GPU (the kernels in Triton's interpreter, ``_scaled_mm``
+    on the CPU): the weight-only kernel for a decode step's rows, the FP8 GEMMs for more, each close to its
+    reference product."""
+    pytest.importorskip("triton")
+    from nanovllm_quant_fp8.fp8 import w8a8_reference, w8a16_reference
+    from nanovllm_quant_fp8.kernels import MAX_ROWS
+    from nanovllm_quant_fp8.method import Fp8LinearMethod
+    from torch import nn
+
+    torch.manual_seed(4)
+    weight = torch.randn(256, 384) / 20
+    wq, scale = quantize_weight_per_channel(weight) if block is None else quantize_weight_blockwise(weight, block)
+    layer = nn.Module()
+    layer.weight = nn.Parameter(wq, requires_grad=False)
+    layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+    x = torch.randn(rows, 384, dtype=torch.bfloat16)
+    got = Fp8LinearMethod(block=block).apply(layer, x.view(1, rows, 384))
+    assert got.shape == (1, rows, 256) and got.dtype == torch.bfloat16
+    reference = w8a16_reference if rows <= MAX_ROWS else w8a8_reference
+    assert relative_error(got.view(rows, 256), reference(x, wq, scale, block)) < 0.01

@@ -1,0 +1,119 @@
+"""The FP8 kernels compile for Hopper (sm_90) without a GPU, and use the intended instructions.
+
+Triton's interpreter (``test_kernels.py``) checks the arithmetic but accepts code the compiler would reject, and
+cannot say which instructions run; this compiles each kernel ahead of time for ``cuda:90`` with the launches'
+tiles (arguments specialised as the JIT does for 16-aligned pointers and strides) and reads the PTX: the block
+GEMM multiplies e4m3 with Hopper's ``wgmma`` (a decode batch's tiles swapped to get there), the weight-only
+kernel's tensor-core path multiplies bfloat16, and the quantization assembles its bytes itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from nanovllm_quant_fp8 import kernels as qk  # noqa: E402
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+except ImportError as exc:  # pragma: no cover - another Triton layout
+    pytest.skip(f"Triton's ahead-of-time compile API is not available: {exc}", allow_module_level=True)
+
+# pointer parameters of the three kernels, as a bfloat16 model launches them
+POINTERS = {
+    "X": "*bf16", "XQ": "*u8", "S": "*fp32",  # quantization (and the weight-only kernel's X and S)
+    "A": "*fp8e4nv", "B": "*fp8e4nv", "C": "*bf16", "AS": "*fp32", "BS": "*fp32", "BIAS": "*bf16",  # block GEMM
+    "W": "*fp8e4nv", "Y": "*bf16",  # weight-only
+}  # fmt: skip
+
+
+def compile_ptx(fn, constexprs: dict, num_warps: int, num_stages: int, pointers: dict | None = None) -> str:
+    """PTX of ``fn`` for sm_90; ``pointers`` overrides :data:`POINTERS`' types."""
+    types = {**POINTERS, **(pointers or {})}
+    signature, attrs = {}, {}
+    for i, name in enumerate(inspect.signature(fn).parameters):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in types:
+            signature[name] = types[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(JITFunction(fn), signature, constexprs, attrs)
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+    return kernel.asm["ptx"]
+
+
+def count(pattern: str, ptx: str) -> int:
+    return len(re.findall(pattern, ptx))
+
+
+def launch_constexprs(cfg: dict) -> tuple[dict, int, int]:
+    """A launch config split into the kernel's constexprs and its warps and stages."""
+    cfg = dict(cfg)
+    return cfg, cfg.pop("num_warps"), cfg.pop("num_stages")
+
+
+E4M3_WGMMA = r"wgmma\.mma_async\S*\.e4m3\.e4m3"
+
+
+@pytest.mark.parametrize("rows", [8192, 2048, 256, 128, 64, 32, 16, 1])
+def test_block_gemm_multiplies_e4m3_with_wgmma(rows: int) -> None:
+    """Every tile of :func:`w8a8_block_config` multiplies e4m3 with Hopper's ``wgmma``, a decode batch's swapped
+    tiles too; none converts its operands (Triton's fallback for tiles of fewer than 64 rows: float16 ``mma``)."""
+    constexprs, num_warps, num_stages = launch_constexprs(qk.w8a8_block_config(rows, 4096, 4096, 128))
+    constexprs.update(SCALE_N=128, SCALE_K=128, EVEN_K=True, HAS_BIAS=False, PDL=False)
+    ptx = compile_ptx(qk._w8a8_block_kernel, constexprs, num_warps, num_stages)
+    assert count(E4M3_WGMMA, ptx) > 0, "the block GEMM should multiply e4m3 operands with wgmma"
+    assert count(r"mma\.sync", ptx) == 0
+    assert count(r"cvt\S*\.e4m3x2", ptx) == 0, "no operand should be converted out of e4m3"
+
+
+def test_block_gemm_compiles_with_bias_and_ragged_k() -> None:
+    for rows in (300, 3):
+        constexprs, num_warps, num_stages = launch_constexprs(qk.w8a8_block_config(rows, 4096, 4000, 128))
+        constexprs.update(SCALE_N=128, SCALE_K=128, EVEN_K=False, HAS_BIAS=True, PDL=False)
+        ptx = compile_ptx(qk._w8a8_block_kernel, constexprs, num_warps, num_stages)
+        assert count(E4M3_WGMMA, ptx) > 0
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "block"])
+def test_weight_only_kernel_compiles(rows: int, block: tuple[int, int] | None) -> None:
+    """The few-row kernel: e4m3 weights converted in pairs; from five rows on, bfloat16 tensor-core products."""
+    cfg = qk.w8a16_config(rows, 4096, 4096, block)
+    constexprs, num_warps, num_stages = launch_constexprs(cfg)
+    constexprs.update(SCALE_N=1 if block is None else block[0], SCALE_K=4096 if block is None else block[1],
+                      BLOCKWISE=block is not None, EVEN_K=True, HAS_BIAS=False, PDL=False)  # fmt: skip
+    ptx = compile_ptx(qk._w8a16_kernel, constexprs, num_warps, num_stages)
+    assert count(r"ld\.global", ptx) > 0
+    if cfg["USE_DOT"]:
+        assert count(r"mma\S*\.bf16", ptx) > 0, "five rows and more use bfloat16 tensor-core products"
+    else:
+        assert count(r"mma", ptx) == 0
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_quantization_builds_its_bytes(group: int | None) -> None:
+    """No float-to-e4m3 conversion (the bytes are assembled from the rounded values' bits), IEEE division by the
+    scale, and byte stores."""
+    constexprs = (
+        dict(GROUP=4096, BLOCK_G=1, BLOCK_C=4096, PER_TOKEN=True)
+        if group is None
+        else dict(GROUP=group, BLOCK_G=16, BLOCK_C=group, PER_TOKEN=False)
+    )
+    constexprs.update(RECIPROCAL=True, PDL=False)
+    ptx = compile_ptx(qk._quantize_kernel, constexprs, 4, 1)
+    assert count(r"cvt\S*\.e4m3", ptx) == 0
+    assert count(r"div\.rn\.f32", ptx) > 0
+    assert count(r"st\.global\S*\.(u8|b8|v\d\.b8)", ptx) + count(r"st\.global\S*\.b16", ptx) > 0
