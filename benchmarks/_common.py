@@ -143,8 +143,7 @@ def commit() -> str:
 def random_checkpoint(shape: str) -> Path:
     """The random-weight bf16 checkpoint of ``shape`` that ``nanovllm bench`` measures (written on first use)."""
     import torch
-
-    from nanovllm_core.bench.offline import random_checkpoint as write_checkpoint
+    from nanovllm_bench.offline import random_checkpoint as write_checkpoint
 
     return Path(write_checkpoint(shape, torch.bfloat16))
 
@@ -152,8 +151,7 @@ def random_checkpoint(shape: str) -> Path:
 def copy_bytes_per_s() -> float:
     """The CUDA device's copy rate, bytes read + written per second, as ``nanovllm bench`` counts it for its bound."""
     import torch
-
-    from nanovllm_core.bench.device import measure_device
+    from nanovllm_bench.device import measure_device
 
     return measure_device(torch.device("cuda"))["copy_bytes_per_s"]
 

@@ -37,8 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from _common import copy_bytes_per_s, out_dir, write_json
-
-from nanovllm_core.bench.offline import SHAPES
+from nanovllm_bench.offline import SHAPES
 
 
 def projections(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 from _common import out_dir, write_json
+from nanovllm_bench.offline import SHAPES, random_checkpoint
 
 from nanovllm_core import LLM, SamplingParams, SchedulerOutput, Sequence
-from nanovllm_core.bench.offline import SHAPES, random_checkpoint
 from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint
 
 PROMPTS = PARITY_PROMPTS  # the GPU parity tests' prompts (tests/gpu/test_gpu_engine.py, the FP8 engine test)

@@ -143,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
     import torch
     from _common import out_dir, write_json
-
-    from nanovllm_core.bench.offline import random_checkpoint
+    from nanovllm_bench.offline import random_checkpoint
 
     model = str(random_checkpoint(args.shape, torch.float32))
     os.environ.setdefault("OMP_NUM_THREADS", "1")

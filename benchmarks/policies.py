@@ -97,7 +97,7 @@ def write_long_documents_trace(path: Path) -> None:
     import json
     import random
 
-    from nanovllm_core.serving.bench import synthetic_sharegpt
+    from nanovllm_bench.serve import synthetic_sharegpt
 
     rng = random.Random(0)
     rows = []

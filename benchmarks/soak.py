@@ -51,8 +51,7 @@ from _common import (
     user_command,
     write_json,
 )
-
-from nanovllm_core.serving.bench import (
+from nanovllm_bench.serve import (
     BenchRequest,
     RequestResult,
     SSEDecoder,

@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_seqs < 1 or min(args.max_input_len, args.max_output_len) < 100:
         raise SystemExit("error: --num-seqs at least 1, --max-input-len and --max-output-len at least 100")
     import torch
+    from nanovllm_bench.offline import random_checkpoint, workload
 
     from nanovllm_core import LLM, SamplingParams, StructuredOutputsParams
-    from nanovllm_core.bench.offline import random_checkpoint, workload
 
     model = args.model or str(random_checkpoint(args.shape, torch.bfloat16))
     if args.tokenizer_vocab:

@@ -131,7 +131,8 @@ def nanovllm_register_commands(register: Register) -> None:
 
     The class subclasses :class:`nanovllm_core.Command` (``help``, ``add_arguments(parser)``, ``run(args)``).
     ``nanovllm hello ...`` builds it as ``cls()``, adds its arguments to a subparser of its own and runs it; a
-    name the command already has (``serve``, ``bench``, ...) is not added, and says so on stderr.
+    name of a built-in command (``generate``, ``serve``, ``plugins``, ``config``) is not added, and says so on
+    stderr.
     """
 
 

@@ -72,6 +72,7 @@ PROVIDERS: dict[str, dict[str, str]] = {
     },
     "structured_output": {"xgrammar": "nanovllm-structured-xgrammar", "guidance": "nanovllm-structured-llguidance"},
     "quantization": {"fp8": "nanovllm-quant-fp8", "compressed-tensors": "nanovllm-quant-fp8"},
+    "command": {"bench": "nanovllm-bench", "simulate": "nanovllm-bench"},
 }
 """The nanovllm distribution that registers each of the project's own names, kind by kind (for error messages)."""
 REPLY_PARSER_FLAGS = {"tool_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser"}

@@ -1,8 +1,8 @@
-"""Run pytest in an environment without the model and attention plugins.
+"""Run pytest in an environment without the model and attention plugins and the measuring tools.
 
 The core's unit tests (``tests/unit``) must pass with only ``nanovllm-core`` and the ``fifo`` scheduler plugin
 installed. This builds a throw-away virtual environment whose site-packages links to every entry of this one's
-except the two distributions below (their packages, metadata and editable-install hooks), so they can be
+except the three distributions below (their packages, metadata and editable-install hooks), so they can be
 neither imported nor found through entry points, checks that, and runs pytest there with the given arguments
 from the repository root:
 
@@ -18,7 +18,8 @@ import tempfile
 import venv
 from pathlib import Path
 
-HIDDEN = ("nanovllm_models_qwen3", "nanovllm_attention_flash")  # as they appear in site-packages entry names
+# as they appear in site-packages entry names
+HIDDEN = ("nanovllm_models_qwen3", "nanovllm_attention_flash", "nanovllm_bench")
 ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = """

@@ -1,6 +1,6 @@
-"""The ``nanovllm`` command: ``generate``, ``serve``, ``bench``, ``simulate``, ``plugins``, ``config``, one module
-each, and the commands plugins add (``nanovllm_register_commands``). Every engine command takes ``--config FILE``
-(TOML, or vLLM's YAML)."""
+"""The ``nanovllm`` command: ``generate``, ``serve``, ``plugins``, ``config``, one module each, and the commands
+plugins add (``nanovllm_register_commands``; ``bench`` and ``simulate`` ship in ``nanovllm-bench``). Every engine
+command takes ``--config FILE`` (TOML, or vLLM's YAML)."""
 
 from __future__ import annotations
 
@@ -9,35 +9,45 @@ import json
 import sys
 from pathlib import Path
 
-from nanovllm_core.cli import bench, config, generate, plugins, serve, simulate
-from nanovllm_core.cli.bench import cmd_bench, cmd_bench_serve
+from nanovllm_core.cli import config, generate, plugins, serve
 from nanovllm_core.cli.config import config_reference
 from nanovllm_core.cli.engine_flags import cli_overrides
 from nanovllm_core.cli.serve import cmd_serve
 from nanovllm_core.config import YAML_SUFFIXES
-from nanovllm_core.errors import ConfigError, NanoVLLMError
+from nanovllm_core.errors import ConfigError, NanoVLLMError, UnknownPluginError
 
-__all__ = [
-    "build_parser", "cli_overrides", "cmd_bench", "cmd_bench_serve", "cmd_serve", "config_reference", "main",
-    "parse_command_line",
-]  # fmt: skip
+__all__ = ["build_parser", "cli_overrides", "cmd_serve", "config_reference", "main", "parse_command_line"]
 
-BUILT_IN = (generate, plugins, config, bench, serve, simulate)
+BUILT_IN = (generate, plugins, config, serve)
+YAML_CONFIG = ("generate", "serve", "config")
+"""The built-in commands that read vLLM's YAML ``--config``; a plugin command does when its ``yaml_config`` says so."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _build_parser()[0]
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
+    """The parser, and the commands that read vLLM's YAML ``--config``."""
     parser = argparse.ArgumentParser(prog="nanovllm", description="A small vLLM-style inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in BUILT_IN:
         module.add_parser(sub)
-    add_plugin_commands(sub)
-    return parser
+    yaml_config = set(YAML_CONFIG) | add_plugin_commands(sub)
+    missing = missing_commands(sub)
+    if missing:
+        parser.epilog = "Not installed: " + "; ".join(
+            f"{', '.join(names)} (pip install {dist})" for dist, names in sorted(missing.items())
+        )
+    return parser, yaml_config
 
 
-def add_plugin_commands(sub: argparse._SubParsersAction) -> None:
-    """The commands installed plugins register, each under its name unless the command has that name already."""
+def add_plugin_commands(sub: argparse._SubParsersAction) -> set[str]:
+    """The commands installed plugins register, each under its name unless the command has that name already; the
+    names of those added that read vLLM's YAML ``--config``."""
     from nanovllm_core.plugins import get_registry
 
+    yaml_config = set()
     for name, registration in sorted(get_registry().registrations["command"].items()):
         if name in sub.choices:
             print(
@@ -50,6 +60,39 @@ def add_plugin_commands(sub: argparse._SubParsersAction) -> None:
         parser = sub.add_parser(name, help=command.help, description=command.description or command.help)
         command.add_arguments(parser)
         parser.set_defaults(func=command.run)
+        if command.yaml_config:
+            yaml_config.add(name)
+    return yaml_config
+
+
+def missing_commands(sub: argparse._SubParsersAction) -> dict[str, list[str]]:
+    """The project's plugin commands that are not installed, by the distribution that ships them."""
+    from nanovllm_core.plugins import PROVIDERS
+
+    missing: dict[str, list[str]] = {}
+    for name, dist in PROVIDERS["command"].items():
+        if name not in sub.choices:
+            missing.setdefault(dist, []).append(name)
+    return missing
+
+
+def check_command_installed(command: str) -> None:
+    """For ``nanovllm COMMAND`` where no installed plugin adds COMMAND: raise the one-line error that says which
+    distribution ships it (one of the project's commands), or which plugins register it twice; else nothing (argparse
+    then lists the commands there are)."""
+    from nanovllm_core.plugins import PROVIDERS, get_registry, missing_hint
+
+    registry = get_registry()
+    if command in registry.conflicts["command"]:
+        registry.get("command", command)  # raises PluginConflictError naming both plugins
+    dist = PROVIDERS["command"].get(command)
+    if dist is None:
+        return
+    message = f"`nanovllm {command}` is not installed. {missing_hint('command', command)}"
+    broken = [b for b in registry.broken if b.distribution == dist]
+    if broken:
+        message += f" ({dist} is installed but did not load: {broken[0].error})"
+    raise UnknownPluginError(message)
 
 
 def _subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser | None:
@@ -124,9 +167,11 @@ def _yaml_config_in(argv: list[str]) -> tuple[str, list[str]] | None:
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
     """``argv`` parsed; a ``--config FILE.yaml`` (vLLM's) gives the flags it stands for, under those of the command
     line: command line > config file > defaults, and a MODEL argument wins over the file's ``model``, as in vLLM."""
-    parser = build_parser()
+    parser, yaml_config = _build_parser()
     command_parser = _subcommand_parser(parser, argv[0]) if argv else None
-    found = _yaml_config_in(argv) if argv and argv[0] in ("generate", "serve", "config", "bench") else None
+    if command_parser is None and argv:
+        check_command_installed(argv[0])
+    found = _yaml_config_in(argv) if argv and argv[0] in yaml_config else None
     if command_parser is None or found is None:
         return parser.parse_args(argv)
     path, rest = found
@@ -142,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = parse_command_line(argv)
-    except NanoVLLMError as exc:  # a YAML config that cannot be read
+    except NanoVLLMError as exc:  # a YAML config that cannot be read, a command that is not installed
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

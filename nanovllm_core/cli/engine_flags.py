@@ -1,5 +1,6 @@
-"""The engine's flags, shared by ``generate``, ``serve``, ``bench`` and ``config``: one per EngineConfig field, with
-vLLM's spellings beside ours, and the overrides they make."""
+"""The engine's flags, shared by ``generate``, ``serve`` and ``config`` (and plugin commands that run an engine:
+``nanovllm-bench``'s ``bench``): one per EngineConfig field, with vLLM's spellings beside ours, and the overrides
+they make."""
 
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ def test_a_bad_selection_is_named_with_the_choices(tmp_path: Path) -> None:
 
 
 def test_the_long_documents_trace_is_what_both_bench_serve_and_simulate_read(tmp_path: Path) -> None:
-    from nanovllm_core.serving.bench import read_trace
+    from nanovllm_bench.serve import read_trace
 
     policies = load(BENCHMARKS / "policies.py")
     trace = tmp_path / policies.LONG_DOCS_TRACE

@@ -2,9 +2,12 @@
 plugins installed from those wheels (not editable, no checkout on the path) into one fresh virtualenv.
 
 - the core alone: ``nanovllm plugins`` and ``nanovllm generate --demo`` fail naming the distributions to install,
-  and the conformance kits import without pytest;
+  so do ``nanovllm bench`` and ``nanovllm simulate`` (one line: ``pip install nanovllm-bench``), and the
+  conformance kits import without pytest;
 - the core with fifo, attention-flash and models-qwen3: ``nanovllm plugins`` lists exactly those and the demo runs;
-- ``pip install nanovllm-scheduler-mixed`` alone brings the fifo wheel, whose ``prefix_cache`` the demo then uses.
+- ``pip install nanovllm-scheduler-mixed`` alone brings the fifo wheel, whose ``prefix_cache`` the demo then uses;
+- ``nanovllm-bench`` adds ``bench`` and ``simulate`` to ``nanovllm``, and the simulator finds its shipped
+  calibrations by name.
 
 Dependencies other than our wheels come from the package index (never our own names: a release of them on the
 index must not stand in for the wheels under test); torch is pinned to the CPU build (an unpinned
@@ -43,6 +46,7 @@ FOLDERS = {
     "nanovllm-structured-xgrammar": ROOT / "plugins" / "structured_xgrammar",
     "nanovllm-structured-llguidance": ROOT / "plugins" / "structured_llguidance",
     "nanovllm-quant-fp8": ROOT / "plugins" / "quant_fp8",
+    "nanovllm-bench": ROOT / "plugins" / "bench",
 }
 PLUGINS = [name for name in FOLDERS if name != "nanovllm-core"]
 SUBSET = ["nanovllm-scheduler-fifo", "nanovllm-attention-flash", "nanovllm-models-qwen3"]
@@ -152,6 +156,10 @@ def test_every_wheel_declares_its_license_and_what_it_needs(wheels: dict[str, Pa
             assert any(r.startswith("nanovllm-scheduler-fifo") and "extra" not in r for r in requires), requires
         if name == "nanovllm-core":
             assert 'tomli>=1.1; python_version < "3.11"' in requires, requires
+        if name == "nanovllm-bench":  # the simulator's shipped calibrations, found by name
+            with zipfile.ZipFile(wheel) as zf:
+                shipped = [n for n in zf.namelist() if n.startswith("nanovllm_bench/simulate/calibrations/")]
+            assert "nanovllm_bench/simulate/calibrations/h200-qwen3-0.6b-bf16.json" in shipped, shipped
 
 
 def test_the_core_alone_names_the_distributions_to_install(env: Venv) -> None:
@@ -163,6 +171,12 @@ def test_the_core_alone_names_the_distributions_to_install(env: Venv) -> None:
         assert f"pip install {dist}" in plugins.stdout, plugins.stdout
     demo = env.nanovllm("generate", "--demo", "--max-tokens", "4", "--no-progress")
     assert demo.returncode != 0 and "pip install nanovllm-scheduler-fifo" in demo.stderr, demo.stdout + demo.stderr
+    for command in ("bench", "simulate"):
+        done = env.nanovllm(command, "--help")
+        assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+        assert done.stderr == (
+            f"error: `nanovllm {command}` is not installed. It ships in nanovllm-bench: pip install nanovllm-bench\n"
+        )
     kits = "import nanovllm_core.testing.conformance, nanovllm_core.testing.simulated"
     done = run(env.bin / "python", "-c", f"import importlib.util as u; assert u.find_spec('pytest') is None; {kits}",
                cwd=env.cwd, env=env.env)
@@ -196,6 +210,19 @@ def test_installing_mixed_alone_brings_the_prefix_cache_block_manager(env: Venv,
     assert "block_manager prefix_cache" in listed(plugins.stdout)["nanovllm-scheduler-fifo"], plugins.stdout
     demo = env.nanovllm("generate", "--demo", "--max-tokens", "4", "--no-progress", "--scheduler", "mixed")
     assert demo.returncode == 0, demo.stdout + demo.stderr
+
+
+def test_the_bench_wheel_adds_its_commands_and_finds_its_calibrations(env: Venv, wheels: dict[str, Path]) -> None:
+    env.uninstall(*PLUGINS)
+    env.install(*(wheels[name] for name in SUBSET), wheels["nanovllm-bench"])
+    help_text = env.nanovllm("--help")
+    assert help_text.returncode == 0 and "Not installed" not in help_text.stdout, help_text.stdout + help_text.stderr
+    assert "throughput benchmark" in help_text.stdout and "judge a scheduler policy" in help_text.stdout
+    listed_calibrations = env.nanovllm("simulate", "--list-calibrations")
+    assert listed_calibrations.returncode == 0, listed_calibrations.stdout + listed_calibrations.stderr
+    assert "h200-qwen3-0.6b-bf16: NVIDIA H200" in listed_calibrations.stdout, listed_calibrations.stdout
+    simulated = env.nanovllm("simulate", "--calibration", "h200-qwen3-8b-fp8", "--num-prompts", "20")
+    assert simulated.returncode == 0, simulated.stdout + simulated.stderr
 
 
 def write_config(folder: Path, scheduler: str) -> Path:

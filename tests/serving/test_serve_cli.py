@@ -1,9 +1,9 @@
-"""The command line: ``nanovllm serve`` takes every engine flag, ``nanovllm bench`` keeps working beside its
-``serve`` mode, and bad serving flags fail before any model loads."""
+"""The command line: ``nanovllm serve`` takes every engine flag, and bad serving flags fail before any model loads
+(``nanovllm bench`` and its ``serve`` mode: plugins/bench/tests)."""
 
 from __future__ import annotations
 
-from nanovllm_core.cli import build_parser, cli_overrides, cmd_bench, cmd_bench_serve, cmd_serve, main
+from nanovllm_core.cli import build_parser, cli_overrides, cmd_serve, main
 
 
 def test_serve_parses_server_and_engine_flags():
@@ -19,13 +19,6 @@ def test_serve_parses_server_and_engine_flags():
     overrides = cli_overrides(args)
     assert overrides["max_num_seqs"] == 4 and overrides["enable_prefix_caching"] is False
     assert overrides["plugins"] == {"scheduler": "fifo"}
-
-
-def test_bench_and_bench_serve():
-    parser = build_parser()
-    assert parser.parse_args(["bench", "--num-seqs", "3"]).func is cmd_bench
-    args = parser.parse_args(["bench", "serve", "--request-rate", "4", "--dataset", "sharegpt-synth"])
-    assert args.func is cmd_bench_serve and args.request_rate == 4 and args.dataset == "sharegpt-synth"
 
 
 def test_bad_serving_flags_fail_before_loading(capsys):

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from nanovllm_bench.serve import BenchRequest, client_session, request_headers
 from serving_helpers import start_server
 
 from nanovllm_core.serving.api_server import ServerSettings
-from nanovllm_core.serving.bench import BenchRequest, client_session, request_headers
 from nanovllm_core.testing import write_tiny_checkpoint
 from nanovllm_core.testing.scripts import load_script
 
@@ -56,7 +56,7 @@ def test_each_abusive_request_gets_its_expected_answer(demo_server):
 
 
 def test_a_client_that_hangs_up_mid_stream_leaves_no_kv_block(demo_server):
-    from nanovllm_core.serving.bench import request_body
+    from nanovllm_bench.serve import request_body
 
     async def hang_up():
         async with client_session() as session:

@@ -1,4 +1,5 @@
-"""The import graph of nanovllm_core: no cycle, imports pointing down only, and light imports for plugins.
+"""The import graph of nanovllm_core: no cycle, imports pointing down only, no plugin imported, and light imports for
+plugins.
 
 Read from the source with the standard library's ``ast``: every ``import`` and ``from ... import`` counts, inside
 functions too, except under ``if TYPE_CHECKING:``.
@@ -21,7 +22,7 @@ PACKAGE = "nanovllm_core"
 # are the foundation, below the engine.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entry points", ("nanovllm_core", "nanovllm_core.entrypoints", "nanovllm_core.serving", "nanovllm_core.cli",
-                      "nanovllm_core.bench", "nanovllm_core.simulate", "nanovllm_core.demo")),  # fmt: skip
+                      "nanovllm_core.demo")),  # fmt: skip
     ("engine clients", ("nanovllm_core.engine_client",)),
     ("engine", ("nanovllm_core.engine",)),
 ]
@@ -64,6 +65,11 @@ def _is_type_checking(test: ast.expr) -> bool:
 def imports_of(module: str) -> set[str]:
     """The nanovllm_core modules ``module`` imports. ``from P import n`` names P, and P.n as well when that is a
     module; ``import P.Q`` and ``from P.Q import x`` name P.Q."""
+    return {m for m in all_imports_of(module) if m in MODULES and m != module}
+
+
+def all_imports_of(module: str) -> set[str]:
+    """Every module ``module`` imports, nanovllm_core's and others', named as :func:`imports_of` names them."""
     path = MODULES[module]
     is_package = path.name == "__init__.py"
     found: set[str] = set()
@@ -88,7 +94,7 @@ def imports_of(module: str) -> set[str]:
             visit(child)
 
     visit(ast.parse(path.read_text(), str(path)))
-    return {m for m in found if m in MODULES and m != module}
+    return found
 
 
 GRAPH = {module: imports_of(module) for module in MODULES}
@@ -138,6 +144,18 @@ def test_imports_point_down():
             elif module.startswith("nanovllm_core.layers") and layer_of(target) < len(LAYERS):
                 upward.append(f"{module} (model layers) -> {target} ({layer_name(layer_of(target))})")
     assert not upward, "imports pointing up:\n" + "\n".join(sorted(upward))
+
+
+def test_the_core_imports_no_plugin():
+    """Not one of the plugin distributions' packages (``nanovllm_bench``, ``nanovllm_scheduler_fifo``, ...): what the
+    core needs of them stays in the core, and a command of theirs comes through ``nanovllm_register_commands``."""
+    found = sorted(
+        f"{module} -> {target}"
+        for module in MODULES
+        for target in all_imports_of(module)
+        if target.startswith("nanovllm_") and target.split(".")[0] != PACKAGE
+    )
+    assert not found, "the core imports plugins:\n" + "\n".join(found)
 
 
 def test_a_plugins_imports_load_neither_the_engine_nor_the_server():

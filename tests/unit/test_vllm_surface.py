@@ -1,6 +1,7 @@
 """A vLLM user's surface: ``vllm serve`` command lines from vLLM's documentation resolve to the configuration they
 mean (without loading a model), vLLM's YAML ``--config``, ``VLLM_API_KEY``, ``RequestOutputKind``, ``--demo`` on
-``serve``, ``config`` and ``bench``, and ``nanovllm config`` checking what ``generate`` checks."""
+``serve`` and ``config`` (``bench``'s: plugins/bench/tests), and ``nanovllm config`` checking what ``generate``
+checks."""
 
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ def test_both_spellings_resolve_to_one_setting() -> None:
         a, _ = resolve_serve(["serve", "/m", *theirs.split()])
         b, _ = resolve_serve(["serve", "/m", *ours.split()])
         assert a.model_dump() == b.model_dump(), theirs
-    for command in ("generate", "config", "bench"):  # every command with engine flags takes vLLM's spellings
+    for command in ("generate", "config"):  # every command with engine flags takes vLLM's spellings
         args = build_parser().parse_args([command, "--block-size", "16", "--scheduling-policy", "priority"])
         assert cli_overrides(args) == {"kvcache_block_size": 16, "plugins": {"scheduler": "priority"}}
 
@@ -316,7 +317,7 @@ def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("nanovllm-cache")
 
 
-def test_demo_on_serve_config_and_bench(
+def test_demo_on_serve_and_config(
     demo_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     monkeypatch.setenv("NANOVLLM_CACHE", str(demo_cache))
@@ -328,6 +329,3 @@ def test_demo_on_serve_config_and_bench(
     assert args.served_model_name == ["demo"]
     with pytest.raises(ConfigError, match="--demo serves the demo checkpoint"):
         resolve_serve(["serve", "/m", "--demo"])
-    assert build_parser().parse_args(["bench", "--demo"]).demo is True
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "--demo", "--model", "/m"])

@@ -12,7 +12,7 @@ import pytest
 
 from nanovllm_core.cli import main as cli_main
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "evaluating-a-scheduler.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "evaluating-a-scheduler.md"  # the repository's
 ROWS = {  # (workload and load, policy): the page's command for that row's simulation
     ("sharegpt-synth, 30% (49.1 req/s)", "`fifo`"): (
         "--dataset sharegpt-synth --num-prompts 1000 --client-processes 4 --priorities 0,1 --request-rate 49.1 "

@@ -8,14 +8,14 @@ import json
 import random
 
 import pytest
+from nanovllm_bench.serve import summarize
+from nanovllm_bench.simulate import Calibration, SimulatedEngine, TraceRequest, load_calibration, shipped_calibrations
+from nanovllm_bench.simulate.cost import FEATURES, fit_records
+from nanovllm_bench.simulate.run import client_results, poisson_arrivals
 from nanovllm_scheduler_fifo.scheduler import FifoScheduler
 
 from nanovllm_core.cli import main as cli_main
 from nanovllm_core.errors import ConfigError
-from nanovllm_core.serving.bench import summarize
-from nanovllm_core.simulate import Calibration, SimulatedEngine, TraceRequest, load_calibration, shipped_calibrations
-from nanovllm_core.simulate.cost import FEATURES, fit_records
-from nanovllm_core.simulate.run import client_results, poisson_arrivals
 
 COEF = {"fixed": 1.5, "per_seq": 0.002, "per_kv_token": 3e-5, "per_prompt_token": 0.002, "per_prompt_pair": 0.0}
 
@@ -341,7 +341,7 @@ def test_sweep_plot_needs_matplotlib_or_draws(tmp_path, capsys):
 def test_request_timelines_fit_the_front_end_per_request_and_per_prompt_token(tmp_path):
     """A server's timelines whose intake is 2 ms + 0.5 ms per 1k prompt tokens, and 0.3 ms from the engine's first
     token to the front-end's: the fit finds both, and the simulator admits a long prompt that much later."""
-    from nanovllm_core.simulate.cost import frontend_from_timelines
+    from nanovllm_bench.simulate.cost import frontend_from_timelines
 
     rng = random.Random(0)
     lines = [json.dumps({"clock": "time.monotonic", "monotonic": 0.0, "unix": 0.0, "stages": []})]
@@ -372,7 +372,7 @@ def test_request_timelines_and_frontend_metrics_are_one_or_the_other(tmp_path, c
     assert cli_main(["simulate", "--calibrate", "b.json", "--out", "c.json", "--request-timelines", str(bad),
                      "--frontend-metrics", "m.txt"]) == 2  # fmt: skip
     assert "--frontend-metrics or --request-timelines" in capsys.readouterr().err
-    from nanovllm_core.simulate.cost import frontend_from_timelines
+    from nanovllm_bench.simulate.cost import frontend_from_timelines
 
     with pytest.raises(ConfigError, match="bad.jsonl:1: not a request's timeline"):
         frontend_from_timelines([str(bad)])

@@ -4,8 +4,8 @@ The real engine core runs the installed scheduler and block-manager plugins unch
 each step's duration comes from a step-time model calibrated on a GPU (:mod:`.cost`), and time is simulated.
 """
 
-from nanovllm_core.simulate.cost import Calibration, calibrate, load_calibration, shipped_calibrations
-from nanovllm_core.simulate.engine import RequestTimes, SimulatedEngine, TraceRequest
+from nanovllm_bench.simulate.cost import Calibration, calibrate, load_calibration, shipped_calibrations
+from nanovllm_bench.simulate.engine import RequestTimes, SimulatedEngine, TraceRequest
 
 __all__ = [
     "Calibration",

@@ -71,7 +71,7 @@ class RequestResult:
 
 
 def nano_workload(num_prompts: int, max_input_len: int, max_output_len: int) -> list[BenchRequest]:
-    from nanovllm_core.bench.offline import workload
+    from nanovllm_bench.offline import workload
 
     prompts, max_tokens = workload(num_prompts, max_input_len, max_output_len)
     return [BenchRequest(p, m) for p, m in zip(prompts, max_tokens)]
@@ -236,7 +236,7 @@ def _aiohttp() -> Any:
         import aiohttp
     except ImportError:
         raise ConfigError(
-            "nanovllm bench serve needs aiohttp: pip install 'nanovllm-core[serve]' (or pip install aiohttp)"
+            "nanovllm bench serve needs aiohttp (a dependency of nanovllm-bench): pip install aiohttp"
         ) from None
     return aiohttp
 

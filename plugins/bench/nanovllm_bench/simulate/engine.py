@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanovllm_bench.simulate.cost import Calibration
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import EngineCore
 from nanovllm_core.engine.input_batch import causal_pairs
@@ -21,7 +22,6 @@ from nanovllm_core.engine.options import instantiate
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.interfaces import Scheduler, SchedulerOutput
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.simulate.cost import Calibration
 
 EMITTED_TOKEN = 1  # every simulated token; requests ignore EOS and stop at max_tokens, as bench serve's do
 

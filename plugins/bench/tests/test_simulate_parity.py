@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from nanovllm_bench.simulate import Calibration, SimulatedEngine, TraceRequest
 
 from nanovllm_core import SamplingParams
 from nanovllm_core.engine.llm_engine import LLMEngine
-from nanovllm_core.simulate import Calibration, SimulatedEngine, TraceRequest
 
 LIMITS = dict(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=512)
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from nanovllm_bench.bound import bound_seconds, fit_decode_steps, model_cost
 
-from nanovllm_core.bench.bound import bound_seconds, fit_decode_steps, model_cost
 from nanovllm_core.errors import ConfigError
 
 CONFIG = SimpleNamespace(
@@ -138,7 +138,7 @@ def test_decode_step_fit_recovers_the_parts():
 
 
 def test_profile_seqs_are_batch_sizes_within_the_workload():
-    from nanovllm_core.bench.probes import profile_sizes
+    from nanovllm_bench.probes import profile_sizes
 
     assert profile_sizes("", 256) == [256]
     assert profile_sizes("16, 64,256", 256) == [16, 64, 256]
@@ -169,7 +169,8 @@ def test_a_config_file_without_a_model_runs_on_the_random_weights(tmp_path):
 def test_bench_counts_the_running_cache_in_its_bound(tmp_path, monkeypatch, capsys):
     """With device rates (given here: the CPU has none), `nanovllm bench --kv-cache-dtype fp8` bounds the run with
     the fp8 cache's bytes, and says so."""
-    from nanovllm_core.bench import offline
+    from nanovllm_bench import offline
+
     from nanovllm_core.cli import main
 
     monkeypatch.setattr(offline, "measure_device", lambda device, sustained_gemm_s=0.0: dict(RATES))
@@ -185,7 +186,7 @@ def test_bench_counts_the_running_cache_in_its_bound(tmp_path, monkeypatch, caps
 
 
 def test_run_step_timing_splits_prompt_and_decode_steps_and_names_the_slowest():
-    from nanovllm_core.bench.probes import format_run_timing, run_step_timing
+    from nanovllm_bench.probes import format_run_timing, run_step_timing
 
     # (sequences, query tokens, KV tokens, GPU ms): two prompt steps, then decode steps of one token a sequence
     records = [(2, 900, 900, 4.0), (1, 300, 300, 1.0)] + [(3, 3, 1000 + i, 1.0 + i / 10) for i in range(8)]
@@ -211,7 +212,7 @@ def test_triton_compiles_are_counted_through_tritons_cache_hook(monkeypatch):
     knobs = pytest.importorskip("triton").knobs
     if not hasattr(knobs.runtime, "jit_cache_hook"):
         pytest.skip("this Triton has no jit_cache_hook")
-    from nanovllm_core.bench import probes
+    from nanovllm_bench import probes
 
     seen = []
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *a, **k: seen.append(k) or False)
@@ -225,13 +226,16 @@ def test_triton_compiles_are_counted_through_tritons_cache_hook(monkeypatch):
     assert probes.compile_counts()["triton_kernels"] == before + 2 and len(seen) == 2
 
 
-def test_the_engine_never_imports_the_bench_package():
-    """The measurement code stays out of the engine's path: importing the engine and running nothing loads none
-    of ``nanovllm_core.bench``."""
+def test_loading_the_plugins_imports_none_of_the_measurement_code():
+    """The measurement code stays out of the engine's path: every engine process loads the plugins, which imports
+    this distribution's entry point and the command classes it registers, and nothing more of it (nor the CLI)."""
     import subprocess
     import sys
 
-    code = "import sys, nanovllm_core, nanovllm_core.entrypoints.llm; print(any(m.startswith('nanovllm_core.bench') " \
-        "for m in sys.modules))"
+    code = (
+        "import sys; from nanovllm_core.plugins import build_registry; registry = build_registry()\n"
+        "assert registry.registrations['command']['bench'].distribution == 'nanovllm-bench'\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('nanovllm_bench', 'nanovllm_core.cli'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
+    assert out.strip() == "['nanovllm_bench', 'nanovllm_bench.commands', 'nanovllm_bench.plugin']"

@@ -9,13 +9,12 @@ import math
 import multiprocessing
 
 import pytest
-from serving_helpers import start_server
 
-from nanovllm_core.bench.offline import workload
-from nanovllm_core.cli import main
-from nanovllm_core.errors import ConfigError
-from nanovllm_core.serving.api_server import ServerSettings
-from nanovllm_core.serving.bench import (
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from nanovllm_bench.offline import workload
+from nanovllm_bench.serve import (
     SYNTH_RANGE,
     BenchRequest,
     SSEDecoder,
@@ -27,7 +26,12 @@ from nanovllm_core.serving.bench import (
     request_headers,
     synthetic_sharegpt,
 )
+
+from nanovllm_core.cli import main
+from nanovllm_core.errors import ConfigError
+from nanovllm_core.serving.api_server import ServerSettings
 from nanovllm_core.testing import write_tiny_checkpoint
+from nanovllm_core.testing.server import start_server
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -244,7 +248,7 @@ def test_client_processes_bad_input(bench_server, capsys):
 
 
 def test_combined_summary_puts_each_share_back_in_order():
-    from nanovllm_core.serving.bench import ClientShare, RequestResult, combined_summary
+    from nanovllm_bench.serve import ClientShare, RequestResult, combined_summary
 
     def result(priority: int, tokens: int) -> RequestResult:
         return RequestResult(ok=True, prompt_tokens=1, output_tokens=tokens, ttft=0.01 * tokens, latency=1.0,
@@ -263,7 +267,7 @@ def test_loop_lag_watcher_sees_a_blocked_event_loop():
     import asyncio
     import time
 
-    from nanovllm_core.serving.bench import watch_loop_lag
+    from nanovllm_bench.serve import watch_loop_lag
 
     async def block() -> list[float]:
         samples: list[float] = []

@@ -96,7 +96,7 @@ class Calibration:
 
 def shipped_calibrations() -> list[str]:
     """Names of the calibrations that ship with the package (``h200-qwen3-0.6b-bf16``...)."""
-    folder = resources.files("nanovllm_core.simulate") / SHIPPED_DIR
+    folder = resources.files("nanovllm_bench.simulate") / SHIPPED_DIR
     return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
 
 
@@ -112,7 +112,7 @@ def load_calibration(name_or_path: str) -> Calibration:
                 f"--calibration {name_or_path!r} is neither a file nor a shipped calibration; shipped: "
                 f"{', '.join(shipped)}"
             )
-        text = (resources.files("nanovllm_core.simulate") / SHIPPED_DIR / f"{name_or_path}.json").read_text()
+        text = (resources.files("nanovllm_bench.simulate") / SHIPPED_DIR / f"{name_or_path}.json").read_text()
         where = f"calibration {name_or_path}"
     try:
         data = json.loads(text)
@@ -267,7 +267,7 @@ def _fit_eager(base: Any, tokens: Any, y: Any) -> tuple[float, float]:
 
 def _shape_of(model: str) -> tuple[str, dict[str, int]]:
     """The model shape of a ``nanovllm bench`` run: a ``--shape`` named in the checkpoint path, or its config.json."""
-    from nanovllm_core.bench.offline import SHAPES
+    from nanovllm_bench.offline import SHAPES
 
     for name in sorted(SHAPES, key=len, reverse=True):
         if re.search(rf"(^|[-_/]){re.escape(name)}([-_/]|$)", model):

@@ -25,9 +25,9 @@ from typing import IO, Any
 import torch
 from tqdm.auto import tqdm
 
-from nanovllm_core.bench.bound import ModelCost, bound_seconds, fit_decode_steps, model_cost
-from nanovllm_core.bench.device import measure_device
-from nanovllm_core.bench.probes import (
+from nanovllm_bench.bound import ModelCost, bound_seconds, fit_decode_steps, model_cost
+from nanovllm_bench.device import measure_device
+from nanovllm_bench.probes import (
     allocator_counts,
     compile_counts,
     count_triton_compiles,

@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanovllm_core.errors import ConfigError
-from nanovllm_core.serving.bench import (
+from nanovllm_bench.serve import (
     DATASETS,
     RequestResult,
     check_dataset,
@@ -25,7 +24,7 @@ from nanovllm_core.serving.bench import (
     summarize,
     synthetic_sharegpt,
 )
-from nanovllm_core.simulate.cost import (
+from nanovllm_bench.simulate.cost import (
     Calibration,
     calibrate,
     frontend_from_metrics,
@@ -33,7 +32,8 @@ from nanovllm_core.simulate.cost import (
     load_calibration,
     shipped_calibrations,
 )
-from nanovllm_core.simulate.engine import RequestTimes, SimulatedEngine, TraceRequest
+from nanovllm_bench.simulate.engine import RequestTimes, SimulatedEngine, TraceRequest
+from nanovllm_core.errors import ConfigError
 
 DEFAULT_CALIBRATION = "h200-qwen3-0.6b-bf16"
 TIMELINE_POINTS = 200  # the KV-cache/preemption timeline in the JSON, evenly thinned to about this many points

@@ -10,8 +10,8 @@ import threading
 import time
 
 import pytest
+from nanovllm_bench.offline import Phase
 
-from nanovllm_core.bench.offline import Phase
 from nanovllm_core.cli import main
 
 
