@@ -105,13 +105,7 @@ def machine() -> dict[str, str]:
 def gpu_name() -> str:
     # nvidia-smi rather than torch: the scripts' own process stays off the GPU the engine measures
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
+        out = _output(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     names = [line.strip() for line in out.splitlines() if line.strip()]
@@ -121,27 +115,22 @@ def gpu_name() -> str:
 def commit() -> str:
     """The checkout's short commit, ``-dirty`` when tracked files differ from it; ``unknown`` outside git."""
     try:
-        head = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout.strip()
+        head = _output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+        dirty = _output(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("-dirty" if dirty else "")
 
 
-def random_checkpoint(shape: str) -> Path:
-    """The random-weight bf16 checkpoint of ``shape`` that ``nanovllm bench`` measures (written on first use)."""
+def _output(cmd: list[str]) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+
+
+def random_checkpoint(shape: str, dry_run: bool = False) -> Path:
+    """The random-weight bf16 checkpoint of ``shape`` that ``nanovllm bench`` measures (written on first use; a dry
+    run only names it)."""
+    if dry_run:
+        return Path(f"/tmp/nanovllm-bench-{shape}-bfloat16")
     import torch
     from nanovllm_bench.offline import random_checkpoint as write_checkpoint
 
@@ -228,6 +217,46 @@ class Server:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
+def serve_command(checkpoint: str, port: int, max_model_len: int, *flags: str) -> list[str]:
+    """``nanovllm serve`` of ``checkpoint`` on 127.0.0.1."""
+    return nanovllm(
+        "serve", checkpoint, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len), *flags
+    )
+
+
+def bench_serve_command(port: int, result: Path, *flags: str, processes: int) -> list[str]:
+    """``nanovllm bench serve`` against the server on 127.0.0.1, its results written to ``result``."""
+    return nanovllm(
+        "bench", "serve", "--base-url", f"http://127.0.0.1:{port}", *flags,
+        "--client-processes", str(processes), "--result-file", str(result),
+    )  # fmt: skip
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, port: int = 8000, start_timeout: float = 900) -> None:
+    parser.add_argument("--port", type=int, default=port, help=f"the server's port on 127.0.0.1 (default {port})")
+    parser.add_argument(
+        "--start-timeout", type=float, default=start_timeout,
+        help=f"seconds the server may take to start (default {start_timeout:g})",
+    )  # fmt: skip
+
+
+def add_client_processes_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=4,
+        help="processes sending the requests (default 4: one Python client reading hundreds of "
+        "streams adds its own delay to what it measures)",
+    )
+
+
+def require_positive(args: argparse.Namespace, *names: str) -> None:
+    """Each named integer option is at least 1; a clear error naming the flag otherwise."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+
+
 def user_command(script: str, argv: list[str]) -> str:
     """A run as docs/performance.md quotes it: the script and the flags given, less the results folder."""
     kept, skip = [], False
@@ -243,6 +272,13 @@ def user_command(script: str, argv: list[str]) -> str:
 
 def markdown_row(cells: list[Any]) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def add_selection_argument(parser: argparse.ArgumentParser, flag: str, names: list[str] | dict[str, Any]) -> None:
+    """``flag``: a comma-separated selection from ``names`` (default: all of them), read with :func:`split_list`."""
+    parser.add_argument(
+        flag, default=",".join(names), help=f"comma-separated subset of {', '.join(names)} (default: all)"
+    )
 
 
 def split_list(text: str, allowed: list[str] | dict[str, Any], what: str) -> list[str]:

@@ -32,7 +32,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from _common import add_common_arguments, check_cli, machine, nanovllm, out_dir, run, shown
+from _common import (
+    add_common_arguments,
+    add_selection_argument,
+    check_cli,
+    machine,
+    nanovllm,
+    out_dir,
+    run,
+    shown,
+    split_list,
+)
 
 LONG = ["--num-seqs", "16", "--max-input-len", "32768", "--max-output-len", "256", "--max-model-len", "33024"]
 RUNS: dict[str, list[str]] = {  # nanovllm bench flags of each run
@@ -75,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "qwen3-8b"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--quantization", help="the weights' quantization method, e.g. fp8 (nanovllm-quant-fp8)")
-    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset (default: all)")
+    add_selection_argument(parser, "--runs", RUNS)
     parser.add_argument(
         "--from-servers",
         action="store_true",
@@ -96,10 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    names = [n for n in args.runs.split(",") if n]
-    unknown = [n for n in names if n not in RUNS]
-    if unknown or not names:
-        raise SystemExit(f"error: --runs {args.runs!r}: choose from {', '.join(RUNS)}")
+    names = split_list(args.runs, RUNS, "--runs")
     folder = out_dir(args.results_dir, "calibrate", make=not args.dry_run)
     kv = "bf16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     weights = f"-{args.quantization}-weights" if args.quantization else ""

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from _common import ROOT, add_common_arguments, out_dir, run, shown, split_list
+from _common import ROOT, add_common_arguments, add_selection_argument, out_dir, run, shown, split_list
 
 SUITES = ["attention", "small-ops", "gemm"]
 ATTENTION_BENCH = ROOT / "plugins" / "attention_flash" / "bench_kernels.py"
@@ -188,10 +188,9 @@ def commands(args: argparse.Namespace, folder: Path) -> dict[str, list[str]]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Kernel micro-benchmarks (attention, small fused ops, decode GEMMs); results in "
-        "RESULTS_DIR/kernels/.",
-        epilog=f"suites: {', '.join(SUITES)}",
+        "RESULTS_DIR/kernels/."
     )
-    parser.add_argument("--suites", default=",".join(SUITES), help="comma-separated subset (default: all)")
+    add_selection_argument(parser, "--suites", SUITES)
     parser.add_argument(
         "--attention-args",
         default="",

@@ -36,6 +36,7 @@ from typing import Any
 
 from _common import (
     add_common_arguments,
+    add_selection_argument,
     check_cli,
     copy_bytes_per_s,
     machine,
@@ -205,10 +206,9 @@ def single_request(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Offline throughput of named workloads (nano-vllm's benchmark through `nanovllm bench`, and "
-        "one request alone); results in RESULTS_DIR/offline/.",
-        epilog=f"workloads: {', '.join(WORKLOADS)}",
+        "one request alone); results in RESULTS_DIR/offline/."
     )
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset (default: all)")
+    add_selection_argument(parser, "--workloads", WORKLOADS)
     parser.add_argument("--runs", type=int, default=3, help="timed runs per workload (default 3)")
     parser.add_argument(
         "--bench-args",

@@ -42,16 +42,21 @@ from typing import Any
 
 from _common import (
     Server,
+    add_client_processes_argument,
     add_common_arguments,
+    add_selection_argument,
+    add_server_arguments,
+    bench_serve_command,
     check_cli,
     machine,
     markdown_row,
-    nanovllm,
     out_dir,
     parse_numbers,
     random_checkpoint,
     read_json,
+    require_positive,
     run,
+    serve_command,
     shown,
     split_list,
     user_command,
@@ -122,27 +127,14 @@ def server_command(policy: str, args: argparse.Namespace, checkpoint: str, workl
         flags += ["--scheduler", policy, "--max-num-batched-tokens", str(args.step_tokens)]
     if args.step_records:
         flags += ["--step-records-file", str(Path(args.results_dir) / "policies" / f"steps_{policy}.json")]
-    return nanovllm(
-        "serve",
-        checkpoint,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.port),
-        "--max-model-len",
-        str(max_model_len),
-        *flags,
-        *shlex.split(args.engine_args),
-    )
+    return serve_command(checkpoint, args.port, max_model_len, *flags, *shlex.split(args.engine_args))
 
 
 def client(args: argparse.Namespace, workload: str, result: Path, prompts: int, rates: str) -> list[str]:
     trace = str(result.parent / LONG_DOCS_TRACE)
-    return nanovllm(
-        "bench",
-        "serve",
-        "--base-url",
-        f"http://127.0.0.1:{args.port}",
+    return bench_serve_command(
+        args.port,
+        result,
         *(trace if flag == "TRACE" else flag for flag in WORKLOADS[workload]["flags"]),
         "--num-prompts",
         str(prompts),
@@ -150,11 +142,8 @@ def client(args: argparse.Namespace, workload: str, result: Path, prompts: int, 
         rates,
         "--priorities",
         "0,1",
-        "--client-processes",
-        str(args.client_processes),
         "--server-metrics",  # the server's totals after each load: its front-end's cost per rate
-        "--result-file",
-        str(result),
+        processes=args.client_processes,
     )
 
 
@@ -243,14 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="fifo, mixed and priority served in turn on the workloads where the choice matters, at a few "
         "loads; results in RESULTS_DIR/policies/.",
-        epilog=f"policies: {', '.join(POLICIES)}; workloads: {', '.join(WORKLOADS)}",
+        epilog=f"policies shipped: {', '.join(POLICIES)}",
     )
     parser.add_argument(
         "--policies",
         default=",".join(POLICIES),
         help="comma-separated installed scheduler names (a third-party policy too), served in this order",
     )
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset (default: all)")
+    add_selection_argument(parser, "--workloads", WORKLOADS)
     parser.add_argument(
         "--loads",
         default="0.3,0.7,0.9",
@@ -262,13 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--step-tokens", type=int, default=2048, help="--max-num-batched-tokens of mixed and priority (default 2048)"
     )
     parser.add_argument("--engine-args", default="", metavar="FLAGS", help="more engine flags for every server")
-    parser.add_argument(
-        "--client-processes",
-        type=int,
-        default=4,
-        help="processes sending the requests (default 4: one Python client reading hundreds of "
-        "streams adds its own delay to what it measures)",
-    )
+    add_client_processes_argument(parser)
     parser.add_argument(
         "--step-records",
         action="store_true",
@@ -276,8 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(nanovllm simulate --calibrate reads them)",
     )
     parser.add_argument("--idle-prompts", type=int, default=60, help="priority's idle run (0: none; default 60)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--start-timeout", type=float, default=900, help="seconds for a server to come up")
+    add_server_arguments(parser)
     add_common_arguments(parser)
     return parser
 
@@ -288,13 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     policies = split_list(args.policies, installed_schedulers(), "--policies")
     workloads = split_list(args.workloads, WORKLOADS, "--workloads")
     loads = parse_numbers(args.loads, "--loads")
-    for name in ("client_processes", "step_tokens"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    require_positive(args, "client_processes", "step_tokens")
     if args.idle_prompts < 0:
         raise SystemExit(f"error: --idle-prompts {args.idle_prompts}: 0 or more")
     folder = out_dir(args.results_dir, "policies", make=not args.dry_run)
-    checkpoint = f"/tmp/nanovllm-bench-{args.shape}-bfloat16" if args.dry_run else str(random_checkpoint(args.shape))
+    checkpoint = str(random_checkpoint(args.shape, args.dry_run))
     if "long-docs" in workloads and not args.dry_run:
         write_long_documents_trace(folder / LONG_DOCS_TRACE)
     needs_saturation = any(x != float("inf") for x in loads)

@@ -32,7 +32,10 @@ from typing import Any
 
 from _common import (
     Server,
+    add_client_processes_argument,
     add_common_arguments,
+    add_server_arguments,
+    bench_serve_command,
     check_cli,
     machine,
     markdown_row,
@@ -41,7 +44,9 @@ from _common import (
     parse_numbers,
     random_checkpoint,
     read_json,
+    require_positive,
     run,
+    serve_command,
     shown,
     user_command,
     write_json,
@@ -59,23 +64,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags + shlex.split(args.engine_args)
 
 
-def client(server_url: str, result: Path, *flags: str, processes: int) -> list[str]:
-    return nanovllm(
-        "bench",
-        "serve",
-        "--base-url",
-        server_url,
-        *flags,
-        "--client-processes",
-        str(processes),
-        "--result-file",
-        str(result),
-    )
-
-
 def plan(args: argparse.Namespace, folder: Path, checkpoint: str) -> dict[str, list[str]]:
     """Every command the run makes, by name, in order (the rate sweep's rates as given or as a placeholder)."""
-    url = f"http://127.0.0.1:{args.port}"
+    port, processes = args.port, args.client_processes
     commands: dict[str, list[str]] = {}
     if args.offline:
         commands["offline"] = nanovllm(
@@ -90,43 +81,20 @@ def plan(args: argparse.Namespace, folder: Path, checkpoint: str) -> dict[str, l
             "--json",
             str(folder / "offline.json"),
         )
-    commands["server"] = nanovllm(
-        "serve",
-        checkpoint,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.port),
-        "--max-model-len",
-        "4096",
-        *engine_flags(args),
+    commands["server"] = serve_command(checkpoint, port, 4096, *engine_flags(args))
+    commands["all_at_once"] = bench_serve_command(
+        port, folder / "all_at_once.json", "--dataset", "nano", "--request-rate", "inf", processes=processes
     )
-    commands["all_at_once"] = client(
-        url, folder / "all_at_once.json", "--dataset", "nano", "--request-rate", "inf", processes=args.client_processes
-    )
+    sharegpt = ["--dataset", "sharegpt-synth", "--num-prompts"]
     if not args.rates:
-        commands["saturation"] = client(
-            url,
-            folder / "saturation.json",
-            "--dataset",
-            "sharegpt-synth",
-            "--num-prompts",
-            str(args.saturation_prompts),
-            "--request-rate",
-            "inf",
-            processes=args.client_processes,
-        )
-    commands["rates"] = client(
-        url,
-        folder / "rates.json",
-        "--dataset",
-        "sharegpt-synth",
-        "--num-prompts",
-        str(args.num_prompts),
-        "--rates",
-        args.rates or RATES_PLACEHOLDER,
-        processes=args.client_processes,
-    )
+        commands["saturation"] = bench_serve_command(
+            port, folder / "saturation.json", *sharegpt, str(args.saturation_prompts), "--request-rate", "inf",
+            processes=processes,
+        )  # fmt: skip
+    commands["rates"] = bench_serve_command(
+        port, folder / "rates.json", *sharegpt, str(args.num_prompts), "--rates", args.rates or RATES_PLACEHOLDER,
+        processes=processes,
+    )  # fmt: skip
     return commands
 
 
@@ -227,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FLAGS",
         help="more engine flags for the server and the offline run, one quoted string",
     )
-    parser.add_argument("--port", type=int, default=8000)
+    add_server_arguments(parser)
     parser.add_argument("--rates", help="comma-separated request rates (default: --rate-fractions of saturation)")
     parser.add_argument(
         "--rate-fractions",
@@ -236,15 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--num-prompts", type=int, default=1000, help="requests per rate (default 1000)")
     parser.add_argument("--saturation-prompts", type=int, default=1000, help="requests sent at once (default 1000)")
-    parser.add_argument(
-        "--client-processes",
-        type=int,
-        default=4,
-        help="processes sending the requests (default 4: one Python client reading hundreds of "
-        "streams adds its own delay to what it measures)",
-    )
+    add_client_processes_argument(parser)
     parser.add_argument("--no-offline", dest="offline", action="store_false", help="skip the offline reference")
-    parser.add_argument("--start-timeout", type=float, default=900, help="seconds for the server to come up")
     add_common_arguments(parser)
     return parser
 
@@ -255,11 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rates:
         parse_numbers(args.rates, "--rates")
     fractions = parse_numbers(args.rate_fractions, "--rate-fractions")
-    for name in ("num_prompts", "saturation_prompts", "client_processes", "step_tokens"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    require_positive(args, "num_prompts", "saturation_prompts", "client_processes", "step_tokens")
     folder = out_dir(args.results_dir, "serving", make=not args.dry_run)
-    checkpoint = f"/tmp/nanovllm-bench-{args.shape}-bfloat16" if args.dry_run else str(random_checkpoint(args.shape))
+    checkpoint = str(random_checkpoint(args.shape, args.dry_run))
     commands = plan(args, folder, checkpoint)
     for name, cmd in commands.items():
         check_cli(cmd)

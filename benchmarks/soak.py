@@ -44,10 +44,12 @@ from typing import Any
 from _common import (
     Server,
     add_common_arguments,
+    add_server_arguments,
     check_cli,
     commit,
-    nanovllm,
     out_dir,
+    require_positive,
+    serve_command,
     user_command,
     write_json,
 )
@@ -63,6 +65,7 @@ from nanovllm_bench.serve import (
     send,
     summarize,
 )
+from nanovllm_bench.serve import metric_totals as metric_values
 
 BAD_KINDS = ("oversized", "broken_json", "bad_field", "non_finite", "too_long")
 EXPECTED_STATUS = {"oversized": 413, "broken_json": 400, "bad_field": 400, "non_finite": 400, "too_long": 400}
@@ -100,17 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-request-body-bytes", type=int, default=65536, help="the server's body limit (default 65536)"
     )
     parser.add_argument("--max-memory-drift-mb", type=float, default=50.0, help="the drift allowed (default 50)")
-    parser.add_argument("--port", type=int, default=8123, help="the server's port on 127.0.0.1 (default 8123)")
+    add_server_arguments(parser, port=8123, start_timeout=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--start-timeout", type=float, default=300, help="seconds the server may take to start")
     parser.add_argument("--engine-args", default="", help="more flags for nanovllm serve, e.g. '--max-num-seqs 64'")
     return parser
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name in ("num_requests", "saturation_requests", "input_len", "output_len", "max_request_body_bytes"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    require_positive(args, "num_requests", "saturation_requests", "input_len", "output_len", "max_request_body_bytes")
     if not 0 < args.load <= 1:
         raise SystemExit(f"error: --load {args.load}: a fraction of the saturation rate, above 0 up to 1")
     for name in ("disconnect_fraction", "bad_fraction"):
@@ -153,21 +153,6 @@ def rss_mb(pid: int) -> float | None:
 def memory(pid: int) -> dict[str, float]:
     """RSS in MB of the server process and each process under it (the engine process), by pid."""
     return {str(p): mb for p in process_tree(pid) if (mb := rss_mb(p)) is not None}
-
-
-def metric_values(text: str) -> dict[str, float]:
-    """Prometheus text: each series without labels (a series with several label sets: their sum)."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{")[0]
-        try:
-            values[name] = values.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return values
 
 
 def fetch_metrics(base_url: str) -> str:
@@ -302,19 +287,10 @@ def soak(args: argparse.Namespace, argv: list[str]) -> int:
 
     folder = out_dir(args.results_dir, "soak")
     checkpoint = ensure_demo_checkpoint()
-    cmd = nanovllm(
-        "serve",
-        str(checkpoint),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.port),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-request-body-bytes",
-        str(args.max_request_body_bytes),
+    cmd = serve_command(
+        str(checkpoint), args.port, MAX_MODEL_LEN, "--max-request-body-bytes", str(args.max_request_body_bytes),
         *args.engine_args.split(),
-    )
+    )  # fmt: skip
     check_cli(cmd)
     vocab = vocab_size(checkpoint)
     runner = event_loop_runner()

@@ -697,14 +697,19 @@ async def fetch(request: Any, where: str, url: str, **kwargs: Any) -> tuple[int,
 
 
 async def read_server_metrics(base_url: str, headers: dict[str, str]) -> dict[str, float]:
-    """The server's ``/metrics`` as totals: each sample's value summed over its labels (histogram buckets and
-    ``_created`` timestamps left out)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """The server's ``/metrics`` as :func:`metric_totals`."""
     async with client_session() as session:
         status, text = await fetch(session.get, base_url, f"{base_url}/metrics", headers=headers)
     if status != 200:
         raise ConfigError(f"{base_url}/metrics answered {status}: --server-metrics needs a nanovllm (or vLLM) server")
+    return metric_totals(text)
+
+
+def metric_totals(text: str) -> dict[str, float]:
+    """Prometheus text as totals: each sample's value summed over its labels (histogram buckets and ``_created``
+    timestamps left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

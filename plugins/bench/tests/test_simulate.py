@@ -9,7 +9,7 @@ import random
 
 import pytest
 from nanovllm_bench.serve import summarize
-from nanovllm_bench.simulate import Calibration, SimulatedEngine, TraceRequest, load_calibration, shipped_calibrations
+from nanovllm_bench.simulate import Calibration, TraceRequest, TraceSimulator, load_calibration, shipped_calibrations
 from nanovllm_bench.simulate.cost import FEATURES, fit_records
 from nanovllm_bench.simulate.run import client_results, poisson_arrivals
 from nanovllm_scheduler_fifo.scheduler import FifoScheduler
@@ -41,11 +41,11 @@ def trace(n: int, seed: int, rate: float, priorities: tuple[int, ...] = ()) -> l
 
 
 def simulate(scheduler="fifo", requests=None, **kwargs):
-    engine = SimulatedEngine(
+    engine = TraceSimulator(
         small_calibration(), scheduler=scheduler, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512,
         **kwargs,
     )
-    times = engine.run(requests if requests is not None else trace(60, 1, 200.0))
+    times = engine.replay(requests if requests is not None else trace(60, 1, 200.0))
     return engine, times
 
 
@@ -77,10 +77,10 @@ def test_idle_time_jumps_to_the_next_arrival():
 def test_async_scheduling_overlaps_the_host_with_the_gpu():
     requests = trace(30, 6, 1000.0)
     cal = small_calibration(host_gap_ms=1.0)
-    on = SimulatedEngine(cal, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512)
-    on.run([TraceRequest(r.arrival, r.prompt, r.max_tokens) for r in requests])
-    off = SimulatedEngine(cal, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, async_scheduling=False)
-    off.run([TraceRequest(r.arrival, r.prompt, r.max_tokens) for r in requests])
+    on = TraceSimulator(cal, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512)
+    on.replay([TraceRequest(r.arrival, r.prompt, r.max_tokens) for r in requests])
+    off = TraceSimulator(cal, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512, async_scheduling=False)
+    off.replay([TraceRequest(r.arrival, r.prompt, r.max_tokens) for r in requests])
     assert on.now < off.now
 
 
@@ -88,9 +88,9 @@ def test_the_cycle_collector_is_back_on_after_a_run_even_a_failed_one():
     assert gc.isenabled()
     simulate()
     assert gc.isenabled()
-    engine = SimulatedEngine(small_calibration(), max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512)
+    engine = TraceSimulator(small_calibration(), max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512)
     with pytest.raises(RuntimeError, match="more than 3 steps"):
-        engine.run(trace(10, 2, float("inf")), max_steps=3)
+        engine.replay(trace(10, 2, float("inf")), max_steps=3)
     assert gc.isenabled()
 
 
@@ -358,10 +358,10 @@ def test_request_timelines_fit_the_front_end_per_request_and_per_prompt_token(tm
     assert frontend["intake_ms"] == pytest.approx(2.0, abs=1e-6)
     assert frontend["intake_ms_per_1k_prompt_tokens"] == pytest.approx(0.5, abs=1e-6)
     assert frontend["delivery_ms"] == pytest.approx(0.3, abs=1e-6) and frontend["requests"] == 50
-    engine = SimulatedEngine(small_calibration(frontend=frontend), max_num_seqs=8, max_num_batched_tokens=128,
+    engine = TraceSimulator(small_calibration(frontend=frontend), max_num_seqs=8, max_num_batched_tokens=128,
                              max_model_len=512)  # fmt: skip
     short, long = TraceRequest(0.0, [5] * 10, 2), TraceRequest(5.0, [6] * 400, 2)
-    times = {t.request.arrival: t for t in engine.run([short, long])}
+    times = {t.request.arrival: t for t in engine.replay([short, long])}
     assert times[0.0].admitted == pytest.approx(0.002 + 0.5e-6 * 10)
     assert times[5.0].admitted == pytest.approx(5.0 + 0.002 + 0.5e-6 * 400)
 

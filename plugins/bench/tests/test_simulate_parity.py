@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from nanovllm_bench.simulate import Calibration, SimulatedEngine, TraceRequest
+from nanovllm_bench.simulate import Calibration, TraceRequest, TraceSimulator
 
 from nanovllm_core import SamplingParams
 from nanovllm_core.engine.llm_engine import LLMEngine
@@ -35,8 +35,8 @@ def test_same_steps_same_batches_as_the_real_engine(qwen3_path, scheduler, block
         num_kvcache_blocks=blocks,
         kvcache_block_size=16,
     )
-    sim = SimulatedEngine(cal, scheduler=scheduler, record_batches=True, **LIMITS)
-    times = sim.run(small_trace())
+    sim = TraceSimulator(cal, scheduler=scheduler, record_batches=True, **LIMITS)
+    times = sim.replay(small_trace())
     assert sim.steps > 20 and len({t.admitted_step for t in times}) > 3  # arrivals spread over the run
 
     engine = LLMEngine(

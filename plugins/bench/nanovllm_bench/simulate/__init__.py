@@ -5,13 +5,13 @@ each step's duration comes from a step-time model calibrated on a GPU (:mod:`.co
 """
 
 from nanovllm_bench.simulate.cost import Calibration, calibrate, load_calibration, shipped_calibrations
-from nanovllm_bench.simulate.engine import RequestTimes, SimulatedEngine, TraceRequest
+from nanovllm_bench.simulate.engine import RequestTimes, TraceRequest, TraceSimulator
 
 __all__ = [
     "Calibration",
     "RequestTimes",
-    "SimulatedEngine",
     "TraceRequest",
+    "TraceSimulator",
     "calibrate",
     "load_calibration",
     "shipped_calibrations",

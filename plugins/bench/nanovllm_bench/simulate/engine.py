@@ -1,9 +1,8 @@
-"""The simulated engine: the real :class:`EngineCore`, the installed scheduler and block-manager plugins, and a
-step runner that emits tokens without a model; each step's duration comes from a :class:`Calibration`.
+"""A trace replayed through the core's :class:`SimulatedEngine` (the real :class:`EngineCore`, the installed
+scheduler and block-manager plugins, a step runner without a model), each step's duration from a :class:`Calibration`.
 
 Time is simulated, never measured. Requests arrive at their trace times between steps; when nothing runs the
-clock jumps to the next arrival. With async scheduling (as on a GPU) step N+1 is scheduled while step N runs:
-the host schedules it once step N-1's tokens are read, and it starts on the GPU when step N ends.
+clock jumps to the next arrival.
 """
 
 from __future__ import annotations
@@ -15,15 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nanovllm_bench.simulate.cost import Calibration
-from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.core import EngineCore
-from nanovllm_core.engine.input_batch import causal_pairs
-from nanovllm_core.engine.options import instantiate
 from nanovllm_core.errors import ConfigError
-from nanovllm_core.interfaces import Scheduler, SchedulerOutput
+from nanovllm_core.interfaces import Scheduler
 from nanovllm_core.sampling_params import SamplingParams
-
-EMITTED_TOKEN = 1  # every simulated token; requests ignore EOS and stop at max_tokens, as bench serve's do
+from nanovllm_core.testing.simulated import SimulatedEngine
 
 
 @dataclass
@@ -77,90 +71,32 @@ def _cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-class _Step:
-    """A launched step: the tokens it samples, when the GPU finishes it, and who receives a token then."""
-
-    __slots__ = ("batch", "sampled", "end", "sim", "receivers")
-
-    def __init__(
-        self, batch: SchedulerOutput, sampled: list[int | None], end: float, sim: SimulatedEngine,
-        receivers: list[list[float]],
-    ) -> None:
-        self.batch, self.sampled, self.end, self.sim, self.receivers = batch, sampled, end, sim, receivers
-
-    def tokens(self) -> list[int | None]:
-        end = self.end
-        for token_times in self.receivers:
-            token_times.append(end)
-        if end > self.sim.read_until:
-            self.sim.read_until = end
-        return self.sampled
+# the serving engine's defaults, where SimulatedEngine's suit small tests
+ENGINE_LIMITS: dict[str, Any] = {
+    "max_num_seqs": 256, "max_num_batched_tokens": 16384, "max_model_len": 8192, "async_scheduling": True,
+}  # fmt: skip
 
 
-class _CostRunner:
-    """Launches a step on no device: the tokens are fixed, the step's GPU interval comes from the cost model.
+class TraceSimulator(SimulatedEngine):
+    """Replays a trace through the engine core with the named plugins; ``replay`` returns every request's times.
 
-    It runs for every sequence of every step, so it is one pass over the batch, no per-token objects."""
-
-    def __init__(self, sim: SimulatedEngine) -> None:
-        self.sim = sim
-
-    def launch(self, batch: SchedulerOutput, in_flight: Any | None = None) -> _Step:
-        sim = self.sim
-        seqs, counts = batch.seqs, batch.num_new_tokens
-        query = sum(counts)
-        # one pass: the KV tokens after the step, and a token for each sequence whose chunk reaches its last token
-        # (decodes, and prompts' last chunks), whose request receives it (none while untimed)
-        kv_tokens = query
-        sampled: list[int | None] = []
-        receivers: list[list[float]] = []
-        token_times = sim.token_times
-        for seq, n in zip(seqs, counts):
-            start = seq.num_computed_tokens
-            kv_tokens += start
-            if start + n == len(seq.token_ids):
-                sampled.append(EMITTED_TOKEN)
-                if token_times is not None:
-                    receivers.append(token_times[seq.request_id])
-            else:
-                sampled.append(None)
-        pairs = 0.0
-        if query > len(seqs):  # some prompt chunk: its causal attention's query-key pairs
-            pairs = causal_pairs(counts, [seq.num_computed_tokens for seq in seqs])
-        duration = sim.calibration.step_ms(len(seqs), query, kv_tokens, pairs) / 1e3
-        begin = max(sim.now, sim.gpu_free)
-        sim.gpu_free = begin + duration
-        sim.gpu_busy += duration
-        if sim.record_batches:
-            sim.batches.append(list(zip([seq.request_id for seq in seqs], counts)))
-        return _Step(batch, sampled, sim.gpu_free, sim, receivers)
-
-
-class SimulatedEngine:
-    """Replays a trace through the engine core with the named plugins; ``run`` returns every request's times.
-
-    ``scheduler``: a registered name, ``module:Class`` or a :class:`Scheduler` class (a policy not installed yet)."""
+    ``scheduler``: a registered name, ``module:Class`` or a :class:`Scheduler` class (a policy not installed yet).
+    The KV cache is the calibration's unless given; ``options`` are :class:`SimulatedEngine`'s (limits, async
+    scheduling, prefix caching, plugin options), the limits by default those of :data:`ENGINE_LIMITS`."""
 
     def __init__(
         self,
         calibration: Calibration,
         *,
         scheduler: str | type[Scheduler] = "fifo",
-        scheduler_options: dict[str, Any] | None = None,
         block_manager: str = "prefix_cache",
-        block_manager_options: dict[str, Any] | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 16384,
-        max_model_len: int = 8192,
         num_kvcache_blocks: int | None = None,
         kvcache_block_size: int | None = None,
-        enable_prefix_caching: bool = True,
-        async_scheduling: bool = True,
         record_batches: bool = False,
+        **options: Any,
     ) -> None:
         from nanovllm_core.plugins import get_registry
 
-        self.calibration = calibration
         registry = get_registry()
         if isinstance(scheduler, str) and ":" in scheduler:
             scheduler_cls, name = _import_class(scheduler), scheduler
@@ -168,41 +104,27 @@ class SimulatedEngine:
             scheduler_cls, name = registry.get("scheduler", scheduler).obj, scheduler
         else:
             scheduler_cls, name = scheduler, scheduler.__name__
-        block_manager_cls = registry.get("block_manager", block_manager).obj
-        self.config = EngineConfig(
-            model="(simulated)",
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            kvcache_block_size=kvcache_block_size or calibration.kvcache_block_size,
-            num_kvcache_blocks=num_kvcache_blocks or calibration.num_kvcache_blocks,
-            enable_prefix_caching=enable_prefix_caching,
+        super().__init__(
+            scheduler_cls,
+            registry.get("block_manager", block_manager).obj,
+            num_blocks=num_kvcache_blocks or calibration.num_kvcache_blocks,
+            block_size=kvcache_block_size or calibration.kvcache_block_size,
+            step_cost=calibration,
+            checked=False,
+            record_steps=record_batches,
+            name=name,
+            **{**ENGINE_LIMITS, **options},
         )
-        cfg = self.config
-        assert cfg.num_kvcache_blocks is not None
-        # as LLMEngine builds them: validated options as keyword arguments
-        self.block_manager = instantiate(
-            "block_manager", block_manager_cls, dict(block_manager_options or {}), cfg.num_kvcache_blocks,
-            cfg.kvcache_block_size, enable_prefix_caching=enable_prefix_caching,
-        )
-        self.scheduler = instantiate("scheduler", scheduler_cls, dict(scheduler_options or {}), cfg, self.block_manager)
-        self.scheduler_name = name
-        self.core = EngineCore(
-            cfg, self.scheduler, _CostRunner(self), scheduler_name=name, async_scheduling=async_scheduling
-        )
-        self.record_batches = record_batches
-        self.batches: list[list[tuple[str, int]]] = []  # (request id, new tokens) of each launched step
-        self.now = 0.0  # the host's clock
-        self.gpu_free = 0.0  # when the GPU finishes the last launched step
-        self.gpu_busy = 0.0
-        self.read_until = 0.0
+        self.calibration = calibration
         self.times: dict[str, RequestTimes] = {}
-        # request id -> its RequestTimes.token_times, where a step's tokens land; None while untimed (warm-up)
-        self.token_times: dict[str, list[float]] | None = {}
-        self.steps = 0
         # (time, KV-cache use, running, waiting, preemptions so far) after each step
         self.timeline: list[tuple[float, float, int, int, int]] = []
         self._params: dict[tuple[int, int], SamplingParams] = {}  # (max_tokens, priority) -> a request's parameters
+
+    @property
+    def batches(self) -> list[list[tuple[str, int]]]:
+        """(request id, new tokens) of each launched step, with ``record_batches``."""
+        return self.scheduled
 
     def _add(self, req: TraceRequest) -> None:
         # only the final output, and no text: nothing reads either. Requests of one length and priority share their
@@ -221,20 +143,18 @@ class SimulatedEngine:
         a server that served them before; then start the clock and the counters from zero."""
         for i, prompt in enumerate(prompts):
             self.core.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), f"warm-{i}")
-        saved, self.token_times = self.token_times, None
         while self.core.has_unfinished_requests():
             self.core.step()
-        self.token_times = saved
         self.now = self.gpu_free = self.gpu_busy = self.read_until = 0.0
-        self.batches.clear()
+        for record in (self.batch_sizes, self.scheduled, self.preempted):
+            record.clear()
         self.scheduler.num_preemptions = 0
 
-    def run(self, trace: list[TraceRequest], max_steps: int = 10_000_000) -> list[RequestTimes]:
+    def replay(self, trace: list[TraceRequest], max_steps: int = 10_000_000) -> list[RequestTimes]:
         """Every request of ``trace`` (sorted by arrival) through the engine; their token times."""
         cal = self.calibration
         intake = cal.frontend.get("intake_ms", 0.0) / 1e3
         intake_per_token = cal.frontend.get("intake_ms_per_1k_prompt_tokens", 0.0) / 1e6
-        host_gap = cal.host_gap_ms / 1e3
         pending = sorted(trace, key=lambda r: r.arrival)
         for i, req in enumerate(pending):
             if not req.request_id:
@@ -243,7 +163,6 @@ class SimulatedEngine:
             raise ConfigError("the trace repeats a request id")
         timed = [RequestTimes(req, admitted=req.arrival + intake + intake_per_token * len(req.prompt))
                  for req in pending]  # fmt: skip
-        assert self.token_times is not None
         for t in timed:
             self.times[t.request.request_id] = t
             self.token_times[t.request.request_id] = t.token_times
@@ -259,15 +178,9 @@ class SimulatedEngine:
                     self._add(timed[nxt].request)
                     timed[nxt].admitted_step = self.steps
                     nxt += 1
-                core.step()
-                self.steps += 1
+                self.step()
                 if self.steps > max_steps:
-                    raise RuntimeError(f"{self.scheduler_name}: more than {max_steps} steps (starvation or a livelock)")
-                # the host waited for the tokens it read, then spends its per-step time; without async scheduling it
-                # waited for this step too
-                self.now = max(self.now, self.read_until) + host_gap
-                if not core.async_scheduling:
-                    self.now = max(self.now, self.gpu_free)
+                    raise RuntimeError(f"{self.name}: more than {max_steps} steps (starvation or a livelock)")
                 self.timeline.append(
                     (
                         self.now,

@@ -32,7 +32,7 @@ from nanovllm_bench.simulate.cost import (
     load_calibration,
     shipped_calibrations,
 )
-from nanovllm_bench.simulate.engine import RequestTimes, SimulatedEngine, TraceRequest
+from nanovllm_bench.simulate.engine import RequestTimes, TraceRequest, TraceSimulator
 from nanovllm_core.errors import ConfigError
 
 DEFAULT_CALIBRATION = "h200-qwen3-0.6b-bf16"
@@ -118,7 +118,7 @@ def simulate_once(args: argparse.Namespace, calibration: Calibration, scheduler:
     """One workload through one policy at one rate: ``bench serve``'s summary plus the simulation's own figures."""
     options = _json_option("--scheduler-options", args.scheduler_options)
     trace = build_workload(args, rate)
-    engine = SimulatedEngine(
+    engine = TraceSimulator(
         calibration,
         scheduler=scheduler,
         scheduler_options=options,
@@ -134,7 +134,7 @@ def simulate_once(args: argparse.Namespace, calibration: Calibration, scheduler:
         raise ConfigError(f"--warm-prefix-cache {args.warm_prefix_cache}: a number of prompts, 0 or more")
     if args.warm_prefix_cache:
         engine.warm_prefix_cache([r.prompt for r in trace[: args.warm_prefix_cache]])
-    times = engine.run(trace)
+    times = engine.replay(trace)
     wall = time.perf_counter() - wall
     results = client_results(times, calibration.frontend.get("delivery_ms", 0.0) / 1e3)
     start = min(r.arrival for r in trace)
