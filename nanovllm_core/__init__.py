@@ -43,8 +43,8 @@ from nanovllm_core.structured_output import StructuredOutputBackend, StructuredO
 
 if TYPE_CHECKING:
     from nanovllm_core.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-    from nanovllm_core.engine.llm_engine import LLMEngine
     from nanovllm_core.entrypoints.llm import LLM
+    from nanovllm_core.entrypoints.llm_engine import LLMEngine
     from nanovllm_core.serving.async_llm import AsyncLLM
 
 __version__ = CORE_VERSION
@@ -57,7 +57,7 @@ _LAZY = {
     "BeamSearchParams": "nanovllm_core.engine.beam_search",
     "BeamSearchSequence": "nanovllm_core.engine.beam_search",
     "LLM": "nanovllm_core.entrypoints.llm",
-    "LLMEngine": "nanovllm_core.engine.llm_engine",
+    "LLMEngine": "nanovllm_core.entrypoints.llm_engine",
 }
 
 

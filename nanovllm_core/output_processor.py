@@ -1,5 +1,5 @@
-"""The front-end's one output path (vLLM v1's ``OutputProcessor``), used by ``LLMEngine``, the pull side of every
-engine client (``LLM``) and ``AsyncLLM``.
+"""The front-end's one output path (vLLM v1's ``OutputProcessor``), used by the pull side of every engine client
+(``LLMEngine``, ``LLM``) and by ``AsyncLLM``.
 
 The engine core returns token ids, logprob ids and values, and finish reasons for EOS, stop tokens and length.
 This turns them into what the user sees: the text (decoded incrementally while a request streams, at once when it

@@ -86,7 +86,7 @@ class StepRunner(Protocol):
 
 @dataclass
 class EngineStats:
-    """A snapshot of the engine (``LLMEngine.stats()``); counters are totals since start-up."""
+    """A snapshot of the engine (``EngineCore.stats()``); counters are totals since start-up."""
 
     num_running: int
     num_waiting: int
@@ -141,7 +141,8 @@ class Request:
 
 
 class EngineCore:
-    """Owns the requests and runs steps; ``LLMEngine`` builds one around a loaded model.
+    """Owns the requests and runs steps on a runner (:class:`~nanovllm_core.engine.model_core.ModelEngineCore`: one
+    around a loaded model).
 
     Thread model: one thread at a time drives ``add_request`` / ``step`` / ``abort_request``; each takes the
     engine's lock, so calls from several threads are serialized, never interleaved inside a step.

@@ -1,13 +1,14 @@
-"""EngineClient: the one interface between the entry points (``LLM``, ``AsyncLLM``) and the engines serving them.
+"""EngineClient: the one interface between the front-ends (``LLMEngine``, ``LLM``, ``AsyncLLM``) and the engines.
 
 A way to run engines is one class implementing it: :class:`~nanovllm_core.engine_client.step_loop.InProcessClient`
-(an ``LLMEngine`` in this process), :class:`~nanovllm_core.engine_client.step_loop.EngineProcess` (one engine in a
+(an engine core in this process), :class:`~nanovllm_core.engine_client.step_loop.EngineProcess` (one engine in a
 process of its own), :class:`~nanovllm_core.engine_client.data_parallel.DataParallelClient` (replicas in processes
 of their own). :func:`~nanovllm_core.engine_client.factory.make_engine_client` picks one from the resolved config.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -21,7 +22,7 @@ from typing import Any
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import EngineStats, Prompt, tokenize_prompt
-from nanovllm_core.engine.llm_engine import load_tokenizer, read_eos_token_ids
+from nanovllm_core.engine.model_core import load_tokenizer, read_eos_token_ids
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.loader import load_hf_config
 from nanovllm_core.output_processor import OutputProcessor, engine_params
@@ -87,11 +88,12 @@ class EngineClient(ABC):
     ``(call id, result, exception)``, next to the steps' outputs, the time and the step loop's
     :class:`LoopAccount`; ``fail`` is called once when the engines stop serving. :meth:`join` waits for them to end.
 
-    Pull (``LLM``): :meth:`add_request` / :meth:`add_requests`, :meth:`step` (the outputs that arrived since the
-    last call; waits for one while requests are unfinished), :meth:`abort_request` / :meth:`abort_requests`,
-    :meth:`stats`, :meth:`shutdown`. This class implements them over push, so a new client (a Ray-backed data-parallel
-    one) implements push only; :class:`~nanovllm_core.engine_client.step_loop.InProcessClient` overrides them to
-    drive its engine in the caller's thread.
+    Pull (``LLMEngine``, ``LLM``): :meth:`add_request` / :meth:`add_requests`, :meth:`step` (the outputs that arrived
+    since the last call; waits for one while requests are unfinished), :meth:`abort_request` /
+    :meth:`abort_requests`, :meth:`stats`, :meth:`shutdown`. This class implements them over push, with the
+    front-end's one :class:`OutputProcessor` (text, stop strings), so a new client (a Ray-backed data-parallel one)
+    implements push only; :class:`~nanovllm_core.engine_client.step_loop.InProcessClient` drives its engine in the
+    caller's thread instead of a loop's (:meth:`_start_pull`).
     """
 
     config: EngineConfig
@@ -133,15 +135,19 @@ class EngineClient(ABC):
         puller = self.__dict__.get("_puller")
         if puller is None:
             puller = self._puller = _Puller(self)
-            self.start(puller.inbox.emit, puller.inbox.fail)
+            self._start_pull(puller.inbox)
         return puller
+
+    def _start_pull(self, inbox: Inbox) -> None:
+        """Have the engines' answers and outputs delivered to ``inbox``."""
+        self.start(inbox.emit, inbox.fail)
 
     def add_request(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
         priority: int | None = None,
     ) -> str:
         """Queue one request and return its id; an invalid request raises InvalidRequestError and queues nothing.
-        ``priority``: as ``LLMEngine.add_request``'s."""
+        ``priority``: as ``EngineCore.add_request``'s."""
         request_id, error = self.add_requests([(prompt, with_priority(sampling_params, priority), request_id)])[0]
         if error is not None:
             raise error
@@ -199,7 +205,7 @@ class EngineClient(ABC):
 SHUT_DOWN = "the engine was shut down (its processes are gone): create a new one"
 
 
-class _Inbox:
+class Inbox:
     """What the client's readers hand over, for the thread that pulls. Holds no reference to the client or its
     owner, so that the readers do not keep them alive."""
 
@@ -208,6 +214,7 @@ class _Inbox:
         self._results: list[Result] = []
         self._outputs: list[tuple[float, list[RequestOutput]]] = []  # (the engine's clock, what it handed over)
         self.failure: BaseException | None = None
+        self.drive: Callable[[], None] | None = None  # an engine in the caller's thread: waiting is stepping it
 
     def emit(self, results: list[Result], outputs: list[RequestOutput], now: float, account: Any) -> None:
         with self._cond:
@@ -225,7 +232,12 @@ class _Inbox:
     def take(
         self, block: bool, timeout: float | None = None
     ) -> tuple[list[Result], list[tuple[float, list[RequestOutput]]]]:
-        """Everything that arrived (waiting for something when ``block``); raises the failure, if any."""
+        """Everything that arrived (waiting for something when ``block``, or running one step when driving an
+        engine); raises the failure, if any."""
+        if block and self.drive is not None:
+            if not (self._results or self._outputs):
+                self.drive()
+            block = False
         with self._cond:
             if block:
                 self._cond.wait_for(lambda: self._results or self._outputs or self.failure is not None, timeout)
@@ -238,13 +250,13 @@ class _Inbox:
 
 
 class _Puller:
-    """The pull surface of a push client: commands out, answers and outputs collected from an :class:`_Inbox`, made
+    """The pull surface of a push client: commands out, answers and outputs collected from an :class:`Inbox`, made
     into the user's by an :class:`OutputProcessor` (text, stop strings: a match aborts its sample, or the request once
     every sample is done, in the engine)."""
 
     def __init__(self, client: EngineClient) -> None:
         self.client = client
-        self.inbox = _Inbox()
+        self.inbox = Inbox()
         self.lock = threading.RLock()
         self.closed = False
         self.call_ids = itertools.count()
@@ -273,6 +285,9 @@ class _Puller:
             text, token_ids = None, prompt
         else:
             text, token_ids = tokenize_prompt(self.client.tokenizer, prompt)
+        keep = params.truncate_prompt_tokens if params is not None else None
+        if keep is not None and len(token_ids) > keep:
+            text, token_ids = None, token_ids[-keep:]  # as the core keeps them: the text no longer matches
         self.processor.add(request_id, params, text, list(token_ids))
         return token_ids
 
@@ -354,7 +369,9 @@ class _Puller:
                 self.client.submit(commands)
                 while any(c not in self.results for c in waiting):
                     self.pump(block=True)
-            except BaseException:
+            except BaseException:  # (Ctrl-C) some may have reached the engines: abort them there
+                with contextlib.suppress(Exception):
+                    self.client.submit([(None, "abort", (r,)) for r in waiting.values()])
                 for request_id in waiting.values():
                     self.forget(request_id)
                 raise
@@ -374,6 +391,8 @@ class _Puller:
             self.pump(block=False)
             while not self.ready and self.requests:
                 self.pump(block=True)
+                if self.inbox.drive is not None:  # an engine in this thread: one step a call, as vLLM's LLMEngine
+                    break
             ready, self.ready = self.ready, []
             for out in ready:
                 if out.finished:

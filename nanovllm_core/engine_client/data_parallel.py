@@ -33,7 +33,7 @@ from typing import Any
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import EngineStats
-from nanovllm_core.engine.llm_engine import LLMEngine, resolve_device
+from nanovllm_core.engine.model_core import ModelEngineCore, resolve_device
 from nanovllm_core.engine.parallel import PORT_ENV, launched_by_torchrun
 from nanovllm_core.engine_client.base import Command, EngineClient, LoopAccount, Result
 from nanovllm_core.engine_client.router import Router
@@ -106,7 +106,7 @@ def _distinct_free_ports(n: int) -> list[int]:
             s.close()
 
 
-def build_replica_engine(env: dict[str, str], threads: int, config: EngineConfig) -> LLMEngine:
+def build_replica_engine(env: dict[str, str], threads: int, config: EngineConfig) -> ModelEngineCore:
     """Runs in a replica's process (``EngineProcess(build=...)``): place it, then build its engine."""
     import torch
 
@@ -118,7 +118,7 @@ def build_replica_engine(env: dict[str, str], threads: int, config: EngineConfig
             '`if __name__ == "__main__":`'
         )
     torch.set_num_threads(threads)
-    return LLMEngine(config=config.model_copy(update={"data_parallel_size": 1}))  # one engine here
+    return ModelEngineCore(config=config.model_copy(update={"data_parallel_size": 1}))  # one engine here
 
 
 def _refuse_while_bootstrapping() -> None:

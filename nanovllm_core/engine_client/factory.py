@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.engine_client.base import EngineClient
 from nanovllm_core.engine_client.data_parallel import DataParallelClient
 from nanovllm_core.engine_client.ray_client import RayDataParallelClient  # imports ray only when one starts
@@ -22,4 +22,4 @@ def make_engine_client(config: EngineConfig, *, engine_process: bool = False) ->
         return DataParallelClient(config)
     if engine_process:
         return EngineProcess(config)
-    return InProcessClient(LLMEngine(config=config))
+    return InProcessClient(ModelEngineCore(config=config))

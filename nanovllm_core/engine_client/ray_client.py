@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.llm_engine import resolve_device
+from nanovllm_core.engine.model_core import resolve_device
 from nanovllm_core.engine_client.base import Command, LoopAccount, Result
 from nanovllm_core.engine_client.data_parallel import (
     STOP_TIMEOUT_S,

@@ -29,10 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.core import EngineStats
-from nanovllm_core.engine.llm_engine import LLMEngine
-from nanovllm_core.engine_client.base import Command, Emit, EngineClient, Fail, LoopAccount, NewRequest, Result
-from nanovllm_core.errors import InvalidRequestError
+from nanovllm_core.engine.core import EngineCore, EngineStats
+from nanovllm_core.engine.model_core import ModelEngineCore
+from nanovllm_core.engine_client.base import Command, Emit, EngineClient, Fail, Inbox, LoopAccount, Result
 from nanovllm_core.gc_heap import freeze_startup_heap
 from nanovllm_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -83,22 +82,24 @@ def unpack_outputs(rows: list[list | tuple]) -> list[RequestOutput]:
     return outputs
 
 
-def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Command]], emit: Emit) -> None:
-    """Run until a ``stop`` command; ``next_commands(block)`` waits for commands only when ``block``.
+class StepLoop:
+    """One engine served by commands: :meth:`run` runs a batch of them, :meth:`step` one engine step; both hand their
+    results and outputs to ``emit``. The outputs are the core's (token ids): the front-end they go to makes the text."""
 
-    The engine hands over its core's outputs (token ids): the front-end they go to makes the text with its own
-    OutputProcessor, away from the loop every running request waits on."""
-    account = LoopAccount()
-    engine.output_processor = None
+    def __init__(self, engine: EngineCore, emit: Emit) -> None:
+        self.engine = engine
+        self.emit = emit
+        self.account = LoopAccount()
+        self.live: set[str] = set()  # requests in the engine, as this loop knows them
 
-    def hand_over(results: list[Result], outputs: list[RequestOutput]) -> None:
+    def hand_over(self, results: list[Result], outputs: list[RequestOutput]) -> None:
         start = time.perf_counter()
-        emit(results, outputs, time.monotonic(), account)
-        account.emit_seconds += time.perf_counter() - start
+        self.emit(results, outputs, time.monotonic(), self.account)
+        self.account.emit_seconds += time.perf_counter() - start
 
-    live: set[str] = set()  # requests in the engine, as this loop knows them
-    while True:
-        commands = next_commands(not engine.has_unfinished_requests())
+    def run(self, commands: list[Command]) -> bool:
+        """Run and answer ``commands``; True when one was ``stop`` (then every request left is aborted)."""
+        engine, live = self.engine, self.live
         results: list[Result] = []
         outputs: list[RequestOutput] = []
         stopping = False
@@ -126,24 +127,31 @@ def run_step_loop(engine: LLMEngine, next_commands: Callable[[bool], list[Comman
                 continue
             results.append((call_id, result, None))
         if stopping:
-            for request_id in list(live):
-                out = engine.abort_request(request_id)
-                if out is not None:
-                    outputs.append(out)
-            hand_over(results, outputs)
+            outputs += filter(None, (engine.abort_request(request_id) for request_id in list(live)))
+        if results or outputs or stopping:  # answer the callers now, not after the step
+            self.hand_over(results, outputs)
+        return stopping
+
+    def step(self) -> None:
+        """One engine step, when it has work."""
+        if not self.engine.has_unfinished_requests():
             return
-        if results or outputs:  # answer the callers now, not after the step
-            hand_over(results, outputs)
-        if engine.has_unfinished_requests():
-            start = time.perf_counter()
-            outputs = engine.step()
-            account.count_step(time.perf_counter() - start)
-            account.cpu_seconds = time.thread_time()
-            for out in outputs:
-                if out.finished:
-                    live.discard(out.request_id)
-            if outputs:
-                hand_over([], outputs)
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        self.account.count_step(time.perf_counter() - start)
+        self.account.cpu_seconds = time.thread_time()
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.request_id)
+        if outputs:
+            self.hand_over([], outputs)
+
+
+def run_step_loop(engine: EngineCore, next_commands: Callable[[bool], list[Command]], emit: Emit) -> None:
+    """Run until a ``stop`` command; ``next_commands(block)`` waits for commands only when ``block``."""
+    loop = StepLoop(engine, emit)
+    while not loop.run(next_commands(not engine.has_unfinished_requests())):
+        loop.step()
 
 
 def on_loop(loop: Any, fn: Callable[..., None]) -> Callable[..., None]:
@@ -159,15 +167,17 @@ def on_loop(loop: Any, fn: Callable[..., None]) -> Callable[..., None]:
 
 
 class InProcessClient(EngineClient):
-    """An :class:`LLMEngine` in this process. ``LLM`` drives it in the caller's thread (the pull methods call the
-    engine directly); ``AsyncLLM`` runs its step loop in a thread of this process (:meth:`start`)."""
+    """An engine core in this process. ``LLM`` and ``LLMEngine`` drive it in the caller's thread (the pull path runs
+    each command at once, and one engine step where it would wait for outputs); ``AsyncLLM`` runs its step loop in a
+    thread of this process (:meth:`start`)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: ModelEngineCore) -> None:
         self.engine = engine
         self.config: EngineConfig = engine.config
         self._cond = threading.Condition()
         self._pending: list[Command] = []
         self._thread: threading.Thread | None = None
+        self._driven: StepLoop | None = None  # the pull path's, in the caller's thread
 
     @property
     def tokenizer(self) -> Any:  # type: ignore[override]
@@ -181,42 +191,12 @@ class InProcessClient(EngineClient):
     def eos_token_ids(self) -> set[int]:  # type: ignore[override]
         return self.engine.eos_token_ids
 
-    # --- pull: the engine itself -----------------------------------------------------------------------
-
-    def add_requests(self, requests: list[NewRequest]) -> list[tuple[str, BaseException | None]]:
-        answers: list[tuple[str, BaseException | None]] = []
-        for prompt, params, request_id in requests:
-            try:
-                answers.append((self.engine.add_request(prompt, params, request_id), None))
-            except InvalidRequestError as exc:
-                answers.append((request_id or "", exc))
-        return answers
-
-    def step(self) -> list[RequestOutput]:
-        return self.engine.step()
-
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        return self.engine.abort_request(request_id)
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.engine.abort_request(request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests()
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return self.engine.num_unfinished_requests
-
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def shutdown(self) -> None:
-        if self._thread is not None:
-            self.close()
-        else:
-            self.engine.shutdown()
+    def _start_pull(self, inbox: Inbox) -> None:
+        self._driven = StepLoop(self.engine, inbox.emit)
+        inbox.drive = self._driven.step
 
     # --- push: the step loop in a thread ---------------------------------------------------------------
 
@@ -247,6 +227,9 @@ class InProcessClient(EngineClient):
         return commands
 
     def submit(self, commands: list[Command]) -> None:
+        if self._driven is not None:
+            self._driven.run(commands)
+            return
         with self._cond:
             self._pending.extend(commands)
             self._cond.notify()
@@ -280,8 +263,8 @@ def stderr_log_setup() -> LogSetup | None:
 def engine_process_main(
     build: Callable[[], Any], commands: Any, outputs: Any, log_setup: LogSetup | None = None
 ) -> None:
-    """The engine process: log as the front-end does (``log_setup``), build the engine (``build()``, an LLMEngine
-    in a server), say ready (or why not), run the loop until ``stop``."""
+    """The engine process: log as the front-end does (``log_setup``), build the engine (``build()``, a
+    ModelEngineCore in a server), say ready (or why not), run the loop until ``stop``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the front-end decides
     if log_setup is not None:  # a spawned process starts without the parent's logging set-up
         level, fmt, datefmt = log_setup
@@ -371,7 +354,7 @@ def _widen_pipe(connection: Any) -> None:
 class EngineProcess(EngineClient):
     """The step loop in a process of its own (``spawn``ed: CUDA needs a fresh process), over two pipes.
 
-    ``EngineProcess(config)`` builds an :class:`LLMEngine` of that :class:`EngineConfig` there; ``build`` (a
+    ``EngineProcess(config)`` builds a :class:`ModelEngineCore` of that :class:`EngineConfig` there; ``build`` (a
     picklable callable returning an engine-like object) builds something else, as benchmarks do.
     """
 
@@ -379,7 +362,7 @@ class EngineProcess(EngineClient):
         if build is None:
             if config is None:
                 raise TypeError("EngineProcess needs an EngineConfig or a build callable")
-            build = functools.partial(LLMEngine, config=config)
+            build = functools.partial(ModelEngineCore, config=config)
         ctx = multiprocessing.get_context("spawn")
         commands_out, self._commands = ctx.Pipe(duplex=False)
         self._outputs, outputs_in = ctx.Pipe(duplex=False)

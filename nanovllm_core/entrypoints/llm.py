@@ -6,7 +6,6 @@ import itertools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Sequence as SequenceABC
 from dataclasses import replace
 from pathlib import Path
@@ -16,11 +15,10 @@ from tqdm.auto import tqdm
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from nanovllm_core.engine.core import EngineStats, Prompt, tokenize_prompt
-from nanovllm_core.engine.llm_engine import resolve_config
+from nanovllm_core.engine.core import Prompt, tokenize_prompt
 from nanovllm_core.engine_client.base import EngineClient
-from nanovllm_core.engine_client.factory import make_engine_client
 from nanovllm_core.entrypoints.chat import render_chat
+from nanovllm_core.entrypoints.llm_engine import LLMEngine
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
@@ -32,11 +30,12 @@ logger = logging.getLogger(__name__)
 class LLM:
     """``LLM(model, config="nanovllm.toml", **overrides).generate(prompts, sampling_params)``.
 
-    The config is resolved here, once; :func:`make_engine_client` then picks how the engines run: one in this
-    process, or with ``data_parallel_size`` > 1 (keyword, config file or command line) that many replicas in
-    processes of their own, behind the same API (``replica_stats()`` and ``replica_processes`` are theirs). What
-    lives inside the one engine of this process (``runner``, ``scheduler``, ``block_manager``, ...) is reached as
-    ``llm.llm_engine.<name>`` or ``llm.<name>``. A context manager: ``with LLM(...) as llm:`` shuts it down on exit.
+    Built on an :class:`LLMEngine` (``llm.llm_engine``, vLLM's design), which resolves the config once and holds the
+    engine client :func:`make_engine_client` picks: one engine in this process, or with ``data_parallel_size`` > 1
+    (keyword, config file or command line) that many replicas in processes of their own, behind the same API
+    (``replica_stats()`` and ``replica_processes`` are theirs). What lives inside the one engine of this process
+    (``runner``, ``scheduler``, ``block_manager``, ...) is reached as ``llm.<name>``. A context manager:
+    ``with LLM(...) as llm:`` shuts it down on exit.
     """
 
     def __init__(
@@ -47,73 +46,42 @@ class LLM:
         cli_overrides: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        client = make_engine_client(resolve_config(model, config, cli_overrides, kwargs))
-        self.engine_client: EngineClient = client
-        self._finalizer = weakref.finalize(self, client.shutdown)
-        try:
-            self.config: EngineConfig = client.config
-            self.tokenizer = client.tokenizer
-            self.hf_config = client.hf_config
-            self.eos_token_ids: set[int] = set(client.eos_token_ids)
-        except BaseException:
-            self._finalizer()
-            raise
+        engine = self.llm_engine = LLMEngine(model, config, cli_overrides=cli_overrides, **kwargs)
+        self.engine_client: EngineClient = engine.engine_client
+        self.config: EngineConfig = engine.config
+        self.tokenizer = engine.tokenizer
+        self.hf_config = engine.hf_config
+        self.eos_token_ids: set[int] = engine.eos_token_ids
         self.max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
         self._lock = threading.RLock()  # one generate at a time
         self._generate_calls = itertools.count()
         self._sampling_defaults: dict[str, Any] | None = None
 
-    @property
-    def llm_engine(self) -> Any:
-        """The :class:`LLMEngine` of this process (vLLM's name); AttributeError when the engines run elsewhere."""
-        return self.engine_client.engine  # type: ignore[attr-defined]
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or "engine_client" not in self.__dict__:
+    def __getattr__(self, name: str) -> Any:  # step, has_unfinished_requests, stats, get_tokenizer, the engine's
+        if name.startswith("__") or "llm_engine" not in self.__dict__:
             raise AttributeError(name)
-        client = self.__dict__["engine_client"]
-        for owner in (getattr(client, "engine", None), client):
-            if owner is not None and hasattr(owner, name):
-                return getattr(owner, name)
-        if hasattr(client, "engine"):
-            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-        raise AttributeError(
-            f"{name!r} is not available with data_parallel_size > 1: the engines run in {type(client).__name__}'s "
-            "replica processes. Available: generate, chat, beam_search, embed, add_request, step, abort_request, "
-            "has_unfinished_requests, stats, replica_stats, replica_processes, shutdown, config, tokenizer, hf_config"
-        )
+        return getattr(self.__dict__["llm_engine"], name)
 
-    # --- requests, as LLMEngine's (the client's) ---------------------------------------------------------
+    # --- requests, with the arguments in LLM's order ----------------------------------------------------
 
     def add_request(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
         priority: int | None = None,
     ) -> str:
-        """Queue one request and return its id; drive it with :meth:`step` (``LLMEngine.add_request``'s contract)."""
+        """Queue one request and return its id; drive it with :meth:`step` (an invalid one raises
+        InvalidRequestError and queues nothing)."""
         return self.engine_client.add_request(prompt, sampling_params, request_id, priority)
-
-    def step(self) -> list[RequestOutput]:
-        """One engine step (data parallel: the outputs that arrived since the last call, waiting for one while
-        requests are unfinished)."""
-        return self.engine_client.step()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         return self.engine_client.abort_request(request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.engine_client.has_unfinished_requests()
 
     @property
     def num_unfinished_requests(self) -> int:
         return self.engine_client.num_unfinished_requests
 
-    def stats(self) -> EngineStats:
-        """The engine's stats (data parallel: every replica's combined)."""
-        return self.engine_client.stats()
-
     def shutdown(self) -> None:
         """Stop the engines and their processes (also done on garbage collection and at exit)."""
-        self._finalizer()
+        self.llm_engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -218,10 +186,6 @@ class LLM:
         if stats.num_preemptions:
             text += f", {stats.num_preemptions} preemptions"
         return text
-
-    def get_tokenizer(self) -> Any:
-        """The tokenizer prompts are encoded with (vLLM's ``LLM.get_tokenizer``)."""
-        return self.tokenizer
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` beams of each prompt (``beam_search``), one

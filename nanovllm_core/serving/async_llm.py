@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.core import Prompt, unwrap_prompt
-from nanovllm_core.engine.llm_engine import LLMEngine, load_tokenizer, resolve_config
+from nanovllm_core.engine.model_core import ModelEngineCore, load_tokenizer, resolve_config
 from nanovllm_core.engine_client.base import EngineClient, LoopAccount
 from nanovllm_core.engine_client.factory import make_engine_client
 from nanovllm_core.engine_client.step_loop import InProcessClient
@@ -174,16 +174,16 @@ class RequestStream:
 class AsyncLLM:
     """``async for out in engine.generate(prompt, params, request_id)``: incremental outputs of a request.
 
-    Build it around an engine (``AsyncLLM(LLMEngine(...))``: the step loop runs in a thread of this process) or
-    from a config (``AsyncLLM.from_config(model, ..., engine_process=True)`` runs it in a process of its own;
-    with ``data_parallel_size=N``, N replicas in processes of their own, each request on the least loaded).
+    Build it around an engine core (``AsyncLLM(ModelEngineCore(...))``: the step loop runs in a thread of this
+    process) or from a config (``AsyncLLM.from_config(model, ..., engine_process=True)`` runs it in a process of
+    its own; with ``data_parallel_size=N``, N replicas in processes of their own, each request on the least loaded).
     The step loop starts with :meth:`start` (or the first request) in the running event loop and stops with
     :meth:`shutdown`, which aborts whatever is still in flight. ``async with AsyncLLM(...)`` does both.
     """
 
-    def __init__(self, core: LLMEngine | EngineClient, observer: OutputObserver | None = None) -> None:
-        self.core: EngineClient = InProcessClient(core) if isinstance(core, LLMEngine) else core
-        self.engine: LLMEngine | None = getattr(self.core, "engine", None)  # None when it runs in its own process
+    def __init__(self, core: ModelEngineCore | EngineClient, observer: OutputObserver | None = None) -> None:
+        self.core: EngineClient = InProcessClient(core) if isinstance(core, ModelEngineCore) else core
+        self.engine: ModelEngineCore | None = getattr(self.core, "engine", None)  # None when it runs elsewhere
         self.config: EngineConfig = self.core.config
         self.observer = observer
         self.max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
@@ -365,7 +365,7 @@ class AsyncLLM:
             self.core.submit([(None, "abort", (request_id,) if samples is None else (request_id, samples))])
 
     async def stats(self) -> Any:
-        """``LLMEngine.stats()``, read between two steps."""
+        """The engine core's ``stats()``, read between two steps."""
         self._check_alive()
         return await self._call("stats", ())
 

@@ -2,7 +2,7 @@
 series vLLM has a counterpart of also under vLLM's own names, ``vllm:...``, so that a vLLM dashboard works unchanged).
 
 Engine state (running / waiting requests, KV-cache usage, prefix-cache hits, token and preemption counters)
-is read from ``LLMEngine.stats()`` at scrape time, with the step loop's own account (steps, time inside
+is read from the engine core's ``stats()`` at scrape time, with the step loop's own account (steps, time inside
 ``step()``, the loop thread's CPU time) and the process's CPU time; request latencies (time to first token, inter-token
 latency, end to end) are observed by the async front-end as outputs arrive, the stages of each finished request
 (queue, prefill, decode, inference; the front-end's part and the hand-overs to and from the engine) from its

@@ -97,7 +97,7 @@ def finish_order(config_file: Path, prompts: list[list[int]]) -> tuple[list[str]
     engine = LLMEngine(config=config_file)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, params, request_id=f"r{i}")
+        engine.add_request(f"r{i}", prompt, params)
     order, tokens = [], {}
     while engine.has_unfinished_requests():
         for out in engine.step():

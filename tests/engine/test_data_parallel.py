@@ -256,7 +256,7 @@ def test_add_request_step_and_abort(dp, single):
 
 
 def test_what_lives_inside_one_engine_says_it_is_not_available(dp):
-    for name in ("runner", "scheduler", "step_stats", "tp_group", "block_manager", "llm_engine"):
+    for name in ("runner", "scheduler", "step_stats", "tp_group", "block_manager"):
         with pytest.raises(AttributeError, match="not available with data_parallel_size > 1"):
             getattr(dp, name)
     assert type(dp) is LLM  # the same class, holding another client
@@ -286,7 +286,7 @@ def test_combine_stats_sums_counters_and_rates_over_all_blocks_and_queries():
 
 def test_config_flag_and_placement(qwen3_path, tmp_path, monkeypatch):
     from nanovllm_core.cli import build_parser, cli_overrides
-    from nanovllm_core.engine.llm_engine import resolve_config
+    from nanovllm_core.engine.model_core import resolve_config
 
     with pytest.raises(ConfigError, match="data_parallel_size"):
         EngineConfig.load(overrides={"model": "m", "data_parallel_size": 0})
@@ -507,12 +507,12 @@ def test_four_gpus_two_replicas_of_two_tensor_parallel_ranks(bf16_path):
     check_against_one_gpu(bf16_path, outs)
 
 
-def test_from_config_serves_replicas_and_an_llm_engine_refuses_them(qwen3_path):
-    from nanovllm_core import LLMEngine
+def test_from_config_serves_replicas_and_an_engine_core_refuses_them(qwen3_path):
+    from nanovllm_core.engine.model_core import ModelEngineCore
     from nanovllm_core.serving.async_llm import AsyncLLM
 
-    with pytest.raises(ConfigError, match="an LLMEngine is one replica"):
-        LLMEngine(str(qwen3_path), data_parallel_size=2, **ENGINE)
+    with pytest.raises(ConfigError, match="a ModelEngineCore is one replica"):
+        ModelEngineCore(str(qwen3_path), data_parallel_size=2, **ENGINE)
 
     async def main():
         llm = AsyncLLM.from_config(str(qwen3_path), data_parallel_size=2, **ENGINE)

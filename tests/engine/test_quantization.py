@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanovllm_core import LLM, ConfigError, ModelLoadError, QuantizationMethod, UnknownPluginError
-from nanovllm_core.engine.llm_engine import select_quantization
+from nanovllm_core.engine.model_core import select_quantization
 from nanovllm_core.plugins import get_registry, missing_hint
 from nanovllm_core.testing import write_tiny_checkpoint
 from nanovllm_core.testing.conformance import registered_for_test

@@ -129,7 +129,8 @@ def test_numpy_and_torch_integer_token_ids_are_accepted(llm, expected):
 
 def test_an_interrupt_while_prompts_are_added_leaves_nothing_queued(llm, expected, monkeypatch):
     added = []
-    real_add = llm.llm_engine.add_request
+    core = llm.engine_client.engine  # the engine core of this process
+    real_add = core.add_request
 
     def add_then_interrupt(*args, **kwargs):
         if len(added) == 2:
@@ -137,7 +138,7 @@ def test_an_interrupt_while_prompts_are_added_leaves_nothing_queued(llm, expecte
         added.append(real_add(*args, **kwargs))
         return added[-1]
 
-    monkeypatch.setattr(llm.llm_engine, "add_request", add_then_interrupt)
+    monkeypatch.setattr(core, "add_request", add_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS * 3, GREEDY, use_tqdm=False)
     monkeypatch.undo()
@@ -209,7 +210,7 @@ def test_warmup_first_step_fills_the_token_budget(qwen3_path, monkeypatch, caplo
         return check(self, batch)
 
     monkeypatch.setattr(EngineCore, "_check_step", recorded)
-    with caplog.at_level(logging.INFO, logger="nanovllm_core.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="nanovllm_core.engine.model_core"):
         warm = LLM(str(qwen3_path), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=80,
                    max_num_batched_tokens=200, max_num_seqs=24, warmup="on")  # fmt: skip
     assert re.search(r"a [\d.]+ s warm-up .* ran a step of max_num_batched_tokens", caplog.text)
@@ -224,11 +225,11 @@ def test_start_up_ends_with_a_full_garbage_collection(qwen3_path, caplog):
     import gc
     import logging
 
-    from nanovllm_core.engine.llm_engine import LLMEngine
+    from nanovllm_core.engine.model_core import ModelEngineCore
     from nanovllm_core.gc_heap import GCPauses
 
-    with caplog.at_level(logging.INFO, logger="nanovllm_core.engine.llm_engine"), GCPauses() as pauses:
-        engine = LLMEngine(str(qwen3_path), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=40)
+    with caplog.at_level(logging.INFO, logger="nanovllm_core.engine.model_core"), GCPauses() as pauses:
+        engine = ModelEngineCore(str(qwen3_path), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=40)
     assert pauses.collections[2] >= 1
     assert re.search(r"start-up took [\d.]+ s: .* a [\d.]+ s garbage collection", caplog.text)
     assert "no warm-up (warmup='auto')" in caplog.text  # auto: on CUDA only

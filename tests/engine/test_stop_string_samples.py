@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from nanovllm_core import LLM, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.engine_client.factory import make_engine_client
 from nanovllm_core.serving.async_llm import AsyncLLM
 
@@ -71,7 +72,7 @@ def test_the_core_stops_stepping_the_stopped_sample_at_once(qwen3_path, case, as
     """Right after the step whose output matched, the core runs sample 1 alone and holds only its blocks; sample 0
     gets no token more (with async scheduling its token in flight is dropped)."""
     engine = LLMEngine(str(qwen3_path), async_scheduling=async_scheduling, **ENGINE)
-    engine.add_request(PROMPT, dataclasses.replace(case.params, output_kind="delta"), "r")
+    engine.add_request("r", PROMPT, dataclasses.replace(case.params, output_kind="delta"))
     deltas, at_match = [], None
     while engine.has_unfinished_requests():
         used_before = engine.stats().num_kv_blocks - engine.stats().num_free_kv_blocks
@@ -108,7 +109,7 @@ def assert_sample_0_cut_short(generated: int) -> None:
 def test_async_llm(qwen3_path, case, where):
     async def main():
         if where == "in_process":
-            llm = AsyncLLM(LLMEngine(str(qwen3_path), **ENGINE))
+            llm = AsyncLLM(ModelEngineCore(str(qwen3_path), **ENGINE))
         else:
             llm = AsyncLLM.from_config(str(qwen3_path), engine_process=True, **ENGINE)
         async with llm:
@@ -143,8 +144,7 @@ def test_pulled_from_engines_in_processes_of_their_own(qwen3_path, case, where):
 def test_aborting_samples_in_the_core_leaves_the_others_running(qwen3_path):
     """``abort_request(request_id, samples)``: those samples end as aborted with what they had (the request's output
     holds them, unfinished), the others run to their end; bad indices are refused, naming the allowed ones."""
-    engine = LLMEngine(str(qwen3_path), **ENGINE)
-    engine.output_processor = None  # the core's own outputs: token ids
+    engine = ModelEngineCore(str(qwen3_path), **ENGINE)  # the core's own outputs: token ids
     engine.add_request(PROMPT, dataclasses.replace(FREE, n=3, max_tokens=20, output_kind="delta"), "r")
     outs = []
     for _ in range(4):

@@ -324,7 +324,7 @@ def test_a_step_cut_off_by_shutdown_says_so():
     """The race behind test_shutdown_while_another_thread_generates, made certain: the step has passed the
     group's check, then the group is left under it and its collective fails with whatever the backend says.
     The stepping thread hears that the engine was shut down; any other failure passes through unchanged."""
-    from nanovllm_core.engine.llm_engine import StepStats, _StepTimer
+    from nanovllm_core.engine.model_core import StepStats, _StepTimer
 
     class Group:
         closed = False

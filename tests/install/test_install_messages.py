@@ -14,7 +14,7 @@ import torch
 from nanovllm_core import ConfigError, LLMEngine, ModelLoadError, UnknownPluginError
 from nanovllm_core.cli import main
 from nanovllm_core.config import read_config_file
-from nanovllm_core.engine.llm_engine import select_attention_backend
+from nanovllm_core.engine.model_core import select_attention_backend
 from nanovllm_core.plugins import PROVIDERS, PluginRegistry, build_registry, new_plugin_manager
 
 
@@ -77,7 +77,7 @@ def test_a_missing_architecture_of_ours_names_its_distribution(
 ) -> None:
     registry = build_registry()
     registry.registrations["model"].clear()
-    monkeypatch.setattr("nanovllm_core.engine.llm_engine.get_registry", lambda: registry)
+    monkeypatch.setattr("nanovllm_core.engine.model_core.get_registry", lambda: registry)
     with pytest.raises(ModelLoadError) as info:
         LLMEngine(str(qwen3_path))
     assert str(info.value) == (

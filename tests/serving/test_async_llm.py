@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from serving_helpers import ENGINE
 
-from nanovllm_core import InvalidRequestError, LLMEngine, SamplingParams
+from nanovllm_core import InvalidRequestError, SamplingParams
+from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream, merge_deltas
 
@@ -20,11 +21,11 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_path) -> LLMEngine:
-    return LLMEngine(str(tiny_path), **ENGINE)
+def engine(tiny_path) -> ModelEngineCore:
+    return ModelEngineCore(str(tiny_path), **ENGINE)
 
 
-def run(engine: LLMEngine, body) -> object:
+def run(engine: ModelEngineCore, body) -> object:
     """Run ``body(async_llm)`` in a fresh event loop with a fresh AsyncLLM around the shared engine."""
 
     async def main():

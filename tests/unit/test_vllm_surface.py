@@ -262,7 +262,7 @@ def test_request_output_kind_is_accepted_where_output_kind_strings_are(qwen3_pat
     outputs: dict[str, list[Any]] = {}
     for request_id, kind in (("delta", RequestOutputKind.DELTA), ("cumulative", RequestOutputKind.CUMULATIVE)):
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, output_kind=kind)
-        engine.add_request([1, 2, 3], params, request_id=request_id)
+        engine.add_request(request_id, [1, 2, 3], params)
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(list(out.outputs[0].token_ids))

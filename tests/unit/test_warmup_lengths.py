@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanovllm_core.engine.llm_engine import WARMUP_MAX_TOKENS, warmup_prompt_lengths
+from nanovllm_core.engine.model_core import WARMUP_MAX_TOKENS, warmup_prompt_lengths
 
 
 def blocks(n: int, block_size: int) -> int:

@@ -11,7 +11,8 @@ class; pytest collects every check::
 
 - :class:`SchedulerConformance` and :class:`BlockManagerConformance` drive the plugin through a
   :class:`SimulatedEngine` (a fake model and a simulated KV cache that knows which token every slot holds), so
-  they run in milliseconds, then run the real :class:`~nanovllm_core.LLMEngine` on a tiny checkpoint.
+  they run in milliseconds, then run the real engine core
+  (:class:`~nanovllm_core.engine.model_core.ModelEngineCore`) on a tiny checkpoint.
 - :class:`AttentionBackendConformance` compares the backend with dense float64 attention on ragged batches
   (prompt chunks over cached context next to decode tokens, MHA and GQA).
 - :class:`ModelConformance` compares the engine's greedy output with ``transformers``.

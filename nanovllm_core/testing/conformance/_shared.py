@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.hookspecs import PLUGIN_API_VERSION, hookimpl
 from nanovllm_core.plugins import KINDS, get_registry, register_plugin, unregister_plugin
 from nanovllm_core.sampling_params import SamplingParams
@@ -107,7 +107,7 @@ def shared_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, arch: str =
 
 
 def run_engine(
-    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, max_steps: int = 10_000
+    engine: ModelEngineCore, prompts: list[list[int]], max_tokens: int, max_steps: int = 10_000
 ) -> list[list[int]]:
     import pytest
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -121,7 +121,7 @@ def run_engine(
     else:
         pytest.fail(f"the engine did not finish {len(prompts)} requests within {max_steps} steps")
     missing = [i for i in ids if i not in outputs]
-    assert not missing, f"requests {missing} never came back from LLMEngine.step()"
+    assert not missing, f"requests {missing} never came back from ModelEngineCore.step()"
     return [outputs[i] for i in ids]
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.errors import ModelLoadError
 from nanovllm_core.loader import iter_safetensors, load_hf_config
 from nanovllm_core.plugins import check_registration
@@ -85,7 +85,7 @@ class ModelConformance:
         prompts = [first, [rng.randrange(3, vocab) for _ in range(3)], [rng.randrange(3, vocab) for _ in range(70)],
                    first[:32] + [rng.randrange(3, vocab) for _ in range(3)]]
         with registered_for_test("model", self.model_cls, name=self.get_architecture()):
-            engine = LLMEngine(
+            engine = ModelEngineCore(
                 model=str(model_checkpoint), device="cpu", dtype="float32", num_kvcache_blocks=64,
                 kvcache_block_size=16, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
                 plugins={"attention": self.attention},

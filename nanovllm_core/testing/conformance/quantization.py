@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.layers.linear import UNQUANTIZED, _Linear
 from nanovllm_core.plugins import check_registration, get_registry
 from nanovllm_core.quantization import QuantizationMethod
@@ -76,13 +76,13 @@ class QuantizationConformance:
             found[family] = (quantized, settings, kit.reference_checkpoint(src, quantized, root / "reference"))
         return found
 
-    def engine(self, checkpoint: Path, settings: dict[str, Any], **overrides: Any) -> LLMEngine:
+    def engine(self, checkpoint: Path, settings: dict[str, Any], **overrides: Any) -> ModelEngineCore:
         installed_plugin("attention", self.attention, "attention")
         values = dict(
             model=str(checkpoint), device="cpu", dtype="float32", num_kvcache_blocks=64, kvcache_block_size=16,
             max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, plugins={"attention": self.attention},
         )  # fmt: skip
-        return LLMEngine(**{**values, **settings, **overrides})
+        return ModelEngineCore(**{**values, **settings, **overrides})
 
     def prompts(self, vocab: int = 384) -> list[list[int]]:
         rng = random.Random(3)

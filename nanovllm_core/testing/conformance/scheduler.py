@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.interfaces import BlockManager, Scheduler
 from nanovllm_core.plugins import check_registration, get_registry
@@ -256,7 +256,7 @@ class SchedulerConformance:
         with registered_for_test("scheduler", self.scheduler_cls) as scheduler, registered_for_test(
             "block_manager", bm_cls
         ) as block_manager:
-            engine = LLMEngine(
+            engine = ModelEngineCore(
                 model=str(conformance_checkpoint), device="cpu", num_kvcache_blocks=6, kvcache_block_size=16,
                 max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
                 async_scheduling="on" if async_scheduling else "off",

@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.testing.conformance._shared import fixture, installed_plugin, shared_tiny_checkpoint
 
@@ -57,7 +57,7 @@ class SchedulerParity:
         return SamplingParams(temperature=0, max_tokens=self.max_new_tokens, ignore_eos=True, **kwargs)
 
     def engine(self, path: Path, scheduler: str, async_scheduling: bool = False, options: dict | None = None,
-               **settings: Any) -> LLMEngine:
+               **settings: Any) -> ModelEngineCore:
         from nanovllm_core.entrypoints.llm import LLM
 
         for kind, name in (("scheduler", scheduler), ("attention", "torch"), ("model", "Qwen3ForCausalLM")):
@@ -72,7 +72,7 @@ class SchedulerParity:
         outs = llm.generate(prompts, params or self.greedy(), use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
-    def check_engine_after(self, llm: LLMEngine) -> None:
+    def check_engine_after(self, llm: ModelEngineCore) -> None:
         """After every run: every block free (subclasses add the policy's own checks)."""
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "blocks left in use"
 

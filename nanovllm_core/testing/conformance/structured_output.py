@@ -306,8 +306,7 @@ class StructuredOutputConformance:
     def test_an_invalid_constraint_is_refused_when_added(self, llm: Any) -> None:
         import pytest
 
-        engine = llm.llm_engine
         broken = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(ab"))
         with pytest.raises(InvalidRequestError, match=r"structured_outputs\.regex is invalid"):
-            engine.add_request([1, 2, 3], broken)
-        assert not engine.has_unfinished_requests()
+            llm.add_request([1, 2, 3], broken)
+        assert not llm.has_unfinished_requests()

@@ -9,7 +9,7 @@ import pytest
 from nanovllm_bench.simulate import Calibration, TraceRequest, TraceSimulator
 
 from nanovllm_core import SamplingParams
-from nanovllm_core.engine.llm_engine import LLMEngine
+from nanovllm_core.engine.model_core import ModelEngineCore
 
 LIMITS = dict(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=512)
 
@@ -39,7 +39,7 @@ def test_same_steps_same_batches_as_the_real_engine(qwen3_path, scheduler, block
     times = sim.replay(small_trace())
     assert sim.steps > 20 and len({t.admitted_step for t in times}) > 3  # arrivals spread over the run
 
-    engine = LLMEngine(
+    engine = ModelEngineCore(
         str(qwen3_path), kvcache_block_size=16, num_kvcache_blocks=blocks, async_scheduling="on",
         plugins={"scheduler": scheduler}, **LIMITS,
     )

@@ -1,4 +1,4 @@
-"""LLMEngine: requests in, one scheduling step at a time, RequestOutputs out."""
+"""ModelEngineCore: the engine core of one loaded model (vLLM v1's ``EngineCore`` with its executor): token ids out."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,19 +31,17 @@ from nanovllm_core.errors import ConfigError, ModelLoadError, UnknownPluginError
 from nanovllm_core.generation_config import sampling_defaults
 from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler, SchedulerOutput
 from nanovllm_core.loader import checkpoint_quantization_config, load_hf_config
-from nanovllm_core.output_processor import OutputProcessor, engine_params
-from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.plugins import (
     PluginRegistry,
     get_registry,
     installed_architecture,
     none_installed_hint,
 )
-from nanovllm_core.sampling_params import SamplingParams, with_priority
+from nanovllm_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "Prompt", "StepStats"]
+__all__ = ["ModelEngineCore", "Prompt", "StepStats"]
 
 
 WARMUP_DECODE_PROMPT = 3  # tokens of each warm-up request that is there to decode
@@ -252,14 +249,13 @@ def read_eos_token_ids(hf_config: Any, model: str, tokenizer: Any) -> set[int]:
     return ids
 
 
-class LLMEngine(EngineCore):
-    """The engine: ``add_request`` then ``step`` until ``has_unfinished_requests()`` is false.
+class ModelEngineCore(EngineCore):
+    """The engine core of one model: ``add_request`` then ``step`` until ``has_unfinished_requests()`` is false.
 
-    Loads the config, the plugins, the tokenizer and the model; :class:`EngineCore` owns the requests and steps,
-    and the front-end's :class:`OutputProcessor` makes their outputs' text (``add_request``, ``step`` and
-    ``abort_request`` here go through it, unless a step loop serves a front-end with an output processor of its
-    own: token ids out, the text made where the outputs arrive). A context manager: ``with LLMEngine(...) as
-    engine:`` shuts it down on exit.
+    Loads the config, the plugins, the tokenizer (to encode prompts) and the model, and runs :class:`EngineCore`'s
+    request table and steps on a :class:`ModelRunner` (vLLM v1's ``EngineCore`` with its executor). Its outputs carry
+    token ids only: the front-ends (``LLMEngine``, ``LLM``, ``AsyncLLM``) make the text. A context manager:
+    ``with ModelEngineCore(...) as core:`` shuts it down on exit.
     """
 
     def __init__(
@@ -275,8 +271,8 @@ class LLMEngine(EngineCore):
         cfg = self.config
         if cfg.data_parallel_size > 1:
             raise ConfigError(
-                f"data_parallel_size={cfg.data_parallel_size}: an LLMEngine is one replica; use LLM(...) (offline) or "
-                "AsyncLLM.from_config(...) / nanovllm serve (online), which start the replicas"
+                f"data_parallel_size={cfg.data_parallel_size}: a ModelEngineCore is one replica; use LLM(...) or "
+                "LLMEngine(...) (offline), AsyncLLM.from_config(...) or nanovllm serve (online), which start them"
             )
         registry = get_registry()
         scheduler_cls = registry.get("scheduler", cfg.plugins.scheduler).obj
@@ -306,8 +302,6 @@ class LLMEngine(EngineCore):
             validate_options("structured_output", structured_cls, cfg.plugins.structured_output_options)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.eos_token_ids = read_eos_token_ids(self.hf_config, cfg.model, self.tokenizer)
-        # None while a step loop serves a front-end that makes the text itself (engine_client.step_loop)
-        self.output_processor: OutputProcessor | None = OutputProcessor(self.tokenizer)
         # a generation_config folder without the file fails here, early; LLM.get_default_sampling_params reads this
         defaults = self._sampling_defaults = sampling_defaults(cfg)
         if defaults:
@@ -446,45 +440,6 @@ class LLMEngine(EngineCore):
         self.tp_group = TensorParallelGroup(spec, tp)
         weakref.finalize(self, self.tp_group.close)
 
-    # --- requests, through the output processor ---------------------------------------------------------
-
-    def add_request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-        priority: int | None = None,
-    ) -> str:  # fmt: skip
-        """Queue one request and return its id (:meth:`EngineCore.add_request`)."""
-        processor = self.output_processor
-        if processor is None:
-            return super().add_request(prompt, sampling_params, request_id, priority)
-        params = with_priority(sampling_params, priority)
-        with self._lock:
-            request_id = super().add_request(prompt, engine_params(params), request_id)
-            processor.add(request_id, params)
-            return request_id
-
-    def step(self) -> list[RequestOutput]:
-        """Run one step (:meth:`EngineCore.step`); the samples (or whole requests) that a stop string finished are
-        aborted in the core."""
-        processor = self.output_processor
-        if processor is None:
-            return super().step()
-        with self._lock:
-            outputs, stopped = processor.process_outputs(super().step())
-            for request_id, samples in stopped:  # the core's answer only clears the processor's record of the stop
-                aborted = super().abort_request(request_id, samples)
-                processor.process_outputs([aborted] if aborted is not None else [])
-            return outputs
-
-    def abort_request(self, request_id: str, samples: Iterable[int] | None = None) -> RequestOutput | None:
-        """Stop a request (or only its ``samples``) wherever it is and free its blocks. Returns its output so far, or
-        None if unknown (:meth:`EngineCore.abort_request`)."""
-        with self._lock:
-            raw = super().abort_request(request_id, samples)
-            if raw is None or self.output_processor is None:
-                return raw
-            outputs = self.output_processor.process_outputs([raw])[0]
-            return outputs[0] if outputs else raw
-
     def stats(self) -> EngineStats:
         stats = super().stats()
         runner = self.runner
@@ -533,7 +488,7 @@ class LLMEngine(EngineCore):
         except Exception:  # noqa: BLE001 - a failed device or an unwritable path: shutdown goes on
             logger.warning("could not write the step records to %s", path, exc_info=True)
 
-    def __enter__(self) -> LLMEngine:
+    def __enter__(self) -> ModelEngineCore:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
