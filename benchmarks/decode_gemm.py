@@ -1,7 +1,7 @@
 """How fast the decode step's projections read their weights: each layer's GEMM at the batch sizes decode meets.
 
     python benchmarks/decode_gemm.py [--shape qwen3-0.6b] [--rows 1,16,64,128,256,512] [--blas default,cublaslt]
-                                     [--skinny] [--sweep] [--norm] [--iters 50] [--json PATH]
+                                     [--skinny] [--sweep] [--norm] [--fp8] [--iters 50] [--json PATH]
                                      [--results-dir results]
 
 A decode step multiplies ``rows`` activations (one per running sequence) by every weight matrix once: at small
@@ -19,8 +19,13 @@ times every block configuration of it instead of its default one, printing the f
 projections in the skinny kernel's prologue (``skinny_norm_linear``, ``norm`` = ``prologue``) against
 ``rms_norm_kernel`` then the skinny kernel (``norm`` = ``separate``), gate-up with its SiLU in both. At a few rows a
 GEMM's fixed latency, not its bytes, can set its time: this says, layer by layer, how far each projection is from
-reading its weights at the copy rate. On a machine without CUDA it runs on the CPU with ``--rows`` as given (a check
-of the script, not a measurement of interest). Without ``--json`` the report goes to
+reading its weights at the copy rate. ``--fp8`` adds nanovllm-quant-fp8's products of the same layers with e4m3
+weights: its weight-only kernel for a few rows (``w8a16-channel``, and ``w8a16-block`` with Qwen's 128 x 128 block
+scales; ``--sweep`` times every configuration of it instead of the skinny kernel's) and, for any row count, the
+activation quantization followed by the FP8 GEMM (``w8a8-channel``: ``torch._scaled_mm``; ``w8a8-block``: the
+plugin's block-scaled Triton kernel); the weights' read rate counts their FP8 bytes. On a machine without CUDA it
+runs on the CPU with ``--rows`` as given, the FP8 kernels in Triton's interpreter (a check of the script, not a
+measurement of interest). Without ``--json`` the report goes to
 RESULTS_DIR/kernels/decode_gemm_SHAPE.json.
 """
 
@@ -143,6 +148,7 @@ def measure(
     skinny: bool = False,
     sweep: bool = False,
     norm: bool = False,
+    fp8: bool = False,
 ) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -160,10 +166,12 @@ def measure(
             del weights
         if device.type == "cuda":
             torch.backends.cuda.preferred_blas_library("default")
-    if skinny or sweep:
+    if skinny or (sweep and not fp8):
         results += measure_skinny(shape_name, rows, iters, sweep, device, dtype)
     if norm:
         results += measure_norm(shape_name, rows, iters, device, dtype)
+    if fp8:
+        results += measure_fp8(shape_name, rows, iters, sweep, device, dtype)
     return {
         "shape": shape_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -235,16 +243,104 @@ def measure_norm(
     return results
 
 
+FP8_BLOCK = (128, 128)  # Qwen's FP8 releases
+FP8_SWEEP = [
+    {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
+    for n in (4, 8, 16, 32, 64)
+    for k in (64, 128, 256, 512, 1024)
+    for w in (2, 4, 8)
+    for st in (4,)
+]
+
+
+def fp8_configs(m: int, n: int, k: int, block: tuple[int, int] | None, sweep: bool) -> list[dict[str, Any]]:
+    from nanovllm_quant_fp8.kernels import w8a16_config
+
+    default = w8a16_config(m, n, k, block)
+    if not sweep:
+        return [default]
+    found = []
+    for c in FP8_SWEEP:
+        config = dict(default, **c)
+        if default["USE_DOT"]:
+            fits = c["BLOCK_N"] >= 16 and c["BLOCK_K"] <= 512 and default["M_PAD"] * c["BLOCK_N"] <= 1024
+        else:
+            fits = c["BLOCK_K"] >= 128 and default["M_PAD"] * c["BLOCK_N"] * c["BLOCK_K"] <= 32768
+        if fits and c["BLOCK_K"] <= max(64, k) and (block is None or block[1] % c["BLOCK_K"] == 0):
+            found.append(config)
+    return found
+
+
+def _w8a8_channel(x, w, scale):
+    from nanovllm_quant_fp8 import kernels
+
+    xq, x_scale = kernels.quantize_activation(x, None)
+    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+
+
+def _w8a8_block(x, w, scale):
+    from nanovllm_quant_fp8 import kernels
+
+    xq, x_scale = kernels.quantize_activation(x, FP8_BLOCK[1])
+    return kernels.w8a8_block_matmul(xq, x_scale, w, scale, FP8_BLOCK, x.dtype)
+
+
+def measure_fp8(
+    shape_name: str, rows: list[int], iters: int, sweep: bool, device: torch.device, dtype: torch.dtype
+) -> list[dict[str, Any]]:
+    """nanovllm-quant-fp8's products of each projection with its e4m3 weight (per output channel, and per 128 x 128
+    block): ``w8a16-*`` (rows up to the kernel's ``MAX_ROWS``; its default configuration, or with ``sweep`` the
+    fastest, named in ``config``) and ``w8a8-*`` (activation quantization + FP8 GEMM, every row count)."""
+    from nanovllm_quant_fp8 import fp8, kernels
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16  # the kernels take 16-bit activations, the CPU's interpreter too
+    results = []
+    for name, (k, n) in projections(SHAPES[shape_name]).items():
+        if name == "lm_head":  # the method leaves it in 16 bits
+            continue
+        w = torch.randn(n, k, device=device) * 0.02
+        weight_bytes = n * k  # one byte a weight
+        copies = min(64, -(-COLD_BYTES // weight_bytes)) if cuda else 1
+        for block in (None, FP8_BLOCK):
+            wq, scale = fp8.quantize_weight_per_channel(w) if block is None else fp8.quantize_weight_blockwise(w, block)
+            scale = scale.float().reshape(-1) if block is None else scale.float().contiguous()
+            pairs = [(wq, scale)] + [(wq.clone(), scale) for _ in range(copies - 1)]  # each call reads a cold copy
+            kind = "channel" if block is None else "block"
+            for m in rows:
+                x = torch.randn(m, k, dtype=dtype, device=device)
+                timed = []
+                if m <= kernels.MAX_ROWS:
+                    for config in fp8_configs(m, n, k, block, sweep and cuda):
+
+                        def w8a16(x, pair, config=config, block=block):
+                            return kernels.w8a16_linear(x, pair[0], pair[1], block, config=config)
+
+                        timed.append((time_linear(x, pairs, iters if cuda else 1, w8a16), config))
+                    seconds, config = min(timed, key=lambda t: t[0])
+                    results.append(result_row(f"w8a16-{kind}", name, m, k, n, seconds, weight_bytes, config=config))
+                product = _w8a8_channel if block is None else _w8a8_block
+                if cuda or m <= 16:  # the interpreter's block GEMM is slow
+
+                    def w8a8(x, pair, product=product):
+                        return product(x, pair[0], pair[1])
+
+                    seconds = time_linear(x, pairs, iters if cuda else 1, w8a8)
+                    results.append(result_row(f"w8a8-{kind}", name, m, k, n, seconds, weight_bytes))
+            del pairs
+    return results
+
+
 def print_table(report: dict[str, Any]) -> None:
     copy = report["copy_tb_per_s"]
     print(
         f"{report['shape']} on {report['device']}, {report['dtype']}" + (f", copy rate {copy:.2f} TB/s" if copy else "")
     )
-    print(f"{'blas':9} {'layer':8} {'in x out':>14} {'rows':>5} {'us':>9} {'TFLOP/s':>8} {'weights TB/s':>13}")
+    print(f"{'blas':13} {'layer':8} {'in x out':>14} {'rows':>5} {'us':>9} {'TFLOP/s':>8} {'weights TB/s':>13}")
     for r in report["results"]:
         share = f" ({100 * r['weight_tb_per_s'] / copy:.0f}%)" if copy else ""
         print(
-            f"{r['blas']:9} {r['layer']:8} {r['in']:>6} x {r['out']:<6} {r['rows']:>5} {r['us']:>9.1f} "
+            f"{r['blas']:13} {r['layer']:8} {r['in']:>6} x {r['out']:<6} {r['rows']:>5} {r['us']:>9.1f} "
             f"{r['tflops']:>8.1f} {r['weight_tb_per_s']:>7.2f}{share}"
             + (f"  {r['config']}" if "config" in r else "")
             + (f"  norm {r['norm']}" if "norm" in r else "")
@@ -257,11 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", default="1,16,64,128,256,512", help="comma-separated batch sizes (rows)")
     parser.add_argument("--blas", default="default,cublaslt", help="comma-separated BLAS back-ends to compare")
     parser.add_argument("--skinny", action="store_true", help="also time the engine's kernel for a few rows")
-    parser.add_argument("--sweep", action="store_true", help="time every block configuration of that kernel")
+    parser.add_argument("--sweep", action="store_true", help="time every block configuration of the few-row kernels")
     parser.add_argument(
         "--norm",
         action="store_true",
         help="time the add + RMSNorm in that kernel's prologue against a kernel before it",
+    )
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also time nanovllm-quant-fp8's products with e4m3 weights (with --sweep: every configuration of its "
+        "few-row kernel)",
     )
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", help="write the report here ('-': stdout; default: in --results-dir)")
@@ -281,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     if not rows or min(rows) < 1:
         parser.error(f"--rows {args.rows!r}: comma-separated positive integers, e.g. 1,64,256")
     blas = [b.strip() for b in args.blas.split(",") if b.strip()]
-    report = measure(args.shape, rows, blas, args.iters, skinny=args.skinny, sweep=args.sweep, norm=args.norm)
+    report = measure(
+        args.shape, rows, blas, args.iters, skinny=args.skinny, sweep=args.sweep, norm=args.norm, fp8=args.fp8
+    )
     print_table(report)
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)
