@@ -31,7 +31,26 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-class PluginsConfig(BaseModel):
+class FreezableModel(BaseModel):
+    """A pydantic model whose fields can no longer be assigned once :meth:`freeze` ran (a copy made with
+    ``model_copy`` stays frozen, and so does one that crossed a process boundary by pickle)."""
+
+    _frozen: bool = PrivateAttr(default=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in type(self).model_fields and (getattr(self, "__pydantic_private__", None) or {}).get("_frozen"):
+            raise ConfigError(
+                f"{type(self).__name__}.{name} cannot be set: the configuration is finished, and every part of the "
+                "engine reads the same values; give the value before the engine starts"
+            )
+        super().__setattr__(name, value)
+
+    def freeze(self) -> None:
+        """Refuse assignments to the fields from now on."""
+        self._frozen = True
+
+
+class PluginsConfig(FreezableModel):
     """Which plugin serves each role, by its registered name, and the options handed to it."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -54,13 +73,17 @@ class PluginsConfig(BaseModel):
     )
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(FreezableModel):
     """Everything the engine needs to know before it loads a model.
 
     Invalid values raise :class:`ConfigError` naming the field and what is allowed, before any weights load.
     Validation is strict: a value must already have its field's type (``max_num_seqs="64"`` and
     ``enforce_eager="yes"`` are errors, not converted); an integer is accepted where a number is expected,
     and a path object where a path is. Command-line flags are parsed into their types first.
+
+    :func:`nanovllm_core.engine.config_resolver.create_engine_config` finishes it once per process, before any
+    engine client exists: ``max_model_len``, ``device``, ``dtype``, ``quantization`` and the attention and
+    structured-output backends become what the engine runs with, and the object is frozen (:attr:`finished`).
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
@@ -268,8 +291,32 @@ class EngineConfig(BaseModel):
         config._sources = sources
         return config
 
+    @property
+    def finished(self) -> bool:
+        """Whether the resolver finished this config: its values are the ones the engine runs with, and it is
+        frozen."""
+        return self._frozen
+
+    def finished_copy(self, values: dict[str, Any], plugin_values: dict[str, Any]) -> EngineConfig:
+        """A frozen copy with ``values`` (and ``plugin_values`` in ``plugins``) set, marked finished: what the
+        resolver returns. The values are the resolver's own decisions, valid by construction."""
+        plugins = self.plugins.model_copy(update=plugin_values)
+        plugins.freeze()
+        finished = self.model_copy(update={**values, "plugins": plugins})
+        sources = dict(self._sources)
+        changed = [(k, getattr(self, k), v) for k, v in values.items()]
+        changed += [(f"plugins.{k}", getattr(self.plugins, k), v) for k, v in plugin_values.items()]
+        for key, before, after in changed:
+            if after != before:
+                given = "unset" if before is None else repr(before)
+                sources[key] = f"resolved; {self.source_of(key)} gave {given}"
+        finished._sources = sources
+        finished.freeze()
+        return finished
+
     def source_of(self, key: str) -> str:
-        """Where a value came from: ``default``, ``file PATH``, ``keyword argument`` or ``command line``."""
+        """Where a value came from: ``default``, ``file PATH``, ``keyword argument`` or ``command line``; in a finished
+        config, ``resolved; SOURCE gave VALUE`` for a value the resolver decided (``auto``, unset)."""
         return self._sources.get(key, "default")
 
 

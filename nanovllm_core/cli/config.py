@@ -24,9 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     config = sub.add_parser(
         "config",
         help="show the resolved config and where each value came from",
-        description="Print the resolved engine configuration and where each value came from, after the checks "
-        "`generate` and `serve` make before loading weights (plugins installed, their options, the model folder's "
-        "architecture and length when it exists). Exits 2 on an invalid configuration.",
+        description="Print the resolved engine configuration and where each value came from. When the model folder "
+        "holds a checkpoint, the configuration is finished as `generate` and `serve` finish it, on this host, with "
+        "every check they make before loading weights (max_model_len, device, dtype, quantization and attention "
+        "backend decided); else the checks that need no checkpoint. Exits 2 on an invalid configuration.",
     )
     config_which = config.add_mutually_exclusive_group()
     config_which.add_argument("--model", help="checkpoint folder (or set `model` in --config)")
@@ -162,8 +163,8 @@ def config_reference() -> str:
         "An invalid value fails before any weights load, naming the field and what is allowed. Where the `plugins`",
         "table merges, so do its `*_options` tables, option by option.",
         "",
-        "Values are checked strictly: each must already have its field's type, so `max_num_seqs = \"64\"` or",
-        "`enforce_eager = \"yes\"` (in a file or as a keyword argument) is an error, not converted. An integer is",
+        'Values are checked strictly: each must already have its field\'s type, so `max_num_seqs = "64"` or',
+        '`enforce_eager = "yes"` (in a file or as a keyword argument) is an error, not converted. An integer is',
         "accepted where a number is expected, and a path object for `model` and `tokenizer`. Command-line flags are",
         "parsed into their types first (`--max-num-seqs 64`, `--no-enforce-eager`). Plugin options are checked",
         "before any weights load too: strictly by the plugin's `Options` model when it has one, else by name",
@@ -205,6 +206,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         sys.stdout.write(config_reference())
         return 0
     from nanovllm_core.config import read_config_file
+    from nanovllm_core.engine.config_resolver import finish_config, load_config
 
     overrides = cli_overrides(args)
     if args.demo:
@@ -217,41 +219,28 @@ def cmd_config(args: argparse.Namespace) -> int:
             'model is not set: put `model = "/path/to/checkpoint"` in the --config file or pass --model '
             "(`nanovllm config --reference` lists every field and its default)"
         )
-    config = EngineConfig.load(args.config, cli_overrides=overrides)
-    check_before_loading(config)
+    config = load_config(None, args.config, overrides, {})
+    if (Path(config.model) / "config.json").is_file():
+        config = finish_config(config)  # what generate and serve run with: every check of theirs, on this host
+    else:
+        check_before_loading(config)
     sys.stdout.write(render_config(config))
     return 0
 
 
 def check_before_loading(config: EngineConfig) -> None:
-    """What the engine checks before any weights load, beyond the config's own fields, in the engine's order and
-    with its errors: the selected scheduler and block manager are installed; when the model folder has a
-    config.json, its architecture has a model plugin and ``max_model_len`` fits it; a named attention backend is
-    installed; the plugins take the options given. Left to the engine, which knows its device: whether a named
-    attention backend runs there, and which backend ``auto`` picks (so the options of ``auto``'s pick)."""
+    """For a model folder without a checkpoint (where the config cannot be finished): what can be checked without
+    one, in the resolver's order and with its errors: the selected scheduler and block manager are installed; a
+    named attention backend is installed; the plugins take the options given."""
     from nanovllm_core.engine.options import validate_options
-    from nanovllm_core.errors import ModelLoadError
-    from nanovllm_core.plugins import get_registry, installed_architecture
+    from nanovllm_core.plugins import get_registry
 
     registry = get_registry()
     plugins = config.plugins
     scheduler = registry.get("scheduler", plugins.scheduler).obj
     block_manager = registry.get("block_manager", plugins.block_manager).obj
-    hf_config_file = Path(config.model) / "config.json"
-    if hf_config_file.is_file():
-        try:
-            hf_config = json.loads(hf_config_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"{hf_config_file} cannot be read as JSON: {exc}") from None
-        installed_architecture(registry, config.model, hf_config.get("architectures"))
-        max_positions = hf_config.get("max_position_embeddings")
-        if config.max_model_len is not None and max_positions and config.max_model_len > max_positions:
-            raise ConfigError(
-                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings ({max_positions})"
-            )
     attention = registry.get("attention", plugins.attention).obj if plugins.attention != "auto" else None
     validate_options("scheduler", scheduler, plugins.scheduler_options)
     validate_options("block_manager", block_manager, plugins.block_manager_options)
     if attention is not None:
         validate_options("attention", attention, plugins.attention_options)
-

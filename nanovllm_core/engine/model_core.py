@@ -16,9 +16,16 @@ from typing import Any
 import torch
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.config_resolver import (
+    finish_config,
+    load_config,
+    resolve_device,
+    select_attention_backend,
+    select_quantization,
+)
 from nanovllm_core.engine.core import EngineCore, EngineStats, Prompt
-from nanovllm_core.engine.model_runner import ModelRunner, model_shape
-from nanovllm_core.engine.options import instantiate, validate_options, validate_plugin_options
+from nanovllm_core.engine.model_runner import ModelRunner
+from nanovllm_core.engine.options import instantiate
 from nanovllm_core.engine.parallel import (
     RunnerSpec,
     TensorParallelGroup,
@@ -27,21 +34,24 @@ from nanovllm_core.engine.parallel import (
     serve_torchrun,
 )
 from nanovllm_core.engine.structured_output import StructuredOutputManager, select_structured_output_backend
-from nanovllm_core.errors import ConfigError, ModelLoadError, UnknownPluginError
+from nanovllm_core.errors import ConfigError, ModelLoadError
 from nanovllm_core.generation_config import sampling_defaults
-from nanovllm_core.interfaces import AttentionBackend, BlockManager, Scheduler, SchedulerOutput
-from nanovllm_core.loader import checkpoint_quantization_config, load_hf_config
-from nanovllm_core.plugins import (
-    PluginRegistry,
-    get_registry,
-    installed_architecture,
-    none_installed_hint,
-)
+from nanovllm_core.interfaces import BlockManager, Scheduler, SchedulerOutput
+from nanovllm_core.loader import load_hf_config
+from nanovllm_core.plugins import get_registry, installed_architecture
 from nanovllm_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelEngineCore", "Prompt", "StepStats"]
+# the resolver's choices stay importable from here, where they lived before it existed
+__all__ = [
+    "ModelEngineCore",
+    "Prompt",
+    "StepStats",
+    "resolve_device",
+    "select_attention_backend",
+    "select_quantization",
+]
 
 
 WARMUP_DECODE_PROMPT = 3  # tokens of each warm-up request that is there to decode
@@ -106,118 +116,6 @@ class StepStats:
             totals["decode_s"] += elapsed * num_decode / (num_prefill + num_decode)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' but no CUDA device is available; allowed here: 'cpu' or 'auto'")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32
-    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(checkpoint, str):
-        checkpoint = getattr(torch, checkpoint, None)
-    return checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
-def select_attention_backend(
-    registry: PluginRegistry,
-    name: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    head_dim: int,
-    block_size: int,
-    kv_cache_dtype: str = "auto",
-) -> type[AttentionBackend]:
-    def problem(cls: type[AttentionBackend]) -> str | None:
-        reason = cls.check_available(device, dtype, head_dim)
-        if reason is None and cls.supported_block_sizes() is not None and block_size not in cls.supported_block_sizes():
-            reason = f"kvcache_block_size {block_size} unsupported (supported: {cls.supported_block_sizes()})"
-        return reason or cls.check_kv_cache_dtype(kv_cache_dtype, device)
-
-    if name != "auto":
-        cls = registry.get("attention", name).obj
-        reason = problem(cls)
-        if reason is not None:
-            usable = [r.name for r in registry.registrations["attention"].values() if problem(r.obj) is None]
-            raise ConfigError(
-                f"attention backend {name!r} cannot run here: {reason}; "
-                f"backends that can: {', '.join(usable) or 'none'}"
-            )
-        return cls
-    candidates = sorted(registry.registrations["attention"].values(), key=lambda r: -getattr(r.obj, "priority", 0))
-    reasons = []
-    for reg in candidates:
-        reason = problem(reg.obj)
-        if reason is None:
-            return reg.obj
-        reasons.append(f"{reg.name}: {reason}")
-    if not candidates:
-        raise ConfigError(f"no attention backend is installed; {none_installed_hint('attention')}")
-    installed = ", ".join(r.name for r in candidates)
-    raise ConfigError(f"no attention backend runs on {device} / {dtype} (installed: {installed}): {'; '.join(reasons)}")
-
-
-def select_quantization(
-    registry: PluginRegistry, configured: str | None, hf_config: Any, model: str, device: torch.device
-) -> str | None:
-    """The quantization method the model loads with: ``configured`` (``quantization``), else the ``quant_method``
-    of the checkpoint's ``quantization_config``, else None. Checked before any weight loads: the method is
-    installed, agrees with the checkpoint, can read a 16-bit checkpoint when given one, and runs on ``device``."""
-    checkpoint = checkpoint_quantization_config(hf_config)
-    stored = None
-    if checkpoint is not None:
-        stored = checkpoint.get("quant_method")
-        if not isinstance(stored, str) or not stored:
-            raise ModelLoadError(
-                f"{model}/config.json has a quantization_config without a quant_method (got {stored!r}); it names "
-                "the method that wrote the checkpoint (fp8, compressed-tensors, ...)"
-            )
-    if configured is not None and stored is not None and configured != stored:
-        raise ConfigError(
-            f"quantization={configured!r} contradicts the checkpoint, whose config.json says quant_method "
-            f"{stored!r}: leave quantization unset to load it as stored, or give a 16-bit checkpoint"
-        )
-    name = configured or stored
-    if name is None:
-        return None
-    try:
-        cls = registry.get("quantization", name).obj
-    except UnknownPluginError as exc:
-        if configured is None:
-            raise UnknownPluginError(f"{model} is stored quantized with {name!r}: {exc}") from None
-        raise
-    if checkpoint is None and not cls.quantizes_on_load:
-        raise ConfigError(
-            f"quantization {name!r} reads checkpoints stored quantized with it, and {model} is a 16-bit checkpoint "
-            "(its config.json has no quantization_config); `nanovllm plugins` lists the methods that quantize at load"
-        )
-    reason = cls.check_available(device)
-    if reason is not None:
-        raise ConfigError(f"quantization {name!r} cannot run on {device}: {reason}")
-    return name
-
-
-def resolve_config(
-    model: str | None, config: str | Path | EngineConfig | None, cli_overrides: dict[str, Any] | None,
-    kwargs: dict[str, Any],
-) -> EngineConfig:
-    """The :class:`EngineConfig` of an entry point's arguments: ``config`` as it is when it is one (then nothing
-    else may be given), else defaults < ``config`` (a TOML file) < ``kwargs`` (``model`` among them) <
-    ``cli_overrides``."""
-    if isinstance(config, EngineConfig):
-        if model is not None or kwargs or cli_overrides:
-            raise ConfigError("give either an EngineConfig or a model, a config file and overrides, not both")
-        return config
-    overrides = dict(kwargs) if model is None else {**kwargs, "model": model}
-    return EngineConfig.load(config, overrides, cli_overrides)
-
-
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -267,39 +165,25 @@ class ModelEngineCore(EngineCore):
         **kwargs: Any,
     ) -> None:
         started = time.perf_counter()
-        self.config = resolve_config(model, config, cli_overrides, kwargs)
-        cfg = self.config
+        cfg = load_config(model, config, cli_overrides, kwargs)
         if cfg.data_parallel_size > 1:
             raise ConfigError(
                 f"data_parallel_size={cfg.data_parallel_size}: a ModelEngineCore is one replica; use LLM(...) or "
                 "LLMEngine(...) (offline), AsyncLLM.from_config(...) or nanovllm serve (online), which start them"
             )
+        # a config an entry point finished (this process's, or the front-end's of a replica) comes back as it is
+        cfg = self.config = finish_config(cfg)
         registry = get_registry()
         scheduler_cls = registry.get("scheduler", cfg.plugins.scheduler).obj
         block_manager_cls = registry.get("block_manager", cfg.plugins.block_manager).obj
         self.hf_config = load_hf_config(cfg.model)
         arch = installed_architecture(registry, cfg.model, getattr(self.hf_config, "architectures", None))
         model_cls = registry.get("model", arch).obj
-        max_positions = getattr(self.hf_config, "max_position_embeddings", None)
-        if cfg.max_model_len is None:
-            cfg.max_model_len = max_positions or 4096
-        elif max_positions and cfg.max_model_len > max_positions:
-            raise ConfigError(
-                f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings ({max_positions})"
-            )
-        self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device, self.hf_config)
-        cfg.quantization = select_quantization(registry, cfg.quantization, self.hf_config, cfg.model, self.device)
-        _, _, _, head_dim = model_shape(self.hf_config)
-        backend_cls = select_attention_backend(
-            registry, cfg.plugins.attention, self.device, self.dtype, head_dim, cfg.kvcache_block_size,
-            cfg.kv_cache_dtype,
-        )
+        self.device = torch.device(cfg.device)
+        self.dtype: torch.dtype = getattr(torch, cfg.dtype)
+        backend_cls = registry.get("attention", cfg.plugins.attention).obj
         self.attention_backend_name = backend_cls.name
-        validate_plugin_options(cfg.plugins, scheduler_cls, block_manager_cls, backend_cls)  # before weights load
         structured_cls = select_structured_output_backend(registry, cfg.plugins.structured_output_backend)
-        if structured_cls is not None:
-            validate_options("structured_output", structured_cls, cfg.plugins.structured_output_options)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.eos_token_ids = read_eos_token_ids(self.hf_config, cfg.model, self.tokenizer)
         # a generation_config folder without the file fails here, early; LLM.get_default_sampling_params reads this

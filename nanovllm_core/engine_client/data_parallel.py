@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.config_resolver import finish_config, resolve_device
 from nanovllm_core.engine.core import EngineStats
-from nanovllm_core.engine.model_core import ModelEngineCore, resolve_device
+from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.engine.parallel import PORT_ENV, launched_by_torchrun
 from nanovllm_core.engine_client.base import Command, EngineClient, LoopAccount, Result
 from nanovllm_core.engine_client.router import Router
@@ -118,7 +119,8 @@ def build_replica_engine(env: dict[str, str], threads: int, config: EngineConfig
             '`if __name__ == "__main__":`'
         )
     torch.set_num_threads(threads)
-    return ModelEngineCore(config=config.model_copy(update={"data_parallel_size": 1}))  # one engine here
+    # one engine here; the copy of a finished config is finished too: the replica resolves nothing again
+    return ModelEngineCore(config=config.model_copy(update={"data_parallel_size": 1}))
 
 
 def _refuse_while_bootstrapping() -> None:
@@ -242,11 +244,11 @@ class DataParallelClient(EngineClient):
                 "data_parallel_size > 1 starts its replicas itself and cannot run under torchrun; run the script "
                 "with python (tensor_parallel_size still works within each replica)"
             )
+        config = finish_config(config)  # (an entry point's is finished already: then this is a no-op)
+        self.config: EngineConfig = config  # the replicas run this config, with data_parallel_size 1
         self.data_parallel_size = config.data_parallel_size
         self.placements = self._plan(config)
         self.replicas = self._start_replicas(config)
-        self.config: EngineConfig = self.replicas[0].config.model_copy()
-        self.config.data_parallel_size = self.data_parallel_size
         n = self.data_parallel_size
         self._state_lock = threading.Lock()  # routing state; never held while sending
         self._send_locks = [threading.Lock() for _ in range(n)]  # one sender per replica: notes in send order

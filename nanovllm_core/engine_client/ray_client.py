@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.model_core import resolve_device
+from nanovllm_core.engine.config_resolver import resolve_device
 from nanovllm_core.engine_client.base import Command, LoopAccount, Result
 from nanovllm_core.engine_client.data_parallel import (
     STOP_TIMEOUT_S,
@@ -283,6 +283,9 @@ class RayDataParallelClient(DataParallelClient):
         self._placement_group: Any = None
         self._gone = [False] * config.data_parallel_size
         super().__init__(config)
+        # the replicas finished the config on the cluster's nodes (finish_config leaves a Ray config to them): the
+        # front-end's is the first replica's, which every replica shares but for a GPU share's memory fraction
+        self.config = self.replicas[0].config.model_copy(update={"data_parallel_size": self.data_parallel_size})
 
     # --- start-up --------------------------------------------------------------------------------------------
 

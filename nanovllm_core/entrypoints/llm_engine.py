@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.config_resolver import create_engine_config
 from nanovllm_core.engine.core import EngineStats, Prompt
-from nanovllm_core.engine.model_core import resolve_config
 from nanovllm_core.engine_client.base import EngineClient
 from nanovllm_core.engine_client.factory import make_engine_client
 from nanovllm_core.outputs import RequestOutput
@@ -20,12 +20,12 @@ class LLMEngine:
     """vLLM's ``LLMEngine``: ``add_request(request_id, prompt, params)``, then :meth:`step` returns the user's
     outputs (text, stop strings, logprob dicts) until :meth:`has_unfinished_requests` is false.
 
-    The config is resolved here, once; :func:`make_engine_client` then picks how the engines run (one engine core in
-    this process, driven one step per :meth:`step`; with ``data_parallel_size`` > 1, replicas in processes of their
-    own). The client's pull path makes the text with the front-end's one ``OutputProcessor``; the engine cores make
-    token ids only. What lives inside the engine core of this process (``runner``, ``scheduler``, ``block_manager``,
-    ``step_stats``, ...) is reached as ``engine.<name>``. A context manager: ``with LLMEngine(...) as engine:`` shuts
-    it down on exit.
+    The config is finished here, once (:func:`create_engine_config`); :func:`make_engine_client` then picks how the
+    engines run (one engine core in this process, driven one step per :meth:`step`; with ``data_parallel_size`` > 1,
+    replicas in processes of their own), and they all run that finished config. The client's pull path makes the
+    text with the front-end's one ``OutputProcessor``; the engine cores make token ids only. What lives inside the
+    engine core of this process (``runner``, ``scheduler``, ``block_manager``, ``step_stats``, ...) is reached as
+    ``engine.<name>``. A context manager: ``with LLMEngine(...) as engine:`` shuts it down on exit.
     """
 
     def __init__(
@@ -36,7 +36,7 @@ class LLMEngine:
         cli_overrides: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        client = make_engine_client(resolve_config(model, config, cli_overrides, kwargs))
+        client = make_engine_client(create_engine_config(model, config, cli_overrides=cli_overrides, **kwargs))
         self.engine_client: EngineClient = client
         self._finalizer = weakref.finalize(self, client.shutdown)
         try:
@@ -50,7 +50,8 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:
-        """vLLM's constructor: the engine of a resolved :class:`EngineConfig` (vLLM's ``EngineArgs``)."""
+        """vLLM's constructor: the engine of an :class:`EngineConfig` (vLLM's ``EngineArgs``), finished here unless it
+        is already."""
         return cls(config=engine_args)
 
     def __getattr__(self, name: str) -> Any:

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.engine.config_resolver import create_engine_config
 from nanovllm_core.engine.core import Prompt, unwrap_prompt
-from nanovllm_core.engine.model_core import ModelEngineCore, load_tokenizer, resolve_config
+from nanovllm_core.engine.model_core import ModelEngineCore, load_tokenizer
 from nanovllm_core.engine_client.base import EngineClient, LoopAccount
 from nanovllm_core.engine_client.factory import make_engine_client
 from nanovllm_core.engine_client.step_loop import InProcessClient
@@ -220,9 +221,9 @@ class AsyncLLM:
         engine_process: bool = False,
         **kwargs: Any,
     ) -> AsyncLLM:
-        """The engine client :func:`make_engine_client` picks for this config (resolved here, once), served."""
-        resolved = resolve_config(model, config, cli_overrides, kwargs)
-        return cls(make_engine_client(resolved, engine_process=engine_process), observer)
+        """The engine client :func:`make_engine_client` picks for this config (finished here, once), served."""
+        finished = create_engine_config(model, config, cli_overrides=cli_overrides, **kwargs)
+        return cls(make_engine_client(finished, engine_process=engine_process), observer)
 
     # --- life cycle -------------------------------------------------------------------------------------
 

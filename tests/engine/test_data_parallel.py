@@ -286,7 +286,7 @@ def test_combine_stats_sums_counters_and_rates_over_all_blocks_and_queries():
 
 def test_config_flag_and_placement(qwen3_path, tmp_path, monkeypatch):
     from nanovllm_core.cli import build_parser, cli_overrides
-    from nanovllm_core.engine.model_core import resolve_config
+    from nanovllm_core.engine.config_resolver import load_config
 
     with pytest.raises(ConfigError, match="data_parallel_size"):
         EngineConfig.load(overrides={"model": "m", "data_parallel_size": 0})
@@ -294,9 +294,9 @@ def test_config_flag_and_placement(qwen3_path, tmp_path, monkeypatch):
     assert cli_overrides(args)["data_parallel_size"] == 2
     toml = tmp_path / "dp.toml"
     toml.write_text("data_parallel_size = 3\n")
-    assert resolve_config(str(qwen3_path), toml, None, {}).data_parallel_size == 3
-    assert resolve_config(str(qwen3_path), toml, {"data_parallel_size": 1}, {}).data_parallel_size == 1
-    assert resolve_config(str(qwen3_path), None, None, {}).data_parallel_size == 1
+    assert load_config(str(qwen3_path), toml, None, {}).data_parallel_size == 3
+    assert load_config(str(qwen3_path), toml, {"data_parallel_size": 1}, {}).data_parallel_size == 1
+    assert load_config(str(qwen3_path), None, None, {}).data_parallel_size == 1
     cpu = plan_replicas(EngineConfig.load(overrides={"model": "m", "device": "cpu", "data_parallel_size": 2}))
     assert [p.where for p in cpu] == ["CPU", "CPU"] and cpu[0].threads == max(1, (os.cpu_count() or 1) // 2)
 

@@ -37,7 +37,7 @@ from nanovllm_bench.probes import (
     profile_sizes,
     run_step_timing,
 )
-from nanovllm_core.config import EngineConfig, read_config_file
+from nanovllm_core.config import read_config_file
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.gc_heap import GCPauses
 from nanovllm_core.layers.triton_jit import launch_options
@@ -214,6 +214,7 @@ def _tokens_done(llm: Any) -> Callable[[], float] | None:
 
 def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from nanovllm_core import LLM, SamplingParams
+    from nanovllm_core.engine.config_resolver import create_engine_config
 
     device = torch.device("cuda" if torch.cuda.is_available() and overrides.get("device") != "cpu" else "cpu")
     progress = False if getattr(args, "no_progress", False) else None
@@ -227,7 +228,8 @@ def run_bench(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     profile_seqs = profile_sizes(args.profile_seqs, len(prompts))  # before anything loads: bad input costs nothing
 
-    config = EngineConfig.load(args.config, cli_overrides=overrides)  # resolved once: LLM takes the object
+    config = create_engine_config(config=args.config, cli_overrides=overrides)  # finished once: LLM takes it as is
+    device = torch.device(config.device)  # the finished config's: a --config file may have named it
     data_parallel = config.data_parallel_size
     # With data parallelism the engines run in replica processes, one GPU group each: this process measures no
     # device (that would hold memory on the first GPU, which replica 0 then lacks) and reports no bound.
