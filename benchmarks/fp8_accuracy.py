@@ -40,7 +40,7 @@ from _common import out_dir, write_json
 from nanovllm_bench.offline import SHAPES, random_checkpoint
 
 from nanovllm_core import LLM, SamplingParams, SchedulerOutput, Sequence
-from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint
+from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, hf_greedy_tokens, write_tiny_checkpoint
 
 PROMPTS = PARITY_PROMPTS  # the GPU parity tests' prompts (tests/gpu/test_gpu_engine.py, the FP8 engine test)
 LOGIT_PROMPTS = slice(1, 4)  # the prompts whose last-token logits the GPU tests compare
@@ -83,16 +83,7 @@ def transformers_reference(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     with torch.no_grad():
         logits = [model(torch.tensor([p], device=device)).logits[0, -1].float() for p in PROMPTS[LOGIT_PROMPTS]]
-        tokens = []
-        for p in PROMPTS:
-            out = model.generate(
-                torch.tensor([p], device=device),
-                max_new_tokens=num_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            tokens.append(out[0, len(p) :].tolist())
+    tokens = [hf_greedy_tokens(model, p, num_tokens) for p in PROMPTS]
     del model
     low = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     with torch.no_grad():

@@ -5,7 +5,7 @@ import signal
 import pytest
 import torch
 
-from nanovllm_core.testing import hf_greedy, write_tiny_checkpoint
+from nanovllm_core.testing import hf_greedy, tiny_checkpoint_fixture
 
 
 def pytest_configure(config):
@@ -24,24 +24,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def qwen3_path(tmp_path_factory):
-    """Tiny Qwen3: tied embeddings, GQA 4:2, head_dim 32 != hidden/heads (16)."""
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
-
-
-@pytest.fixture(scope="session")
-def qwen2_path(tmp_path_factory):
-    """Tiny Qwen2: q/k/v bias, untied embeddings, GQA 4:1, weights in several safetensors shards."""
-    return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("qwen2"),
-        "qwen2",
-        num_heads=4,
-        num_kv_heads=1,
-        head_dim=16,
-        tie_word_embeddings=False,
-        max_shard_size="100KB",
-    )
+# Tiny Qwen3: tied embeddings, GQA 4:2, head_dim 32 != hidden/heads (16)
+qwen3_path = tiny_checkpoint_fixture("qwen3")
+# Tiny Qwen2: q/k/v bias, untied embeddings, GQA 4:1, weights in several safetensors shards
+qwen2_path = tiny_checkpoint_fixture(
+    "qwen2", num_heads=4, num_kv_heads=1, head_dim=16, tie_word_embeddings=False, max_shard_size="100KB"
+)
 
 
 @pytest.fixture(scope="session")

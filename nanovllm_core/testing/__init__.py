@@ -7,9 +7,12 @@ from nanovllm_core.testing.checkpoints import (
     TINY_CORPUS,
     build_tokenizer,
     hf_greedy,
+    hf_greedy_tokens,
     rewrite_checkpoint,
+    tiny_checkpoint_fixture,
     write_tiny_checkpoint,
 )
+from nanovllm_core.testing.timing import cuda_median_ms
 
-__all__ = ["GPU_TEST_SHAPE", "PARITY_PROMPTS", "TINY_CORPUS", "build_tokenizer", "hf_greedy", "rewrite_checkpoint",
-           "write_tiny_checkpoint"]
+__all__ = ["GPU_TEST_SHAPE", "PARITY_PROMPTS", "TINY_CORPUS", "build_tokenizer", "cuda_median_ms", "hf_greedy",
+           "hf_greedy_tokens", "rewrite_checkpoint", "tiny_checkpoint_fixture", "write_tiny_checkpoint"]

@@ -12,7 +12,7 @@ from nanovllm_core.demo import TINY_CHAT_TEMPLATE, TINY_CORPUS, build_tokenizer,
 
 __all__ = [
     "GPU_TEST_SHAPE", "PARITY_PROMPTS", "TINY_CHAT_TEMPLATE", "TINY_CORPUS", "build_tokenizer", "hf_greedy",
-    "rewrite_checkpoint", "write_tiny_checkpoint",
+    "hf_greedy_tokens", "rewrite_checkpoint", "tiny_checkpoint_fixture", "write_tiny_checkpoint",
 ]
 
 # The GPU tests' checkpoint shape: Qwen3-0.6B's attention (16 query / 8 KV heads of 128, which the GPU kernels
@@ -40,20 +40,36 @@ def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
-    outputs = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=None,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(ids) :].tolist())
-    return outputs
+    return [hf_greedy_tokens(model, ids, max_new_tokens) for ids in prompts]
+
+
+def hf_greedy_tokens(model: Any, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The ``max_new_tokens`` greedy tokens a ``transformers`` model generates after ``ids`` on its own device,
+    EOS ignored."""
+    prompt = torch.tensor([ids], device=model.device)
+    with torch.no_grad():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=None,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def tiny_checkpoint_fixture(arch: str = "qwen3", scope: str = "session", **options: Any) -> Any:
+    """A pytest fixture giving a tiny checkpoint (``write_tiny_checkpoint(path, arch, **options)``) written once
+    per ``scope``; the name it is assigned to is the fixture's: ``qwen2_path = tiny_checkpoint_fixture("qwen2")``."""
+    import pytest
+
+    @pytest.fixture(scope=scope)
+    def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return write_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, **options)
+
+    return checkpoint
 
 
 def rewrite_checkpoint(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,8 @@ try:
 except ImportError:  # run from a checkout where the packages are not installed
     sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
     from nanovllm_models_qwen3 import moe
+
+from nanovllm_core.testing import cuda_median_ms
 
 
 def qwen3_30b_a3b_moe_config() -> SimpleNamespace:
@@ -67,18 +68,7 @@ class MoeStack(nn.Module):
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
     """Median milliseconds of ``fn`` over ``iters`` runs, each timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_median_ms(fn, iters, warmup)
 
 
 def graphed(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -16,8 +16,8 @@ from nanovllm_core.outputs import CompletionOutput
 from nanovllm_core.serving.openai_serving import Job
 from nanovllm_core.testing.server import SERVER_ENGINE, ServerThread, start_server
 
-__all__ = ["API_KEY", "ENGINE", "MODEL", "ScriptedJob", "ServerThread", "pieces_of", "start_serve_process",
-           "start_server"]
+__all__ = ["API_KEY", "ENGINE", "MODEL", "ScriptedJob", "ServerThread", "assert_shut_down_cleanly", "pieces_of",
+           "start_serve_process", "start_server"]
 
 ENGINE = SERVER_ENGINE
 API_KEY = "test-key"
@@ -61,3 +61,11 @@ def start_serve_process(
             pass
         assert time.monotonic() < deadline, "the server did not come up"
         time.sleep(0.1)
+
+
+def assert_shut_down_cleanly(proc: subprocess.Popen, output: str) -> None:
+    """The ``nanovllm serve`` process exited 0 and logged a clean shut-down, with no traceback (``output``: its
+    whole output)."""
+    assert proc.returncode == 0, output
+    assert "shut down cleanly" in output
+    assert "Traceback" not in output and "Exception in ASGI application" not in output, output

@@ -254,6 +254,18 @@ def test_idle_loop_sleeps(engine):
     assert run(engine, body) < 0.15  # a spinning loop would burn about 0.5 s of CPU here
 
 
+async def dead_after_generate(engine, error: str, request_id: str) -> AsyncLLM:
+    """Start an AsyncLLM whose step loop fails: a request's generate raises EngineDeadError matching ``error``, and
+    the loop is no longer running."""
+    llm = AsyncLLM(engine)
+    await llm.start()
+    with pytest.raises(EngineDeadError, match=error):
+        async for _ in llm.generate("Hello", GREEDY, request_id=request_id):
+            pass
+    assert not llm.is_running
+    return llm
+
+
 def test_failing_step_loop_fails_its_requests(engine, monkeypatch):
     def broken_step():
         raise RuntimeError("device lost")
@@ -261,12 +273,7 @@ def test_failing_step_loop_fails_its_requests(engine, monkeypatch):
     monkeypatch.setattr(engine, "step", broken_step)
 
     async def main():
-        llm = AsyncLLM(engine)
-        await llm.start()
-        with pytest.raises(EngineDeadError, match="device lost"):
-            async for _ in llm.generate("Hello", GREEDY, request_id="doomed"):
-                pass
-        assert not llm.is_running
+        llm = await dead_after_generate(engine, "device lost", "doomed")
         with pytest.raises(EngineDeadError, match="stopped"):
             await llm.add_request("Hello", GREEDY)
 
@@ -289,15 +296,7 @@ def test_a_step_loop_that_cannot_start_fails_its_requests(engine, monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", no_device)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
-    async def main():
-        llm = AsyncLLM(engine)
-        await llm.start()
-        with pytest.raises(EngineDeadError, match="cannot bind"):
-            async for _ in llm.generate("Hello", GREEDY, request_id="never"):
-                pass
-        assert not llm.is_running
-
-    asyncio.run(asyncio.wait_for(main(), 30))
+    asyncio.run(asyncio.wait_for(dead_after_generate(engine, "cannot bind", "never"), 30))
     monkeypatch.undo()
     engine.abort_request("never")
     assert all_free(engine.stats())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import httpx
 import pytest
@@ -41,18 +42,14 @@ def test_completion_token_id_prompts_and_batches(client, greedy):
     assert out.usage.prompt_tokens == 7 and out.usage.completion_tokens == 12
 
 
+# a greedy stream (EOS ignored) that ends with a usage chunk
+GREEDY_STREAM: dict[str, Any] = dict(
+    temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+)
+
+
 def test_completion_streaming_equals_non_streaming(client, greedy):
-    chunks = list(
-        client.completions.create(
-            model=MODEL,
-            prompt=PROMPT,
-            max_tokens=12,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-    )
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, **GREEDY_STREAM))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == greedy(PROMPT, 12)[0]
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -73,16 +70,7 @@ def test_chat_matches_offline_chat_template(client, offline):
     assert out.choices[0].message.content == ref.outputs[0].text
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 10
 
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        max_tokens=10,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
-    chunks = list(stream)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, **GREEDY_STREAM))
     assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
     assert chunks[-1].usage.completion_tokens == 10

@@ -313,59 +313,42 @@ def test_a_model_without_forward(site: FakeSite) -> None:
 # --- hook implementations ---------------------------------------------------------------------------
 
 
-def test_a_hook_with_a_wrong_signature(site: FakeSite) -> None:
-    site.plugin("fake-sig", """
-        from nanovllm_core import hookimpl
+DECORATED_HOOK = "from nanovllm_core import hookimpl\n\n@hookimpl\n"
 
-        @hookimpl
-        def nanovllm_register_schedulers(reg):
-            raise AssertionError("never called")
-    """)
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        pytest.param(
+            DECORATED_HOOK + 'def nanovllm_register_schedulers(reg):\n    raise AssertionError("never called")\n',
+            ["nanovllm_register_schedulers(reg) has the wrong signature",
+             "write `def nanovllm_register_schedulers(register):`"],
+            id="wrong-signature",
+        ),
+        pytest.param(
+            DECORATED_HOOK + 'def nanovllm_register_scheduler(register):\n    register("x", object)\n',
+            ["unknown hook 'nanovllm_register_scheduler'; did you mean 'nanovllm_register_schedulers'?"],
+            id="typo-in-the-name",
+        ),
+        pytest.param(
+            'def nanovllm_register_schedulers(register):\n    register("x", object)\n',
+            ["not decorated with @nanovllm_core.hookimpl"],
+            id="without-the-decorator",
+        ),
+        pytest.param("VALUE = 1\n", ["implements no nanovllm hook"], id="no-hooks"),
+        pytest.param(
+            DECORATED_HOOK + 'def nanovllm_register_schedulers(register):\n    raise RuntimeError("boom")\n',
+            ["nanovllm_register_schedulers raised RuntimeError: boom at "],
+            id="raises",
+        ),
+    ],
+)  # fmt: skip
+def test_a_broken_hook_is_reported_and_the_others_load(site: FakeSite, source: str, expected: list[str]) -> None:
+    site.plugin("fake-hook", source)
     registry = build_registry()
-    [broken] = broken_of(registry, "fake-sig")
-    assert "nanovllm_register_schedulers(reg) has the wrong signature" in broken.error
-    assert "write `def nanovllm_register_schedulers(register):`" in broken.error
-    assert_others_still_load(registry)
-
-
-def test_a_hook_with_a_typo_in_its_name(site: FakeSite) -> None:
-    site.plugin("fake-typo", """
-        from nanovllm_core import hookimpl
-
-        @hookimpl
-        def nanovllm_register_scheduler(register):
-            register("x", object)
-    """)
-    [broken] = broken_of(build_registry(), "fake-typo")
-    assert "unknown hook 'nanovllm_register_scheduler'; did you mean 'nanovllm_register_schedulers'?" in broken.error
-
-
-def test_a_hook_without_the_decorator(site: FakeSite) -> None:
-    site.plugin("fake-undecorated", """
-        def nanovllm_register_schedulers(register):
-            register("x", object)
-    """)
-    [broken] = broken_of(build_registry(), "fake-undecorated")
-    assert "not decorated with @nanovllm_core.hookimpl" in broken.error
-
-
-def test_a_plugin_without_hooks(site: FakeSite) -> None:
-    site.plugin("fake-empty", "VALUE = 1\n")
-    [broken] = broken_of(build_registry(), "fake-empty")
-    assert "implements no nanovllm hook" in broken.error
-
-
-def test_a_hook_that_raises(site: FakeSite) -> None:
-    site.plugin("fake-raises", """
-        from nanovllm_core import hookimpl
-
-        @hookimpl
-        def nanovllm_register_schedulers(register):
-            raise RuntimeError("boom")
-    """)
-    registry = build_registry()
-    [broken] = broken_of(registry, "fake-raises")
-    assert "nanovllm_register_schedulers raised RuntimeError: boom at " in broken.error
+    [broken] = broken_of(registry, "fake-hook")
+    for text in expected:
+        assert text in broken.error
     assert_others_still_load(registry)
 
 

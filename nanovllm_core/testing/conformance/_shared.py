@@ -106,6 +106,18 @@ def shared_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, arch: str =
     return path
 
 
+def shared_checkpoint_fixture() -> Any:
+    """A kit's class-scoped fixture of :func:`shared_tiny_checkpoint` (Qwen3): the class attribute it is assigned
+    to names it."""
+
+    @fixture(scope="class")
+    @classmethod
+    def checkpoint(cls: type, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return shared_tiny_checkpoint(tmp_path_factory)
+
+    return checkpoint
+
+
 def run_engine(
     engine: ModelEngineCore, prompts: list[list[int]], max_tokens: int, max_steps: int = 10_000
 ) -> list[list[int]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -84,6 +86,15 @@ class QuantizationConformance:
         )  # fmt: skip
         return ModelEngineCore(**{**values, **settings, **overrides})
 
+    @contextmanager
+    def family_engine(self, checkpoints: dict, family: str) -> Iterator[tuple[ModelEngineCore, Path]]:
+        """The engine on ``family``'s quantized checkpoint, with the method registered, and the reference
+        checkpoint; skipped where the family's model plugin is not installed."""
+        installed_plugin("model", FAMILIES[family], "a model plugin")
+        quantized, settings, reference = checkpoints[family]
+        with registered_for_test("quantization", self.method_cls, self.method_name):
+            yield self.engine(quantized, settings), reference
+
     def prompts(self, vocab: int = 384) -> list[list[int]]:
         rng = random.Random(3)
         return [[rng.randrange(3, vocab) for _ in range(n)] for n in (37, 3, 70)]
@@ -95,20 +106,14 @@ class QuantizationConformance:
     @parametrize("family", list(FAMILIES), ids=list(FAMILIES))
     def test_greedy_matches_transformers_on_the_dequantized_weights(self, checkpoints: dict, family: str) -> None:
         """Ragged prompts and chunked prefill, each model family, against ``transformers`` on the reference."""
-        installed_plugin("model", FAMILIES[family], "a model plugin")
-        quantized, settings, reference = checkpoints[family]
-        with registered_for_test("quantization", self.method_cls, self.method_name):
-            engine = self.engine(quantized, settings)
+        with self.family_engine(checkpoints, family) as (engine, reference):
             got = run_engine(engine, self.prompts(), self.max_new_tokens)
         assert_matches_transformers(reference, self.prompts(), got, self.max_new_tokens)
 
     @parametrize("family", list(FAMILIES), ids=list(FAMILIES))
     def test_every_linear_layer_is_quantized(self, checkpoints: dict, family: str) -> None:
-        installed_plugin("model", FAMILIES[family], "a model plugin")
-        quantized, settings, _ = checkpoints[family]
-        with registered_for_test("quantization", self.method_cls, self.method_name):
-            engine = self.engine(quantized, settings)
-        layers = [(n, m) for n, m in engine.runner.model.named_modules() if isinstance(m, _Linear)]
+        with self.family_engine(checkpoints, family) as (engine, _):
+            layers = [(n, m) for n, m in engine.runner.model.named_modules() if isinstance(m, _Linear)]
         left = [n for n, m in layers if m.quant_method is UNQUANTIZED and not n.endswith(self.unquantized_suffixes)]
         assert layers and not left, f"linear layers left unquantized: {left}"
 

@@ -17,7 +17,7 @@ from nanovllm_core.testing.conformance._shared import (
     installed_plugin,
     registered_for_test,
     run_engine,
-    shared_tiny_checkpoint,
+    shared_checkpoint_fixture,
 )
 from nanovllm_core.testing.simulated import SimulatedEngine, random_tokens
 
@@ -64,10 +64,7 @@ class SchedulerConformance:
             async_scheduling=async_scheduling, **kwargs,
         )
 
-    @fixture(scope="class")
-    @classmethod
-    def conformance_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
-        return shared_tiny_checkpoint(tmp_path_factory)
+    conformance_checkpoint = shared_checkpoint_fixture()
 
     def test_is_a_scheduler(self) -> None:
         problem = check_registration("scheduler", self.scheduler_cls)

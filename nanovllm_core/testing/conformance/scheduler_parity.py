@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.testing.conformance._shared import fixture, installed_plugin, shared_tiny_checkpoint
+from nanovllm_core.testing.conformance._shared import fixture, installed_plugin, shared_checkpoint_fixture
 
 if TYPE_CHECKING:
     import pytest
@@ -76,10 +76,7 @@ class SchedulerParity:
         """After every run: every block free (subclasses add the policy's own checks)."""
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks, "blocks left in use"
 
-    @fixture(scope="class")
-    @classmethod
-    def parity_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
-        return shared_tiny_checkpoint(tmp_path_factory)
+    parity_checkpoint = shared_checkpoint_fixture()
 
     @fixture(scope="class")
     @classmethod

@@ -22,15 +22,17 @@ import json
 import random
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm_core.structured_output import StructuredOutputBackend, bitmask_words
-from nanovllm_core.testing.conformance._shared import fixture, parametrize, registered_for_test, shared_tiny_checkpoint
-
-if TYPE_CHECKING:
-    import pytest
+from nanovllm_core.testing.conformance._shared import (
+    fixture,
+    parametrize,
+    registered_for_test,
+    shared_checkpoint_fixture,
+)
 
 PERSON_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -127,10 +129,7 @@ class StructuredOutputConformance:
 
     # --- fixtures ---------------------------------------------------------------------------------------
 
-    @fixture(scope="class")
-    @classmethod
-    def checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
-        return shared_tiny_checkpoint(tmp_path_factory)
+    checkpoint = shared_checkpoint_fixture()
 
     @fixture(scope="class")
     @classmethod

@@ -8,6 +8,8 @@ Nothing here imports ``flash_attn`` or ``triton`` at module import time: the plu
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cached_property
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -90,23 +92,17 @@ class FlashAttnBackend(AttentionBackend):
             "Hopper and none for per-token scales (supported: 'auto')"
         )
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        **options: Any,
-    ) -> None:
-        # it takes no options: the base class rejects any that arrive, naming them
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device, **options)
-        self._varlen = load_flash_attn_varlen_func()
+    # loaded on first use (check_available has seen them import): the constructor is the base class's, which
+    # rejects any option, since this backend takes none
+    @cached_property
+    def _varlen(self) -> Callable[..., Any]:
+        return load_flash_attn_varlen_func()
+
+    @cached_property
+    def _kernels(self) -> ModuleType:
         from nanovllm_attention_flash import triton_kernels
 
-        self._kernels = triton_kernels
+        return triton_kernels
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionBatch

@@ -19,6 +19,7 @@ from nanovllm_attention_flash.testing import bf16_rows, e4m3_reference, make_cas
 
 from nanovllm_core import LLM, AttentionBackend, ConfigError, SamplingParams
 from nanovllm_core.engine.model_runner import ModelRunner
+from nanovllm_core.testing import tiny_checkpoint_fixture
 
 CPU = torch.device("cpu")
 # (query_lens, context_lens, padding rows) of each step kind: ragged, straddling 16-token blocks
@@ -174,13 +175,7 @@ def test_kv_cache_dtype_support_per_backend() -> None:
     assert "flash-attn-4" in FlashAttnBackend.check_kv_cache_dtype("fp8", CPU)
 
 
-@pytest.fixture(scope="module")
-def head64_path(tmp_path_factory):
-    from nanovllm_core.testing import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("fp8"), "qwen3", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=64
-    )
+head64_path = tiny_checkpoint_fixture("qwen3", scope="module", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=64)
 
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60)), [7, 8, 9] * 6 + [30, 31], list(range(100, 133))]

@@ -27,6 +27,8 @@ from nanovllm_attention_flash import triton_kernels as tk
 from nanovllm_attention_flash.fp8_cache import fp8_views, store_fp8
 from nanovllm_attention_flash.testing import PagedCase, bf16_rows, e4m3_reference, make_case, reference
 
+from nanovllm_core.testing import cuda_median_ms
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -105,17 +107,7 @@ def skip_unless_fp8(cls) -> None:
 
 
 def median_us(fn, reps: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return cuda_median_ms(fn, reps, warmup=2) * 1e3
 
 
 @pytest.fixture(scope="module", autouse=True)

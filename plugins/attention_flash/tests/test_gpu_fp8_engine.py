@@ -18,7 +18,7 @@ import torch
 
 from nanovllm_core import LLM, SamplingParams, SchedulerOutput
 from nanovllm_core.sequence import Sequence
-from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint
+from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, hf_greedy_tokens, tiny_checkpoint_fixture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -27,9 +27,7 @@ NUM_TOKENS = 64
 BLOCK = 256
 
 
-@pytest.fixture(scope="module")
-def bf16_path(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("fp8_bf16"), "qwen3", dtype=torch.bfloat16, **GPU_TEST_SHAPE)
+bf16_path = tiny_checkpoint_fixture("qwen3", scope="module", dtype=torch.bfloat16, **GPU_TEST_SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +38,7 @@ def reference(bf16_path):
     model = AutoModelForCausalLM.from_pretrained(bf16_path, dtype=torch.float32).cuda().eval()
     with torch.no_grad():
         logits = [model(torch.tensor([p], device="cuda")).logits[0, -1].float() for p in PROMPTS[1:4]]
-        tokens = []
-        for p in PROMPTS:
-            out = model.generate(
-                torch.tensor([p], device="cuda"),
-                max_new_tokens=NUM_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            tokens.append(out[0, len(p) :].tolist())
+    tokens = [hf_greedy_tokens(model, p, NUM_TOKENS) for p in PROMPTS]
     del model
     torch.cuda.empty_cache()
     return logits, tokens

@@ -9,21 +9,12 @@ import torch
 pytest.importorskip("triton")
 
 from nanovllm_core import LLM, SamplingParams  # noqa: E402
-from nanovllm_core.testing import hf_greedy, write_tiny_checkpoint  # noqa: E402
+from nanovllm_core.testing import hf_greedy, tiny_checkpoint_fixture  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def head64_path(tmp_path_factory):
-    # head_dim 64: the smallest the Triton kernels take; one layer keeps the interpreter quick
-    return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("hd64"),
-        "qwen3",
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=64,
-        num_layers=1,
-    )
+# head_dim 64: the smallest the Triton kernels take; one layer keeps the interpreter quick
+head64_path = tiny_checkpoint_fixture(
+    "qwen3", scope="module", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=64, num_layers=1
+)
 
 
 SHARED = [7, 8, 9] * 6  # 18 tokens: one full 16-token block shared by the last two prompts

@@ -139,6 +139,23 @@ def _align_small_kernel(
 
 
 @triton.jit
+def _tile(sorted_pair_ids_ptr, num_pairs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The grouped GEMMs' tile of program (m, n): its rows' pairs (int64) and mask (padding rows are past
+    ``num_pairs``), its columns and their mask, and the K offsets."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pairs, pairs < num_pairs, offs_n, offs_n < N, tl.arange(0, BLOCK_K)
+
+
+@triton.jit
+def _store_tile(out_ptr, values, pairs, m_mask, offs_n, n_mask, stride_om):
+    """``out[pair, n] = values`` over the tile, in ``out``'s dtype."""
+    out_ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, values.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _gate_up_silu_kernel(
     x_ptr,
     w_ptr,
@@ -159,18 +176,11 @@ def _gate_up_silu_kernel(
     INPUT_PRECISION: tl.constexpr,
 ):
     """``out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n])`` for one tile of rows."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    expert = tl.load(block_expert_ids_ptr + tl.program_id(0)).to(tl.int64)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
-    m_mask = pairs < num_pairs
+    pairs, m_mask, offs_n, n_mask, offs_k = _tile(sorted_pair_ids_ptr, num_pairs, N, BLOCK_M, BLOCK_N, BLOCK_K)
     tokens = pairs // top_k
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + N * stride_wn
@@ -187,8 +197,7 @@ def _gate_up_silu_kernel(
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    out_ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(out_ptr, act, pairs, m_mask, offs_n, n_mask, stride_om)
 
 
 @triton.jit
@@ -212,17 +221,10 @@ def _down_kernel(
     INPUT_PRECISION: tl.constexpr,
 ):
     """``out[pair, n] = topk_weight[pair] * (a[pair] . w[e, n])`` for one tile of rows."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    expert = tl.load(block_expert_ids_ptr + tl.program_id(0)).to(tl.int64)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pair_ids_ptr + offs_m).to(tl.int64)
-    m_mask = pairs < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
+    pairs, m_mask, offs_n, n_mask, offs_k = _tile(sorted_pair_ids_ptr, num_pairs, N, BLOCK_M, BLOCK_N, BLOCK_K)
     a_ptrs = a_ptr + pairs[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -235,8 +237,7 @@ def _down_kernel(
         w_ptrs += BLOCK_K
     scale = tl.load(topk_weights_ptr + pairs, mask=m_mask, other=0.0).to(tl.float32)
     acc = acc * scale[:, None]
-    out_ptrs = out_ptr + pairs[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(out_ptr, acc, pairs, m_mask, offs_n, n_mask, stride_om)
 
 
 def fused_experts(
@@ -265,7 +266,14 @@ def fused_experts(
     cfg = config or kernel_config(num_pairs, num_experts)
     sorted_pair_ids, block_expert_ids = align_block_size(topk_ids, num_experts, cfg.block_m)
     num_blocks = block_expert_ids.numel()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 models get float32 products
+    launch = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 models get float32 products
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_silu_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
         x,
@@ -281,12 +289,7 @@ def fused_experts(
         w13.stride(0),
         w13.stride(1),
         act.stride(0),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        INPUT_PRECISION=precision,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **launch,
     )
     per_pair = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
@@ -303,11 +306,6 @@ def fused_experts(
         w2.stride(0),
         w2.stride(1),
         per_pair.stride(0),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        INPUT_PRECISION=precision,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **launch,
     )
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -25,21 +25,23 @@ class TestFp8QuantizedAtLoad(QuantizationConformance):
         return write_fake_quantized_checkpoint(src, dst)
 
 
-class TestFp8BlockCheckpoint(QuantizationConformance):
+class StoredFp8Checkpoint(QuantizationConformance):
+    """An FP8 checkpoint written in ``checkpoint_format``, against its weights dequantized."""
+
+    checkpoint_format: str
+
+    def quantize_checkpoint(self, src: Path, dst: Path) -> tuple[Path, dict[str, Any]]:
+        return write_fp8_checkpoint(src, dst, self.checkpoint_format), {}
+
+    def reference_checkpoint(self, src: Path, quantized: Path, dst: Path) -> Path:
+        return write_dequantized_checkpoint(quantized, dst)
+
+
+class TestFp8BlockCheckpoint(StoredFp8Checkpoint):
     method_cls = Fp8Method
-
-    def quantize_checkpoint(self, src: Path, dst: Path) -> tuple[Path, dict[str, Any]]:
-        return write_fp8_checkpoint(src, dst, "fp8"), {}
-
-    def reference_checkpoint(self, src: Path, quantized: Path, dst: Path) -> Path:
-        return write_dequantized_checkpoint(quantized, dst)
+    checkpoint_format = "fp8"
 
 
-class TestCompressedTensorsCheckpoint(QuantizationConformance):
+class TestCompressedTensorsCheckpoint(StoredFp8Checkpoint):
     method_cls = CompressedTensorsFp8Method
-
-    def quantize_checkpoint(self, src: Path, dst: Path) -> tuple[Path, dict[str, Any]]:
-        return write_fp8_checkpoint(src, dst, "compressed-tensors"), {}
-
-    def reference_checkpoint(self, src: Path, quantized: Path, dst: Path) -> Path:
-        return write_dequantized_checkpoint(quantized, dst)
+    checkpoint_format = "compressed-tensors"

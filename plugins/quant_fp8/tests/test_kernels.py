@@ -12,8 +12,6 @@ timings beside bfloat16 ``F.linear`` and ``torch._scaled_mm`` with row-wise scal
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +20,8 @@ pytest.importorskip("triton")
 
 from nanovllm_quant_fp8 import fp8  # noqa: E402
 from nanovllm_quant_fp8 import kernels as qk  # noqa: E402
+
+from nanovllm_core.testing import cuda_median_ms  # noqa: E402
 
 # tests/conftest.py skips ``gpu`` tests without CUDA for the core's tests only: the plugin's skip themselves too
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -222,17 +222,7 @@ def median_us(fn, reps: int = 25) -> float:
     """Median time of ``fn`` in microseconds, each repetition timed by its own CUDA events after the L2 cache
     was overwritten (a decode step reads its weights from memory, not from the cache)."""
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+    return cuda_median_ms(fn, reps, before=flush.zero_) * 1000
 
 
 @pytest.mark.gpu
