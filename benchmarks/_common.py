@@ -2,7 +2,7 @@
 a user would type it), the machine a result came from, and a server started and stopped cleanly.
 
 Not a package: ``python benchmarks/NAME.py`` puts this folder first on ``sys.path``, where ``from _common import``
-finds it. Tests import a script with ``nanovllm_core.testing.scripts.load_script``, which puts the folder there
+finds it. Tests import a script with ``nanovllm_testing.scripts.load_script``, which puts the folder there
 only while the script loads.
 """
 

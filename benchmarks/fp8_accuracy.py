@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from _common import out_dir, write_json
 from nanovllm_bench.offline import SHAPES, random_checkpoint
+from nanovllm_testing import GPU_TEST_SHAPE, PARITY_PROMPTS, hf_greedy_tokens, write_tiny_checkpoint
 
 from nanovllm_core import LLM, SamplingParams, SchedulerOutput, Sequence
-from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, hf_greedy_tokens, write_tiny_checkpoint
 
 PROMPTS = PARITY_PROMPTS  # the GPU parity tests' prompts (tests/gpu/test_gpu_engine.py, the FP8 engine test)
 LOGIT_PROMPTS = slice(1, 4)  # the prompts whose last-token logits the GPU tests compare

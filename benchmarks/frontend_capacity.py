@@ -29,8 +29,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from nanovllm_testing.scripted import build_scripted_engine
+
 from nanovllm_core.gc_heap import GCPauses, freeze_startup_heap
-from nanovllm_core.testing.scripted import build_scripted_engine
 
 
 def free_port() -> int:

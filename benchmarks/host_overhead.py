@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = StubRunner(args.block_size, args.num_seqs)
     tokenizer, vocab, kind = None, 10000, "final"
     if args.stream:
-        from nanovllm_core.testing import build_tokenizer
+        from nanovllm_testing import build_tokenizer
 
         tokenizer, kind = build_tokenizer(), "delta"
         vocab = tokenizer.vocab_size - 1

@@ -5,7 +5,7 @@ Public API for users::
     from nanovllm_core import LLM, SamplingParams
 
 and for plugin authors: :data:`hookimpl`, the interfaces in :mod:`nanovllm_core.interfaces`, the layers in
-:mod:`nanovllm_core.layers`, :func:`nanovllm_core.loader.load_weights` and :mod:`nanovllm_core.testing`.
+:mod:`nanovllm_core.layers`, :func:`nanovllm_core.loader.load_weights` and :mod:`nanovllm_testing`.
 """
 
 from __future__ import annotations

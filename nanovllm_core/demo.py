@@ -1,6 +1,6 @@
 """Random-weight checkpoints written with ``transformers`` and a ``tokenizers`` tokenizer trained on a small
 built-in corpus: the embedded demo (``nanovllm generate --demo``) and ``nanovllm bench``'s random weights need no
-download. The test kits build on the same writer (``nanovllm_core.testing``)."""
+download. The test kits build on the same writer (``nanovllm_testing``)."""
 
 from __future__ import annotations
 

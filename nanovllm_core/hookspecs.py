@@ -50,7 +50,7 @@ def nanovllm_register_schedulers(register: Register) -> None:
     class owns the queues, ``postprocess``, ``preempt`` and ``finish``. The engine checks every step it returns
     (limits, new-token counts, blocks covering them, no empty step while work remains) and raises
     :class:`~nanovllm_core.errors.SchedulerError` naming the plugin;
-    :class:`nanovllm_core.testing.conformance.SchedulerConformance` checks the rest (no starvation, exact outputs
+    :class:`nanovllm_testing.conformance.SchedulerConformance` checks the rest (no starvation, exact outputs
     under preemption and abort, every block freed).
     """
 
@@ -62,7 +62,7 @@ def nanovllm_register_block_managers(register: Register) -> None:
     The class subclasses :class:`nanovllm_core.BlockManager` and is selected with
     ``[plugins] block_manager = "prefix_cache"``; the engine builds it as
     ``cls(num_blocks, block_size, enable_prefix_caching=..., **block_manager_options)``.
-    :class:`nanovllm_core.testing.conformance.BlockManagerConformance` checks its invariants.
+    :class:`nanovllm_testing.conformance.BlockManagerConformance` checks its invariants.
     """
 
 
@@ -73,7 +73,7 @@ def nanovllm_register_attention_backends(register: Register) -> None:
     The class subclasses :class:`nanovllm_core.AttentionBackend`; it is selected with
     ``[plugins] attention = "torch"``, or picked by ``attention = "auto"`` when it is the available backend of
     highest ``priority`` (``check_available`` returns ``None`` and the block size is supported).
-    :class:`nanovllm_core.testing.conformance.AttentionBackendConformance` compares it with a dense reference.
+    :class:`nanovllm_testing.conformance.AttentionBackendConformance` compares it with a dense reference.
     """
 
 
@@ -84,7 +84,7 @@ def nanovllm_register_models(register: Register) -> None:
     The engine picks the class named by ``architectures[0]`` of the checkpoint's ``config.json``. It is an
     ``nn.Module`` following the :class:`nanovllm_core.CausalLM` protocol (``forward``, ``compute_logits``,
     ``load_weights``), built as ``cls(hf_config)``; its attention layers are :class:`nanovllm_core.layers.Attention`.
-    :class:`nanovllm_core.testing.conformance.ModelConformance` compares its greedy output with ``transformers``.
+    :class:`nanovllm_testing.conformance.ModelConformance` compares its greedy output with ``transformers``.
     """
 
 
@@ -98,7 +98,7 @@ def nanovllm_register_structured_output_backends(register: Register) -> None:
     ``cls(tokenizer, vocab_size, eos_token_ids, **structured_output_options)``, validates each constrained
     request with ``validate``, compiles each distinct constraint once with ``compile`` in a thread pool, and gives
     each sequence a grammar from ``new_grammar``, whose bitmask masks the logits before every sampling step.
-    :class:`nanovllm_core.testing.conformance.StructuredOutputConformance` checks it.
+    :class:`nanovllm_testing.conformance.StructuredOutputConformance` checks it.
     """
 
 
@@ -146,5 +146,5 @@ def nanovllm_register_quantization_methods(register: Register) -> None:
     checkpoint to quantize at load). Its ``linear_method(prefix, layer)`` gives each linear layer of
     :mod:`nanovllm_core.layers.linear` a :class:`nanovllm_core.LinearMethod` (create the weights and scales,
     process them after loading, apply the product), so that model plugins never know which method runs.
-    :class:`nanovllm_core.testing.conformance.QuantizationConformance` checks it.
+    :class:`nanovllm_testing.conformance.QuantizationConformance` checks it.
     """

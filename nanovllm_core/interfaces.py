@@ -1,6 +1,6 @@
 """The four plugin interfaces. A plugin registers a class that implements one of them.
 
-Each docstring states the invariants the engine relies on; ``nanovllm_core.testing`` checks them.
+Each docstring states the invariants the engine relies on; ``nanovllm_testing`` checks them.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ of allowed tokens, one row each (:meth:`StructuredOutputBackend.fill_bitmasks`, 
 After the token is read, :meth:`~StructuredOutputGrammar.accept_tokens` advances it.
 
 The bitmask is vLLM's and xgrammar's layout: int32, ``[rows, ceil(vocab_size / 32)]``, bit ``t % 32`` of word
-``t // 32`` set when token ``t`` is allowed. :class:`nanovllm_core.testing.conformance.StructuredOutputConformance`
+``t // 32`` set when token ``t`` is allowed. :class:`nanovllm_testing.conformance.StructuredOutputConformance`
 checks a backend against these contracts.
 """
 

@@ -4,8 +4,7 @@ import signal
 
 import pytest
 import torch
-
-from nanovllm_core.testing import hf_greedy, tiny_checkpoint_fixture
+from nanovllm_testing import hf_greedy, tiny_checkpoint_fixture
 
 
 def pytest_configure(config):

@@ -1,8 +1,8 @@
 from find_models_command import FindModels
+from nanovllm_testing import write_tiny_checkpoint
 
 from nanovllm_core import register_plugin, unregister_plugin
 from nanovllm_core.cli import main
-from nanovllm_core.testing import write_tiny_checkpoint
 
 
 def test_find_models_lists_each_checkpoint(tmp_path, capsys):

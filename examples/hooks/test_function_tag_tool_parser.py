@@ -1,6 +1,5 @@
 from function_tag_tool_parser import FunctionTagToolParser
-
-from nanovllm_core.testing.conformance import ToolParserConformance
+from nanovllm_testing.conformance import ToolParserConformance
 
 
 class TestFunctionTagToolParser(ToolParserConformance):

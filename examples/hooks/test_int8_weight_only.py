@@ -1,7 +1,6 @@
 from int8_weight_only import Int8WeightOnly
-
-from nanovllm_core.testing import rewrite_checkpoint
-from nanovllm_core.testing.conformance import QuantizationConformance
+from nanovllm_testing import rewrite_checkpoint
+from nanovllm_testing.conformance import QuantizationConformance
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

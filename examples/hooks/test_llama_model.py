@@ -2,9 +2,8 @@ from pathlib import Path
 
 import transformers
 from llama_model import LlamaForCausalLM
-
-from nanovllm_core.testing import build_tokenizer
-from nanovllm_core.testing.conformance import ModelConformance
+from nanovllm_testing import build_tokenizer
+from nanovllm_testing.conformance import ModelConformance
 
 
 class TestLlamaForCausalLM(ModelConformance):

@@ -1,6 +1,5 @@
 from naive_attention import NaiveAttentionBackend
-
-from nanovllm_core.testing.conformance import AttentionBackendConformance
+from nanovllm_testing.conformance import AttentionBackendConformance
 
 
 class TestNaiveAttentionBackend(AttentionBackendConformance):

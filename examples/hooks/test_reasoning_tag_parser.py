@@ -1,6 +1,5 @@
+from nanovllm_testing.conformance import ReasoningParserConformance
 from reasoning_tag_parser import ReasoningTagParser
-
-from nanovllm_core.testing.conformance import ReasoningParserConformance
 
 
 class TestReasoningTagParser(ReasoningParserConformance):

@@ -1,6 +1,5 @@
+from nanovllm_testing.conformance import SchedulerConformance
 from serial_scheduler import SerialScheduler
-
-from nanovllm_core.testing.conformance import SchedulerConformance
 
 
 class TestSerialScheduler(SchedulerConformance):

@@ -1,6 +1,5 @@
+from nanovllm_testing.conformance import BlockManagerConformance
 from simple_block_manager import SimpleBlockManager
-
-from nanovllm_core.testing.conformance import BlockManagerConformance
 
 
 class TestSimpleBlockManager(BlockManagerConformance):

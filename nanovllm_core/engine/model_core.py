@@ -18,7 +18,6 @@ import torch
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.config_resolver import (
     finish_config,
-    load_config,
     resolve_device,
     select_attention_backend,
     select_quantization,
@@ -150,29 +149,22 @@ def read_eos_token_ids(hf_config: Any, model: str, tokenizer: Any) -> set[int]:
 class ModelEngineCore(EngineCore):
     """The engine core of one model: ``add_request`` then ``step`` until ``has_unfinished_requests()`` is false.
 
-    Loads the config, the plugins, the tokenizer (to encode prompts) and the model, and runs :class:`EngineCore`'s
+    Takes a finished config (:func:`create_engine_config`'s: every entry point makes one) and loads the plugins, the
+    tokenizer (to encode prompts) and the model, and runs :class:`EngineCore`'s
     request table and steps on a :class:`ModelRunner` (vLLM v1's ``EngineCore`` with its executor). Its outputs carry
     token ids only: the front-ends (``LLMEngine``, ``LLM``, ``AsyncLLM``) make the text. A context manager:
     ``with ModelEngineCore(...) as core:`` shuts it down on exit.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        config: str | Path | EngineConfig | None = None,
-        *,
-        cli_overrides: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        cfg = load_config(model, config, cli_overrides, kwargs)
-        if cfg.data_parallel_size > 1:
+        if config.data_parallel_size > 1:
             raise ConfigError(
-                f"data_parallel_size={cfg.data_parallel_size}: a ModelEngineCore is one replica; use LLM(...) or "
+                f"data_parallel_size={config.data_parallel_size}: a ModelEngineCore is one replica; use LLM(...) or "
                 "LLMEngine(...) (offline), AsyncLLM.from_config(...) or nanovllm serve (online), which start them"
             )
-        # a config an entry point finished (this process's, or the front-end's of a replica) comes back as it is
-        cfg = self.config = finish_config(cfg)
+        # an entry point's config (create_engine_config) comes back as it is; a Ray replica finishes it on its node
+        cfg = self.config = finish_config(config)
         registry = get_registry()
         scheduler_cls = registry.get("scheduler", cfg.plugins.scheduler).obj
         block_manager_cls = registry.get("block_manager", cfg.plugins.block_manager).obj

@@ -175,7 +175,7 @@ class RequestStream:
 class AsyncLLM:
     """``async for out in engine.generate(prompt, params, request_id)``: incremental outputs of a request.
 
-    Build it around an engine core (``AsyncLLM(ModelEngineCore(...))``: the step loop runs in a thread of this
+    Build it around an engine core (``AsyncLLM(ModelEngineCore(config))``: the step loop runs in a thread of this
     process) or from a config (``AsyncLLM.from_config(model, ..., engine_process=True)`` runs it in a process of
     its own; with ``data_parallel_size=N``, N replicas in processes of their own, each request on the least loaded).
     The step loop starts with :meth:`start` (or the first request) in the running event loop and stops with

@@ -32,7 +32,7 @@ except ImportError:  # run from a checkout where the packages are not installed
     sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
     from nanovllm_models_qwen3 import moe
 
-from nanovllm_core.testing import cuda_median_ms
+from nanovllm_testing import cuda_median_ms
 
 
 def qwen3_30b_a3b_moe_config() -> SimpleNamespace:

@@ -19,8 +19,7 @@ import types
 from pathlib import Path
 
 import pytest
-
-from nanovllm_core.testing.scripts import load_script
+from nanovllm_testing.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"

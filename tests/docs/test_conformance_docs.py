@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from nanovllm_testing.scripts import folder_on_sys_path
 
 from nanovllm_core import register_plugin, unregister_plugin
 from nanovllm_core.plugins import get_registry
-from nanovllm_core.testing.scripts import folder_on_sys_path
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKS = ROOT / "examples" / "hooks"

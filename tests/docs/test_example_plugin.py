@@ -22,11 +22,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from nanovllm_testing.conformance import shared_tiny_checkpoint
 
 from nanovllm_core import LLMEngine, SamplingParams
 from nanovllm_core.cli import main
 from nanovllm_core.plugins import get_registry, reset_registry
-from nanovllm_core.testing.conformance import shared_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "plugins" / "nanovllm-scheduler-spf"

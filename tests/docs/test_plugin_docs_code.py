@@ -11,9 +11,9 @@ import types
 from pathlib import Path
 
 import pytest
+from nanovllm_testing.conformance import SchedulerConformance
 
 from nanovllm_core.errors import SchedulerError
-from nanovllm_core.testing.conformance import SchedulerConformance
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

@@ -49,7 +49,7 @@ def test_plugins_marks_the_selection_of_a_config_file(capsys: pytest.CaptureFixt
 
 
 def test_generate_reads_the_config_file(capsys: pytest.CaptureFixture, tmp_path: Path, tmp_path_factory) -> None:
-    from nanovllm_core.testing.conformance import shared_tiny_checkpoint
+    from nanovllm_testing.conformance import shared_tiny_checkpoint
 
     config = tmp_path / "nanovllm.toml"
     config.write_text(
@@ -111,7 +111,7 @@ def test_generate_with_another_name_of_a_conflicting_kind(
 
 @pytest.fixture
 def tiny_config(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from nanovllm_core.testing.conformance import shared_tiny_checkpoint
+    from nanovllm_testing.conformance import shared_tiny_checkpoint
 
     config = tmp_path / "tiny.toml"
     config.write_text(

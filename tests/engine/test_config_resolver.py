@@ -90,7 +90,7 @@ def test_llm_finishes_once_and_the_engine_core_runs_the_front_ends_config(
 
 
 def test_a_core_built_directly_finishes_its_own_config(qwen3_path: Path, finishes: list[str]) -> None:
-    with ModelEngineCore(str(qwen3_path), **ENGINE) as core:
+    with ModelEngineCore(create_engine_config(str(qwen3_path), **ENGINE)) as core:
         assert core.config.finished and core.config.max_model_len == 1024 and len(finishes) == 1
         with ModelEngineCore(config=core.config) as second:  # as a replica is built: nothing is resolved again
             assert second.config is core.config and len(finishes) == 1

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 from engine_helpers import GREEDY, PROMPTS, SHUTDOWN_LIMIT_S, assert_exited_cleanly, make_prompts, pid_running
+from nanovllm_testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
 from nanovllm_core import LLM, ConfigError, EngineConfig, InvalidRequestError, SamplingParams
 from nanovllm_core.engine.core import EngineStats
 from nanovllm_core.engine.parallel import PORT_ENV
 from nanovllm_core.engine_client.data_parallel import DataParallelClient, combine_stats, plan_replicas
 from nanovllm_core.entrypoints import llm as llm_module
-from nanovllm_core.testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
 ENGINE = dict(device="cpu", num_kvcache_blocks=64, kvcache_block_size=16, max_model_len=256)
 MIXED = PROMPTS + make_prompts(1, [9, 30, 55, 80, 100, 11]) + ["Hello world!", "The quick brown fox"]
@@ -508,11 +508,12 @@ def test_four_gpus_two_replicas_of_two_tensor_parallel_ranks(bf16_path):
 
 
 def test_from_config_serves_replicas_and_an_engine_core_refuses_them(qwen3_path):
+    from nanovllm_core.engine.config_resolver import create_engine_config
     from nanovllm_core.engine.model_core import ModelEngineCore
     from nanovllm_core.serving.async_llm import AsyncLLM
 
     with pytest.raises(ConfigError, match="a ModelEngineCore is one replica"):
-        ModelEngineCore(str(qwen3_path), data_parallel_size=2, **ENGINE)
+        ModelEngineCore(create_engine_config(str(qwen3_path), data_parallel_size=2, **ENGINE))
 
     async def main():
         llm = AsyncLLM.from_config(str(qwen3_path), data_parallel_size=2, **ENGINE)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nanovllm_core import LLM, EngineConfig, LLMEngine, SamplingParams
+from nanovllm_core.engine.config_resolver import create_engine_config
 from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.output_processor import DecodeStream, IncrementalDetokenizer, OutputProcessor
 
@@ -15,7 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 
 
 def test_the_engine_core_makes_token_ids_and_no_text(qwen3_path):
-    with ModelEngineCore(str(qwen3_path), **ENGINE) as core:
+    with ModelEngineCore(create_engine_config(str(qwen3_path), **ENGINE)) as core:
         text_makers = (OutputProcessor, IncrementalDetokenizer, DecodeStream)
         assert not [name for name, value in vars(core).items() if isinstance(value, text_makers)]
         for i, prompt in enumerate(PROMPTS):

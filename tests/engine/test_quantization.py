@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
+from nanovllm_testing import write_tiny_checkpoint
+from nanovllm_testing.conformance import registered_for_test
 
 from nanovllm_core import LLM, ConfigError, ModelLoadError, QuantizationMethod, UnknownPluginError
 from nanovllm_core.engine.model_core import select_quantization
 from nanovllm_core.plugins import get_registry, missing_hint
-from nanovllm_core.testing import write_tiny_checkpoint
-from nanovllm_core.testing.conformance import registered_for_test
 
 CPU = torch.device("cpu")
 

@@ -225,11 +225,13 @@ def test_start_up_ends_with_a_full_garbage_collection(qwen3_path, caplog):
     import gc
     import logging
 
+    from nanovllm_core.engine.config_resolver import create_engine_config
     from nanovllm_core.engine.model_core import ModelEngineCore
     from nanovllm_core.gc_heap import GCPauses
 
     with caplog.at_level(logging.INFO, logger="nanovllm_core.engine.model_core"), GCPauses() as pauses:
-        engine = ModelEngineCore(str(qwen3_path), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=40)
+        config = create_engine_config(str(qwen3_path), kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=40)
+        engine = ModelEngineCore(config)
     assert pauses.collections[2] >= 1
     assert re.search(r"start-up took [\d.]+ s: .* a [\d.]+ s garbage collection", caplog.text)
     assert "no warm-up (warmup='auto')" in caplog.text  # auto: on CUDA only

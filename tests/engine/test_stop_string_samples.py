@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from nanovllm_core import LLM, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from nanovllm_core.engine.config_resolver import create_engine_config
 from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.engine_client.factory import make_engine_client
 from nanovllm_core.serving.async_llm import AsyncLLM
@@ -109,7 +110,7 @@ def assert_sample_0_cut_short(generated: int) -> None:
 def test_async_llm(qwen3_path, case, where):
     async def main():
         if where == "in_process":
-            llm = AsyncLLM(ModelEngineCore(str(qwen3_path), **ENGINE))
+            llm = AsyncLLM(ModelEngineCore(create_engine_config(str(qwen3_path), **ENGINE)))
         else:
             llm = AsyncLLM.from_config(str(qwen3_path), engine_process=True, **ENGINE)
         async with llm:
@@ -144,7 +145,7 @@ def test_pulled_from_engines_in_processes_of_their_own(qwen3_path, case, where):
 def test_aborting_samples_in_the_core_leaves_the_others_running(qwen3_path):
     """``abort_request(request_id, samples)``: those samples end as aborted with what they had (the request's output
     holds them, unfinished), the others run to their end; bad indices are refused, naming the allowed ones."""
-    engine = ModelEngineCore(str(qwen3_path), **ENGINE)  # the core's own outputs: token ids
+    engine = ModelEngineCore(create_engine_config(str(qwen3_path), **ENGINE))  # the core's own outputs: token ids
     engine.add_request(PROMPT, dataclasses.replace(FREE, n=3, max_tokens=20, output_kind="delta"), "r")
     outs = []
     for _ in range(4):

@@ -111,7 +111,7 @@ def test_tp2_symm_mem_all_reduce_equals_nccl(monkeypatch, tmp_path_factory):
     every path adds the same two numbers)."""
     import gc
 
-    from nanovllm_core.testing import GPU_TEST_SHAPE, write_tiny_checkpoint
+    from nanovllm_testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("symm_bf16"), "qwen3", dtype=torch.bfloat16, **GPU_TEST_SHAPE)
     engine = dict(max_model_len=1024, num_kvcache_blocks=64, kvcache_block_size=256, max_num_seqs=32)
@@ -140,7 +140,7 @@ def test_tp2_symm_mem_all_reduce_equals_nccl(monkeypatch, tmp_path_factory):
 
 
 def load_benchmark():
-    from nanovllm_core.testing.scripts import load_script
+    from nanovllm_testing.scripts import load_script
 
     return load_script(BENCHMARK)
 

@@ -12,10 +12,10 @@ import gc
 import pytest
 import torch
 from engine_helpers import GREEDY, MAX_NEW, PROMPTS
+from nanovllm_testing import PARITY_PROMPTS
 
 import nanovllm_core.engine.input_batch as input_batch
 from nanovllm_core import LLM, PLACEHOLDER_TOKEN, SamplingParams
-from nanovllm_core.testing import PARITY_PROMPTS
 
 # few blocks and a small token budget: prompt chunks next to decode placeholders, and preemption; on CPU (gloo)
 # even where GPUs are present
@@ -96,7 +96,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 
 @pytest.fixture(scope="module")
 def bf16_path(tmp_path_factory):
-    from nanovllm_core.testing import GPU_TEST_SHAPE, write_tiny_checkpoint
+    from nanovllm_testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tp_bf16"), "qwen3", dtype=torch.bfloat16, **GPU_TEST_SHAPE)
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from engine_helpers import SHUTDOWN_LIMIT_S, assert_exited_cleanly, pid_running
+from nanovllm_testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
 from nanovllm_core import LLM, SamplingParams
 from nanovllm_core.engine.parallel import WorkerDiedError
 from nanovllm_core.errors import ConfigError
-from nanovllm_core.testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)

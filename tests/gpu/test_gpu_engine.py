@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from nanovllm_testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint
 
 from nanovllm_core import LLM, SamplingParams, SchedulerOutput, Sequence
 from nanovllm_core.plugins import get_registry
-from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 

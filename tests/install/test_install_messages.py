@@ -107,7 +107,7 @@ def test_plugins_flags_every_missing_role(capsys: pytest.CaptureFixture, monkeyp
 def test_the_kits_import_without_pytest() -> None:
     code = (
         "import sys; sys.modules['pytest'] = None\n"  # `import pytest` now raises ModuleNotFoundError
-        "import nanovllm_core.testing.conformance, nanovllm_core.testing.simulated\n"
+        "import nanovllm_testing.conformance, nanovllm_testing.simulated\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -17,8 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from nanovllm_core.testing.scripts import folder_on_sys_path, load_script
+from nanovllm_testing.scripts import folder_on_sys_path, load_script
 
 if sys.version_info >= (3, 11):
     import tomllib

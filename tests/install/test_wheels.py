@@ -2,8 +2,8 @@
 plugins installed from those wheels (not editable, no checkout on the path) into one fresh virtualenv.
 
 - the core alone: ``nanovllm plugins`` and ``nanovllm generate --demo`` fail naming the distributions to install,
-  so do ``nanovllm bench`` and ``nanovllm simulate`` (one line: ``pip install nanovllm-bench``), and the
-  conformance kits import without pytest;
+  so do ``nanovllm bench`` and ``nanovllm simulate`` (one line: ``pip install nanovllm-bench``); with
+  ``nanovllm-testing`` beside it, the conformance kits import without pytest;
 - the core with fifo, attention-flash and models-qwen3: ``nanovllm plugins`` lists exactly those and the demo runs;
 - ``pip install nanovllm-scheduler-mixed`` alone brings the fifo wheel, whose ``prefix_cache`` the demo then uses;
 - ``nanovllm-bench`` adds ``bench`` and ``simulate`` to ``nanovllm``, and the simulator finds its shipped
@@ -47,6 +47,7 @@ FOLDERS = {
     "nanovllm-structured-llguidance": ROOT / "plugins" / "structured_llguidance",
     "nanovllm-quant-fp8": ROOT / "plugins" / "quant_fp8",
     "nanovllm-bench": ROOT / "plugins" / "bench",
+    "nanovllm-testing": ROOT / "plugins" / "testing",
 }
 PLUGINS = [name for name in FOLDERS if name != "nanovllm-core"]
 SUBSET = ["nanovllm-scheduler-fifo", "nanovllm-attention-flash", "nanovllm-models-qwen3"]
@@ -162,7 +163,7 @@ def test_every_wheel_declares_its_license_and_what_it_needs(wheels: dict[str, Pa
             assert "nanovllm_bench/simulate/calibrations/h200-qwen3-0.6b-bf16.json" in shipped, shipped
 
 
-def test_the_core_alone_names_the_distributions_to_install(env: Venv) -> None:
+def test_the_core_alone_names_the_distributions_to_install(env: Venv, wheels: dict[str, Path]) -> None:
     env.uninstall(*PLUGINS)
     assert env.distributions() == {"nanovllm-core"}
     plugins = env.nanovllm("plugins")
@@ -177,7 +178,8 @@ def test_the_core_alone_names_the_distributions_to_install(env: Venv) -> None:
         assert done.stderr == (
             f"error: `nanovllm {command}` is not installed. It ships in nanovllm-bench: pip install nanovllm-bench\n"
         )
-    kits = "import nanovllm_core.testing.conformance, nanovllm_core.testing.simulated"
+    env.install(wheels["nanovllm-testing"])
+    kits = "import nanovllm_testing.conformance, nanovllm_testing.simulated"
     done = run(env.bin / "python", "-c", f"import importlib.util as u; assert u.find_spec('pytest') is None; {kits}",
                cwd=env.cwd, env=env.env)
     assert done.returncode == 0, done.stderr

@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from nanovllm_testing import write_tiny_checkpoint  # noqa: E402
 from serving_helpers import API_KEY, ENGINE, MODEL, ServerThread, start_server  # noqa: E402
 
 from nanovllm_core import LLM, SamplingParams  # noqa: E402
 from nanovllm_core.serving.api_server import ServerSettings  # noqa: E402
-from nanovllm_core.testing import write_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Shared by the serving tests: a real uvicorn server on 127.0.0.1 (a free port) around an engine, run in a
-thread of the test process so that tests can read the engine's state directly (:mod:`nanovllm_core.testing.server`);
+thread of the test process so that tests can read the engine's state directly (:mod:`nanovllm_testing.server`);
 a chat job with a scripted reply; ``nanovllm serve`` in a subprocess."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+from nanovllm_testing.server import SERVER_ENGINE, ServerThread, start_server
 
 from nanovllm_core.outputs import CompletionOutput
 from nanovllm_core.serving.openai_serving import Job
-from nanovllm_core.testing.server import SERVER_ENGINE, ServerThread, start_server
 
 __all__ = ["API_KEY", "ENGINE", "MODEL", "ScriptedJob", "ServerThread", "assert_shut_down_cleanly", "pieces_of",
            "start_serve_process", "start_server"]

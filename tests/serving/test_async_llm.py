@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from serving_helpers import ENGINE
 
 from nanovllm_core import InvalidRequestError, SamplingParams
+from nanovllm_core.engine.config_resolver import create_engine_config
 from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.outputs import CompletionOutput, RequestOutput
 from nanovllm_core.serving.async_llm import AsyncLLM, EngineDeadError, RequestStream, merge_deltas
@@ -22,7 +23,7 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(tiny_path) -> ModelEngineCore:
-    return ModelEngineCore(str(tiny_path), **ENGINE)
+    return ModelEngineCore(create_engine_config(str(tiny_path), **ENGINE))
 
 
 def run(engine: ModelEngineCore, body) -> object:

@@ -13,10 +13,9 @@ import time
 
 import httpx
 import pytest
+from nanovllm_testing import write_tiny_checkpoint
 from serving_helpers import assert_shut_down_cleanly, start_serve_process
 from test_shutdown import free_port
-
-from nanovllm_core.testing import write_tiny_checkpoint
 
 LONG = 6000  # tokens: far more than the tiny model streams while the test drains (max_model_len 8192)
 

@@ -12,11 +12,11 @@ import pickle
 import threading
 
 import pytest
+from nanovllm_testing.scripted import build_scripted_engine
 
 from nanovllm_core.engine_client.step_loop import EngineProcess, FrameReader, frame_message
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.serving.async_llm import AsyncLLM
-from nanovllm_core.testing.scripted import build_scripted_engine
 
 
 def test_framed_commands_read_back_with_connection_recv():

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from nanovllm_testing import write_tiny_checkpoint
 from serving_helpers import ENGINE
 
 from nanovllm_core import LLM, InvalidRequestError, SamplingParams
 from nanovllm_core.entrypoints.chat import render_chat
-from nanovllm_core.testing import write_tiny_checkpoint
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nanovllm_testing.conformance import ReasoningParserConformance
 from serving_helpers import API_KEY, MODEL, ScriptedJob, pieces_of, start_server
 
 from nanovllm_core.errors import ConfigError
@@ -18,7 +19,6 @@ from nanovllm_core.parsing.reasoning import DeepSeekR1ReasoningParser, Qwen3Reas
 from nanovllm_core.parsing.tool_calls import HermesToolParser
 from nanovllm_core.serving.api_server import ServerSettings
 from nanovllm_core.serving.openai_serving import chat_events, chat_response
-from nanovllm_core.testing.conformance import ReasoningParserConformance
 
 QWEN3, R1 = Qwen3ReasoningParser(), DeepSeekR1ReasoningParser()
 TEXTS = ["<think>\nThe user asks.\n</think>\n\nParis.", "  <think>x</think>y", "no thinking here",

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 from nanovllm_bench.serve import BenchRequest, client_session, request_headers
+from nanovllm_testing import write_tiny_checkpoint
+from nanovllm_testing.scripts import load_script
 from serving_helpers import start_server
 
 from nanovllm_core.serving.api_server import ServerSettings
-from nanovllm_core.testing import write_tiny_checkpoint
-from nanovllm_core.testing.scripts import load_script
 
 SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 BODY_LIMIT = 65536

@@ -11,13 +11,13 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nanovllm_testing.conformance import ToolParserConformance
 from serving_helpers import API_KEY, MODEL, ScriptedJob, pieces_of, start_server
 
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.parsing.tool_calls import HermesToolParser
 from nanovllm_core.serving.api_server import ServerSettings
 from nanovllm_core.serving.openai_serving import chat_events, chat_response
-from nanovllm_core.testing.conformance import ToolParserConformance
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "c"}}\n</tool_call>'

@@ -171,7 +171,7 @@ def test_kv_cache_dtype_flag_takes_vllms_e4m3_name(capsys: pytest.CaptureFixture
 def load_benchmark(name: str):
     """The module of ``benchmarks/NAME.py`` (the benchmarks are scripts, not a package); they import the measuring
     tools, so without ``nanovllm-bench`` the test skips."""
-    from nanovllm_core.testing.scripts import load_script
+    from nanovllm_testing.scripts import load_script
 
     pytest.importorskip("nanovllm_bench")
 

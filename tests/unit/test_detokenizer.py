@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import random
 
+from nanovllm_testing.checkpoints import build_tokenizer
+
 from nanovllm_core.output_processor import IncrementalDetokenizer, decoder_of
-from nanovllm_core.testing.checkpoints import build_tokenizer
 
 
 def stream(decode, token_ids: list[int], start: int, windows: list[int]) -> str:

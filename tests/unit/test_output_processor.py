@@ -8,6 +8,7 @@ import logging
 import random
 
 import pytest
+from nanovllm_testing.checkpoints import build_tokenizer
 
 from nanovllm_core.engine_client import base
 from nanovllm_core.output_processor import (
@@ -19,7 +20,6 @@ from nanovllm_core.output_processor import (
 )
 from nanovllm_core.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.testing.checkpoints import build_tokenizer
 
 TOKENIZER = build_tokenizer()
 

@@ -8,6 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from nanovllm_testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint  # noqa: E402
+
 from nanovllm_core import LLM, SamplingParams  # noqa: E402
 from nanovllm_core.config import EngineConfig  # noqa: E402
 from nanovllm_core.layers import launch_options  # noqa: E402
@@ -17,7 +19,6 @@ from nanovllm_core.layers.rms_norm_kernel import rms_norm  # noqa: E402
 from nanovllm_core.layers.silu_and_mul_kernel import silu_and_mul  # noqa: E402
 from nanovllm_core.layers.skinny_gemm_kernel import skinny_norm_linear  # noqa: E402
 from nanovllm_core.layers.triton_jit import set_pdl  # noqa: E402
-from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture

@@ -12,8 +12,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
-
-from nanovllm_core.testing.simulated import SimulatedEngine
+from nanovllm_testing.simulated import SimulatedEngine
 
 BS = 16
 

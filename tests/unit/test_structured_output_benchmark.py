@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nanovllm_core.testing.scripts import load_script
+from nanovllm_testing.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "structured_output.py"
 

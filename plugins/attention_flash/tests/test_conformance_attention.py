@@ -6,8 +6,7 @@ import torch
 from nanovllm_attention_flash.flash_attn_backend import FlashAttnBackend
 from nanovllm_attention_flash.torch_backend import TorchAttentionBackend
 from nanovllm_attention_flash.triton_backend import TritonAttentionBackend
-
-from nanovllm_core.testing.conformance import AttentionBackendConformance
+from nanovllm_testing.conformance import AttentionBackendConformance
 
 
 class TestTorchAttentionBackend(AttentionBackendConformance):

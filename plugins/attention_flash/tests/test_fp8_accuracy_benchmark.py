@@ -14,13 +14,13 @@ SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "fp8_accuracy.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    from nanovllm_core.testing.scripts import load_script
+    from nanovllm_testing.scripts import load_script
 
     return load_script(SCRIPT)
 
 
 def test_fp8_accuracy_benchmark_on_cpu(bench, tmp_path: Path, capsys) -> None:
-    from nanovllm_core.testing import write_tiny_checkpoint
+    from nanovllm_testing import write_tiny_checkpoint
 
     model = write_tiny_checkpoint(tmp_path / "model", "qwen3", head_dim=64)
     out = tmp_path / "fp8.json"

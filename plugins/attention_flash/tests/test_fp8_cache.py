@@ -16,10 +16,10 @@ from nanovllm_attention_flash.fp8_cache import (
     store_fp8,
 )
 from nanovllm_attention_flash.testing import bf16_rows, e4m3_reference, make_case, reference
+from nanovllm_testing import tiny_checkpoint_fixture
 
 from nanovllm_core import LLM, AttentionBackend, ConfigError, SamplingParams
 from nanovllm_core.engine.model_runner import ModelRunner
-from nanovllm_core.testing import tiny_checkpoint_fixture
 
 CPU = torch.device("cpu")
 # (query_lens, context_lens, padding rows) of each step kind: ragged, straddling 16-token blocks

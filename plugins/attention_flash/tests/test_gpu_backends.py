@@ -26,8 +26,7 @@ from nanovllm_attention_flash import FlashAttnBackend, TorchAttentionBackend, Tr
 from nanovllm_attention_flash import triton_kernels as tk
 from nanovllm_attention_flash.fp8_cache import fp8_views, store_fp8
 from nanovllm_attention_flash.testing import PagedCase, bf16_rows, e4m3_reference, make_case, reference
-
-from nanovllm_core.testing import cuda_median_ms
+from nanovllm_testing import cuda_median_ms
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,10 +15,10 @@ import dataclasses
 
 import pytest
 import torch
+from nanovllm_testing import GPU_TEST_SHAPE, PARITY_PROMPTS, hf_greedy_tokens, tiny_checkpoint_fixture
 
 from nanovllm_core import LLM, SamplingParams, SchedulerOutput
 from nanovllm_core.sequence import Sequence
-from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, hf_greedy_tokens, tiny_checkpoint_fixture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

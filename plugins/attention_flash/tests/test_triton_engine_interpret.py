@@ -8,8 +8,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from nanovllm_testing import hf_greedy, tiny_checkpoint_fixture  # noqa: E402
+
 from nanovllm_core import LLM, SamplingParams  # noqa: E402
-from nanovllm_core.testing import hf_greedy, tiny_checkpoint_fixture  # noqa: E402
 
 # head_dim 64: the smallest the Triton kernels take; one layer keeps the interpreter quick
 head64_path = tiny_checkpoint_fixture(

@@ -14,9 +14,9 @@ pytest.importorskip("triton")
 
 from nanovllm_attention_flash import TorchAttentionBackend, TritonAttentionBackend, triton_kernels  # noqa: E402
 from nanovllm_attention_flash.testing import make_case, record_tma_use, reference  # noqa: E402
+from nanovllm_testing.conformance import AttentionBackendConformance  # noqa: E402
 
 from nanovllm_core import ConfigError  # noqa: E402
-from nanovllm_core.testing.conformance import AttentionBackendConformance  # noqa: E402
 
 # (query_lens, context_lens) of each step kind; lengths chosen to straddle 16- and 32-token blocks
 KINDS = {

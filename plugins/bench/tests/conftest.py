@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from nanovllm_core.testing import write_tiny_checkpoint
+from nanovllm_testing import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -26,12 +26,12 @@ from nanovllm_bench.serve import (
     request_headers,
     synthetic_sharegpt,
 )
+from nanovllm_testing import write_tiny_checkpoint
+from nanovllm_testing.server import start_server
 
 from nanovllm_core.cli import main
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.serving.api_server import ServerSettings
-from nanovllm_core.testing import write_tiny_checkpoint
-from nanovllm_core.testing.server import start_server
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 

@@ -9,6 +9,7 @@ import pytest
 from nanovllm_bench.simulate import Calibration, TraceRequest, TraceSimulator
 
 from nanovllm_core import SamplingParams
+from nanovllm_core.engine.config_resolver import create_engine_config
 from nanovllm_core.engine.model_core import ModelEngineCore
 
 LIMITS = dict(max_num_seqs=6, max_num_batched_tokens=64, max_model_len=512)
@@ -39,10 +40,10 @@ def test_same_steps_same_batches_as_the_real_engine(qwen3_path, scheduler, block
     times = sim.replay(small_trace())
     assert sim.steps > 20 and len({t.admitted_step for t in times}) > 3  # arrivals spread over the run
 
-    engine = ModelEngineCore(
+    engine = ModelEngineCore(create_engine_config(
         str(qwen3_path), kvcache_block_size=16, num_kvcache_blocks=blocks, async_scheduling="on",
         plugins={"scheduler": scheduler}, **LIMITS,
-    )
+    ))
     real_batches = []
     launch = engine.step_runner.launch
 

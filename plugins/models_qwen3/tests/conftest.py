@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nanovllm_core.testing import tiny_checkpoint_fixture
+from nanovllm_testing import tiny_checkpoint_fixture
 
 MOE_SHAPE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96)
 

@@ -1,8 +1,7 @@
 """The conformance kit run against the in-tree Qwen architectures."""
 
 from nanovllm_models_qwen3 import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
-
-from nanovllm_core.testing.conformance import ModelConformance
+from nanovllm_testing.conformance import ModelConformance
 
 
 class TestQwen3ForCausalLM(ModelConformance):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from nanovllm_models_qwen3 import Qwen3MoeForCausalLM
 from nanovllm_models_qwen3.moe import Qwen3MoeSparseBlock
+from nanovllm_testing import hf_greedy
 
 from nanovllm_core import LLM, SamplingParams
-from nanovllm_core.testing import hf_greedy
 
 MAX_NEW = 32
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from nanovllm_testing import rewrite_checkpoint
 
 from nanovllm_core.loader import iter_safetensors
-from nanovllm_core.testing import rewrite_checkpoint
 from nanovllm_quant_fp8.fp8 import dequantize_weight, quantize_weight_blockwise, quantize_weight_per_channel
 
 LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

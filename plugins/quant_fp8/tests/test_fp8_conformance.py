@@ -11,8 +11,7 @@ from nanovllm_quant_fp8.checkpoints import (
     write_fp8_checkpoint,
 )
 from nanovllm_quant_fp8.method import CompressedTensorsFp8Method, Fp8Method
-
-from nanovllm_core.testing.conformance import QuantizationConformance
+from nanovllm_testing.conformance import QuantizationConformance
 
 
 class TestFp8QuantizedAtLoad(QuantizationConformance):

@@ -16,9 +16,9 @@ from nanovllm_quant_fp8.checkpoints import (
     write_fake_quantized_checkpoint,
     write_fp8_checkpoint,
 )
+from nanovllm_testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint
 
 from nanovllm_core import LLM, SamplingParams, SchedulerOutput, Sequence
-from nanovllm_core.testing import GPU_TEST_SHAPE, PARITY_PROMPTS, write_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

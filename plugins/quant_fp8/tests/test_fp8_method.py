@@ -20,10 +20,10 @@ from nanovllm_quant_fp8.fp8 import (
     w8a16_reference,
 )
 from nanovllm_quant_fp8.method import CompressedTensorsFp8Method, Fp8Method
+from nanovllm_testing import write_tiny_checkpoint
 
 from nanovllm_core import LLM, ConfigError, ModelLoadError
 from nanovllm_core.loader import iter_safetensors
-from nanovllm_core.testing import write_tiny_checkpoint
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=4, head_dim=64)
 

@@ -20,8 +20,7 @@ pytest.importorskip("triton")
 
 from nanovllm_quant_fp8 import fp8  # noqa: E402
 from nanovllm_quant_fp8 import kernels as qk  # noqa: E402
-
-from nanovllm_core.testing import cuda_median_ms  # noqa: E402
+from nanovllm_testing import cuda_median_ms  # noqa: E402
 
 # tests/conftest.py skips ``gpu`` tests without CUDA for the core's tests only: the plugin's skip themselves too
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

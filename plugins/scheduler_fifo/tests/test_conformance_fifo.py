@@ -1,8 +1,7 @@
 """The conformance kit run against the in-tree ``fifo`` scheduler and ``prefix_cache`` block manager."""
 
 from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
-
-from nanovllm_core.testing.conformance import BlockManagerConformance, SchedulerConformance
+from nanovllm_testing.conformance import BlockManagerConformance, SchedulerConformance
 
 
 class TestFifoScheduler(SchedulerConformance):

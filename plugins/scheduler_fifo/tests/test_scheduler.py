@@ -6,9 +6,9 @@ import random
 
 import pytest
 from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
+from nanovllm_testing.simulated import SimulatedEngine
 
 from nanovllm_core import Scheduler, SchedulerOutput
-from nanovllm_core.testing.simulated import SimulatedEngine
 
 BS = 16
 

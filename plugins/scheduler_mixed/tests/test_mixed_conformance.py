@@ -1,8 +1,7 @@
 """The core's scheduler conformance kit, run against ``mixed`` (with and without a chunk cap)."""
 
 from nanovllm_scheduler_mixed import MixedScheduler
-
-from nanovllm_core.testing.conformance import SchedulerConformance
+from nanovllm_testing.conformance import SchedulerConformance
 
 
 class TestMixedScheduler(SchedulerConformance):

@@ -3,7 +3,7 @@ with a cap on prompt chunks."""
 
 from __future__ import annotations
 
-from nanovllm_core.testing.conformance import SchedulerParity
+from nanovllm_testing.conformance import SchedulerParity
 
 
 class TestMixedParity(SchedulerParity):

@@ -7,11 +7,11 @@ import random
 
 import pytest
 from nanovllm_scheduler_mixed import MixedScheduler
+from nanovllm_testing.conformance import SchedulerConformance, SimulatedEngine
+from nanovllm_testing.simulated import random_tokens
 
 from nanovllm_core import ConfigError
 from nanovllm_core.engine.options import validate_options
-from nanovllm_core.testing.conformance import SchedulerConformance, SimulatedEngine
-from nanovllm_core.testing.simulated import random_tokens
 
 BS = 16
 

@@ -3,8 +3,9 @@ one after another: the most urgent first, ties by arrival)."""
 
 from __future__ import annotations
 
+from nanovllm_testing import write_tiny_checkpoint
+
 from nanovllm_core import LLM, SamplingParams
-from nanovllm_core.testing import write_tiny_checkpoint
 
 
 def test_generate_priority_list_orders_admission(tmp_path):

@@ -1,8 +1,7 @@
 """The core's scheduler conformance kit, run against ``priority`` (default options; fast aging with a chunk cap)."""
 
 from nanovllm_scheduler_priority import PriorityScheduler
-
-from nanovllm_core.testing.conformance import SchedulerConformance
+from nanovllm_testing.conformance import SchedulerConformance
 
 
 class TestPriorityScheduler(SchedulerConformance):

@@ -3,7 +3,7 @@ with fast aging, and with priorities mixed with and without aging; no aging key 
 
 from __future__ import annotations
 
-from nanovllm_core.testing.conformance import SchedulerParity
+from nanovllm_testing.conformance import SchedulerParity
 
 PREEMPTED_CHUNKED = {"num_kvcache_blocks": 11, "max_num_batched_tokens": 40, "max_num_seqs": 8}
 

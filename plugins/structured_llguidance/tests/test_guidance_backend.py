@@ -20,6 +20,7 @@ import jsonschema
 import pytest
 from nanovllm_structured_llguidance import GuidanceBackend, GuidanceGrammar, plugin
 from nanovllm_structured_llguidance.specs import forbid_additional_properties
+from nanovllm_testing.checkpoints import build_tokenizer, write_tiny_checkpoint
 from packaging.specifiers import SpecifierSet
 
 from nanovllm_core import bitmask_words
@@ -27,7 +28,6 @@ from nanovllm_core.engine.options import instantiate, validate_options
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.hookspecs import PLUGIN_API_VERSION
 from nanovllm_core.sampling_params import StructuredOutputsParams
-from nanovllm_core.testing.checkpoints import build_tokenizer, write_tiny_checkpoint
 
 PADDING = 40  # the model's vocabulary exceeds the tokenizer's by this many ids (embedding padding)
 MAX_STEPS = 300

@@ -1,8 +1,7 @@
 """The core's structured-output conformance kit run against the ``guidance`` backend."""
 
 from nanovllm_structured_llguidance import GuidanceBackend
-
-from nanovllm_core.testing.conformance import StructuredOutputConformance
+from nanovllm_testing.conformance import StructuredOutputConformance
 
 
 class TestGuidanceBackend(StructuredOutputConformance):

@@ -14,10 +14,10 @@ import pytest
 import torch
 from nanovllm_structured_xgrammar import XgrammarBackend
 from nanovllm_structured_xgrammar.backend import choice_ebnf, one_line_reason
+from nanovllm_testing import write_tiny_checkpoint
 from transformers import AutoTokenizer
 
 from nanovllm_core.structured_output import bitmask_words
-from nanovllm_core.testing import write_tiny_checkpoint
 
 PADDING = 19  # the model's logits are this much wider than the tokenizer's vocabulary (not a multiple of 32)
 WALKS = 24  # random walks per constraint

@@ -1,8 +1,7 @@
 """The core's structured-output conformance kit run against the ``xgrammar`` backend."""
 
 from nanovllm_structured_xgrammar import XgrammarBackend
-
-from nanovllm_core.testing.conformance import StructuredOutputConformance
+from nanovllm_testing.conformance import StructuredOutputConformance
 
 
 class TestXgrammarBackend(StructuredOutputConformance):

@@ -9,9 +9,9 @@ import re
 
 import jsonschema
 import pytest
+from nanovllm_testing import write_tiny_checkpoint
 
 from nanovllm_core import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm_core.testing import write_tiny_checkpoint
 
 SCHEMA = {
     "type": "object",

@@ -5,9 +5,9 @@ import pytest
 pytest.importorskip("nanovllm_scheduler_spf", reason="install the plugin: pip install -e .")
 
 from nanovllm_scheduler_spf import ShortestPromptFirstScheduler  # noqa: E402
+from nanovllm_testing.conformance import SchedulerConformance, SimulatedEngine  # noqa: E402
 
 from nanovllm_core import ConfigError  # noqa: E402
-from nanovllm_core.testing.conformance import SchedulerConformance, SimulatedEngine  # noqa: E402
 
 
 def simulate(**kwargs) -> SimulatedEngine:

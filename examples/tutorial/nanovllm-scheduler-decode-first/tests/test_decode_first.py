@@ -1,6 +1,5 @@
 from nanovllm_decode_first.scheduler import DecodeFirstScheduler
-
-from nanovllm_core.testing.conformance import SchedulerConformance
+from nanovllm_testing.conformance import SchedulerConformance
 
 
 class TestDecodeFirst(SchedulerConformance):

@@ -13,11 +13,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanovllm_testing.simulated import SimulatedEngine
+
 from nanovllm_bench.simulate.cost import Calibration
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.interfaces import Scheduler
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.testing.simulated import SimulatedEngine
 
 
 @dataclass

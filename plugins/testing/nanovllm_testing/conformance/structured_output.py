@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm_core.structured_output import StructuredOutputBackend, bitmask_words
-from nanovllm_core.testing.conformance._shared import (
+from nanovllm_testing.conformance._shared import (
     fixture,
     parametrize,
     registered_for_test,

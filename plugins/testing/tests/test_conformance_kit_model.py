@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from nanovllm_models_qwen3 import Qwen3ForCausalLM
+from nanovllm_testing.conformance import ModelConformance, shared_tiny_checkpoint
 
 from nanovllm_core import ModelLoadError
-from nanovllm_core.testing.conformance import ModelConformance, shared_tiny_checkpoint
 
 # --- models with one bug each -----------------------------------------------------------------------
 

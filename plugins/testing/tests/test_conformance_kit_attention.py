@@ -6,8 +6,7 @@ import pytest
 import torch
 from kit_helpers import KitFailure
 from nanovllm_attention_flash import TorchAttentionBackend
-
-from nanovllm_core.testing.conformance import AttentionBackendConformance
+from nanovllm_testing.conformance import AttentionBackendConformance
 
 # --- attention backends with one bug each -----------------------------------------------------------
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 from kit_helpers import KitFailure, PreemptionKeepsComputedTokens
 from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
+from nanovllm_testing.conformance import BlockManagerConformance, SchedulerConformance
 
 from nanovllm_core import Scheduler, SchedulerOutput
-from nanovllm_core.testing.conformance import BlockManagerConformance, SchedulerConformance
 
 # --- schedulers with one bug each -------------------------------------------------------------------
 

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from nanovllm_core.engine.config_resolver import create_engine_config
 from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.errors import ModelLoadError
 from nanovllm_core.loader import iter_safetensors, load_hf_config
 from nanovllm_core.plugins import check_registration
-from nanovllm_core.testing.checkpoints import write_tiny_checkpoint
-from nanovllm_core.testing.conformance._shared import (
+from nanovllm_testing.checkpoints import write_tiny_checkpoint
+from nanovllm_testing.conformance._shared import (
     assert_matches_transformers,
     fixture,
     installed_plugin,
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 class ModelConformance:
     """Checks a model class; set ``model_cls`` (and ``checkpoint_arch``) in a ``Test...`` subclass.
 
-    The checkpoint is a tiny random-weight one from :func:`~nanovllm_core.testing.write_tiny_checkpoint`
+    The checkpoint is a tiny random-weight one from :func:`~nanovllm_testing.write_tiny_checkpoint`
     (``checkpoint_arch``, ``checkpoint_options``); override :meth:`write_checkpoint` for other architectures.
     """
 
@@ -85,10 +86,10 @@ class ModelConformance:
         prompts = [first, [rng.randrange(3, vocab) for _ in range(3)], [rng.randrange(3, vocab) for _ in range(70)],
                    first[:32] + [rng.randrange(3, vocab) for _ in range(3)]]
         with registered_for_test("model", self.model_cls, name=self.get_architecture()):
-            engine = ModelEngineCore(
+            engine = ModelEngineCore(create_engine_config(
                 model=str(model_checkpoint), device="cpu", dtype="float32", num_kvcache_blocks=64,
                 kvcache_block_size=16, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
                 plugins={"attention": self.attention},
-            )
+            ))
             got = run_engine(engine, prompts, self.max_new_tokens)
         assert_matches_transformers(model_checkpoint, prompts, got, self.max_new_tokens)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.testing.conformance._shared import fixture, installed_plugin, shared_checkpoint_fixture
+from nanovllm_testing.conformance._shared import fixture, installed_plugin, shared_checkpoint_fixture
 
 if TYPE_CHECKING:
     import pytest

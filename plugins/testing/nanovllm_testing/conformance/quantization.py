@@ -8,11 +8,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from nanovllm_core.engine.config_resolver import create_engine_config
 from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.layers.linear import UNQUANTIZED, _Linear
 from nanovllm_core.plugins import check_registration, get_registry
 from nanovllm_core.quantization import QuantizationMethod
-from nanovllm_core.testing.conformance._shared import (
+from nanovllm_testing.conformance._shared import (
     assert_matches_transformers,
     fixture,
     installed_plugin,
@@ -66,7 +67,7 @@ class QuantizationConformance:
     @classmethod
     def checkpoints(cls, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any], Path]]:
         """Per model family: (quantized checkpoint, engine settings, reference checkpoint)."""
-        from nanovllm_core.testing.checkpoints import write_tiny_checkpoint
+        from nanovllm_testing.checkpoints import write_tiny_checkpoint
 
         kit = cls()
         found = {}
@@ -84,7 +85,7 @@ class QuantizationConformance:
             model=str(checkpoint), device="cpu", dtype="float32", num_kvcache_blocks=64, kvcache_block_size=16,
             max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, plugins={"attention": self.attention},
         )  # fmt: skip
-        return ModelEngineCore(**{**values, **settings, **overrides})
+        return ModelEngineCore(create_engine_config(**{**values, **settings, **overrides}))
 
     @contextmanager
     def family_engine(self, checkpoints: dict, family: str) -> Iterator[tuple[ModelEngineCore, Path]]:

@@ -3,7 +3,7 @@
 Subclass one in your plugin's tests, name the subclass ``Test...`` and set the class attribute that names your
 class; pytest collects every check::
 
-    from nanovllm_core.testing.conformance import SchedulerConformance
+    from nanovllm_testing.conformance import SchedulerConformance
     from my_package.scheduler import MyScheduler
 
     class TestMyScheduler(SchedulerConformance):
@@ -31,16 +31,16 @@ Each kit has its own module (``scheduler``, ``scheduler_parity``, ``block_manage
 this package.
 """
 
-from nanovllm_core.testing.conformance._shared import registered_for_test, shared_tiny_checkpoint
-from nanovllm_core.testing.conformance.attention import AttentionBackendConformance, dense_attention
-from nanovllm_core.testing.conformance.block_manager import BlockManagerConformance
-from nanovllm_core.testing.conformance.model import ModelConformance
-from nanovllm_core.testing.conformance.parsers import ReasoningParserConformance, ToolParserConformance
-from nanovllm_core.testing.conformance.quantization import QuantizationConformance
-from nanovllm_core.testing.conformance.scheduler import SchedulerConformance
-from nanovllm_core.testing.conformance.scheduler_parity import SchedulerParity
-from nanovllm_core.testing.conformance.structured_output import StructuredOutputConformance
-from nanovllm_core.testing.simulated import SimulatedEngine
+from nanovllm_testing.conformance._shared import registered_for_test, shared_tiny_checkpoint
+from nanovllm_testing.conformance.attention import AttentionBackendConformance, dense_attention
+from nanovllm_testing.conformance.block_manager import BlockManagerConformance
+from nanovllm_testing.conformance.model import ModelConformance
+from nanovllm_testing.conformance.parsers import ReasoningParserConformance, ToolParserConformance
+from nanovllm_testing.conformance.quantization import QuantizationConformance
+from nanovllm_testing.conformance.scheduler import SchedulerConformance
+from nanovllm_testing.conformance.scheduler_parity import SchedulerParity
+from nanovllm_testing.conformance.structured_output import StructuredOutputConformance
+from nanovllm_testing.simulated import SimulatedEngine
 
 __all__ = [
     "AttentionBackendConformance",

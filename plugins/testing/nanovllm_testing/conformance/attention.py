@@ -9,7 +9,7 @@ import torch
 from nanovllm_core.engine.cuda_graph import MixedStepBuffers
 from nanovllm_core.interfaces import AttentionBackend, AttentionBatch
 from nanovllm_core.plugins import check_registration
-from nanovllm_core.testing.conformance._shared import parametrize
+from nanovllm_testing.conformance._shared import parametrize
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:

@@ -6,11 +6,12 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from nanovllm_core.engine.config_resolver import create_engine_config
 from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.errors import InvalidRequestError
 from nanovllm_core.interfaces import BlockManager, Scheduler
 from nanovllm_core.plugins import check_registration, get_registry
-from nanovllm_core.testing.conformance._shared import (
+from nanovllm_testing.conformance._shared import (
     assert_done,
     assert_matches_transformers,
     fixture,
@@ -19,7 +20,7 @@ from nanovllm_core.testing.conformance._shared import (
     run_engine,
     shared_checkpoint_fixture,
 )
-from nanovllm_core.testing.simulated import SimulatedEngine, random_tokens
+from nanovllm_testing.simulated import SimulatedEngine, random_tokens
 
 if TYPE_CHECKING:
     import pytest
@@ -253,7 +254,7 @@ class SchedulerConformance:
         with registered_for_test("scheduler", self.scheduler_cls) as scheduler, registered_for_test(
             "block_manager", bm_cls
         ) as block_manager:
-            engine = ModelEngineCore(
+            engine = ModelEngineCore(create_engine_config(
                 model=str(conformance_checkpoint), device="cpu", num_kvcache_blocks=6, kvcache_block_size=16,
                 max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
                 async_scheduling="on" if async_scheduling else "off",
@@ -262,7 +263,7 @@ class SchedulerConformance:
                     "scheduler_options": dict(self.scheduler_options),
                     "block_manager_options": dict(self.block_manager_options),
                 },
-            )
+            ))
             got = run_engine(engine, prompts, max_tokens)
             assert engine.block_manager.num_free_blocks == 6, "blocks are still in use after every request finished"
         assert_matches_transformers(conformance_checkpoint, prompts, got, max_tokens)

@@ -10,8 +10,8 @@ from nanovllm_core.interfaces import BlockManager, Scheduler
 from nanovllm_core.plugins import check_registration
 from nanovllm_core.sampling_params import SamplingParams
 from nanovllm_core.sequence import Sequence
-from nanovllm_core.testing.conformance._shared import assert_done, installed_plugin
-from nanovllm_core.testing.simulated import SimulatedEngine, random_tokens
+from nanovllm_testing.conformance._shared import assert_done, installed_plugin
+from nanovllm_testing.simulated import SimulatedEngine, random_tokens
 
 
 class BlockManagerConformance:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from kit_helpers import KitFailure, PreemptionKeepsComputedTokens
 from nanovllm_scheduler_fifo import FifoScheduler
+from nanovllm_testing.conformance import SchedulerConformance
 
 from nanovllm_core import Scheduler, SchedulerOutput
-from nanovllm_core.testing.conformance import SchedulerConformance
 
 
 class PreemptionDropsBlocksUnfreed(FifoScheduler):

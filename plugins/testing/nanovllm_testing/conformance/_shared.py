@@ -15,12 +15,12 @@ from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.hookspecs import PLUGIN_API_VERSION, hookimpl
 from nanovllm_core.plugins import KINDS, get_registry, register_plugin, unregister_plugin
 from nanovllm_core.sampling_params import SamplingParams
-from nanovllm_core.testing.checkpoints import hf_greedy, write_tiny_checkpoint
+from nanovllm_testing.checkpoints import hf_greedy, write_tiny_checkpoint
 
 if TYPE_CHECKING:
     import pytest
 
-    from nanovllm_core.testing.simulated import SimulatedEngine
+    from nanovllm_testing.simulated import SimulatedEngine
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
