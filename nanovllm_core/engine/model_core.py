@@ -307,7 +307,7 @@ class ModelEngineCore(EngineCore):
             )
         if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) != tp:
             raise ConfigError(f"tensor_parallel_size={tp} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']}")
-        spec = RunnerSpec(cfg.model_dump(), arch, attention, self.device.type, str(self.dtype).split(".")[-1])
+        spec = RunnerSpec(cfg, arch, attention, self.device.type, str(self.dtype).split(".")[-1])
         if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
             serve_torchrun(int(os.environ["RANK"]), tp, spec)
             raise SystemExit(0)  # a torchrun worker served until rank 0 shut down

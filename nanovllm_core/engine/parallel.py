@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nanovllm_core.config import EngineConfig
 from nanovllm_core.distributed import set_peer_failure_check, set_tensor_parallel, setup_symm_mem_all_reduce
 from nanovllm_core.engine.shm_ring import BroadcastRing, RingLayout
 from nanovllm_core.engine.sigint_hold import SigintHold
@@ -72,9 +73,10 @@ class WorkerDiedError(RuntimeError):
 
 @dataclass
 class RunnerSpec:
-    """Everything a rank needs to build its model runner; plain data, so it pickles to a spawned worker."""
+    """Everything a rank needs to build its model runner, pickled to a spawned worker: the front-end's finished,
+    frozen config (it stays finished through pickling, so no rank resolves anything again)."""
 
-    config: dict[str, Any]
+    config: EngineConfig
     architecture: str
     attention: str
     device_type: str
@@ -171,13 +173,12 @@ def leave_distributed_within(device_type: str, seconds: float) -> bool:
 
 def build_runner(spec: RunnerSpec, rank: int):
     """Build this rank's runner from its own plugin registry (every process loads the plugins itself)."""
-    from nanovllm_core.config import EngineConfig
     from nanovllm_core.engine.model_runner import ModelRunner
     from nanovllm_core.loader import load_hf_config
     from nanovllm_core.plugins import get_registry
 
     registry = get_registry()
-    config = EngineConfig(**spec.config)
+    config = spec.config
     hf_config = load_hf_config(config.model)
     model_cls = registry.get("model", spec.architecture).obj
     backend_cls = registry.get("attention", spec.attention).obj

@@ -16,6 +16,7 @@ from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine import config_resolver
 from nanovllm_core.engine.config_resolver import create_engine_config, finish_config
 from nanovllm_core.engine.model_core import ModelEngineCore
+from nanovllm_core.engine.parallel import RunnerSpec, build_runner
 from nanovllm_core.errors import ConfigError
 
 ENGINE = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=4, warmup="off")
@@ -55,6 +56,15 @@ def test_the_finished_config_is_concrete_and_frozen(qwen3_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot be set"):
         again.device = "cuda"
 
+
+
+def test_a_tensor_parallel_rank_runs_the_finished_config(qwen3_path: Path, finishes: list[str]) -> None:
+    config = create_engine_config(str(qwen3_path), **ENGINE)
+    spec = RunnerSpec(config, "Qwen3ForCausalLM", config.plugins.attention, "cpu", config.dtype)
+    finishes.clear()
+    runner = build_runner(pickle.loads(pickle.dumps(spec)), rank=1)  # as a spawned worker receives it
+    assert runner.config.finished and runner.config == config
+    assert finishes == []
 
 def test_a_second_finish_is_a_no_op(qwen3_path: Path, finishes: list[str]) -> None:
     config = create_engine_config(str(qwen3_path), device="cpu", max_model_len=256)

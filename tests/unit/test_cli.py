@@ -8,6 +8,7 @@ import types
 from pathlib import Path
 
 import pytest
+from unit_helpers import needs_model_plugin
 
 from nanovllm_core import PLUGIN_API_VERSION, hookimpl, register_plugin, unregister_plugin
 from nanovllm_core.cli import build_parser, config_reference, main
@@ -54,6 +55,7 @@ def test_the_reference_lists_every_field_with_its_default_and_flag() -> None:
     assert "`--[no-]enforce-eager`" in reference
 
 
+@needs_model_plugin
 def test_config_prints_each_value_with_its_source(capsys: pytest.CaptureFixture, config_file: Path) -> None:
     code, out, _ = run(capsys, "config", "--config", str(config_file), "--max-num-seqs", "4", "--dtype", "float32")
     assert code == 0

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from unit_helpers import needs_model_plugin
 
 from nanovllm_core import LLMEngine
 from nanovllm_core.cli import build_parser, cli_overrides, main, parse_command_line
@@ -251,6 +252,7 @@ def test_api_key_precedence_flag_then_nanovllm_then_vllm() -> None:
     assert build_parser().parse_args(["serve", "/m"]).api_key is None  # read at start, not when parsing
 
 
+@needs_model_plugin
 def test_request_output_kind_is_accepted_where_output_kind_strings_are(qwen3_path: Path) -> None:
     assert [k.value for k in RequestOutputKind] == ["cumulative", "delta", "final"]
     for kind, name in ((RequestOutputKind.DELTA, "delta"), (RequestOutputKind.FINAL_ONLY, "final")):
@@ -298,6 +300,7 @@ def test_config_fails_as_generate_does(
     assert capsys.readouterr().err == f"error: {engine_error(qwen3_path, **kwargs)}\n"
 
 
+@needs_model_plugin
 def test_config_takes_unknown_plugin_options_from_a_file_as_generate_does(
     qwen3_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -317,6 +320,7 @@ def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("nanovllm-cache")
 
 
+@needs_model_plugin
 def test_demo_on_serve_and_config(
     demo_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

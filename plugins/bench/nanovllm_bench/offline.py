@@ -53,28 +53,11 @@ QWEN3_0_6B = dict(
     max_position_embeddings=40960,
     tie_word_embeddings=True,
 )
-QWEN3_8B = dict(
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_layers=36,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-)
-TINY = dict(
-    vocab_size=10240,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
+# the 8B: wider and deeper, the same heads' shape, its own output embedding
+QWEN3_8B = {**QWEN3_0_6B, "hidden_size": 4096, "intermediate_size": 12288, "num_layers": 36, "num_heads": 32,
+            "tie_word_embeddings": False}  # fmt: skip
+TINY = dict(vocab_size=10240, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+            head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True)  # fmt: skip
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-8b": QWEN3_8B, "tiny": TINY}
 
 

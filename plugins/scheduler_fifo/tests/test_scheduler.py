@@ -6,7 +6,7 @@ import random
 
 import pytest
 from nanovllm_scheduler_fifo import FifoScheduler, PrefixCachingBlockManager
-from nanovllm_testing.simulated import SimulatedEngine
+from nanovllm_testing.simulated import SimulatedEngine, tokens
 
 from nanovllm_core import Scheduler, SchedulerOutput
 
@@ -18,10 +18,6 @@ def make(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, **kwargs) -> 
         FifoScheduler, PrefixCachingBlockManager, num_blocks=num_blocks, block_size=BS, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, **kwargs,
     )
-
-
-def tokens(n: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n))
 
 
 def test_prefill_first_in_arrival_order_then_decode():

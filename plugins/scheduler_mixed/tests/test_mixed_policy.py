@@ -7,8 +7,8 @@ import random
 
 import pytest
 from nanovllm_scheduler_mixed import MixedScheduler
-from nanovllm_testing.conformance import SchedulerConformance, SimulatedEngine
-from nanovllm_testing.simulated import random_tokens
+from nanovllm_testing.conformance import SimulatedEngine, simulate_policy
+from nanovllm_testing.simulated import random_tokens, tokens
 
 from nanovllm_core import ConfigError
 from nanovllm_core.engine.options import validate_options
@@ -17,12 +17,7 @@ BS = 16
 
 
 def simulate(**kwargs) -> SimulatedEngine:
-    kwargs = {"num_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64, **kwargs}
-    return type("Kit", (SchedulerConformance,), {"scheduler_cls": MixedScheduler})().simulate(**kwargs)
-
-
-def tokens(n: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n))
+    return simulate_policy(MixedScheduler, **kwargs)
 
 
 def test_running_requests_decode_first_then_prompts_fill_the_budget():

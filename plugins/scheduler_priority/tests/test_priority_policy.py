@@ -7,20 +7,15 @@ import random
 
 import pytest
 from nanovllm_scheduler_priority import PriorityScheduler
-from nanovllm_testing.conformance import SchedulerConformance, SimulatedEngine
-from nanovllm_testing.simulated import random_tokens
+from nanovllm_testing.conformance import SimulatedEngine, simulate_policy
+from nanovllm_testing.simulated import random_tokens, tokens
 
 from nanovllm_core import ConfigError
 from nanovllm_core.engine.options import validate_options
 
 
 def simulate(**kwargs) -> SimulatedEngine:
-    kwargs = {"num_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64, **kwargs}
-    return type("Kit", (SchedulerConformance,), {"scheduler_cls": PriorityScheduler})().simulate(**kwargs)
-
-
-def tokens(n: int, start: int = 0) -> list[int]:
-    return list(range(start, start + n))
+    return simulate_policy(PriorityScheduler, **kwargs)
 
 
 def test_lower_priority_value_first_ties_in_arrival_order():

@@ -60,6 +60,11 @@ def random_tokens(n: int, rng: random.Random, vocab: int = SIM_VOCAB) -> list[in
     return [rng.randrange(vocab) for _ in range(n)]
 
 
+def tokens(n: int, start: int = 0) -> list[int]:
+    """``n`` consecutive token ids from ``start``: prompts that share no prefix unless their ranges overlap."""
+    return list(range(start, start + n))
+
+
 def _extend(fingerprint: int, token: int) -> int:
     return (fingerprint * 1_000_003 + token + 1) % (1 << 61)
 

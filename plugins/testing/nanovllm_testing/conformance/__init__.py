@@ -37,7 +37,7 @@ from nanovllm_testing.conformance.block_manager import BlockManagerConformance
 from nanovllm_testing.conformance.model import ModelConformance
 from nanovllm_testing.conformance.parsers import ReasoningParserConformance, ToolParserConformance
 from nanovllm_testing.conformance.quantization import QuantizationConformance
-from nanovllm_testing.conformance.scheduler import SchedulerConformance
+from nanovllm_testing.conformance.scheduler import SchedulerConformance, simulate_policy
 from nanovllm_testing.conformance.scheduler_parity import SchedulerParity
 from nanovllm_testing.conformance.structured_output import StructuredOutputConformance
 from nanovllm_testing.simulated import SimulatedEngine
@@ -56,4 +56,5 @@ __all__ = [
     "dense_attention",
     "registered_for_test",
     "shared_tiny_checkpoint",
+    "simulate_policy",
 ]

@@ -267,3 +267,10 @@ class SchedulerConformance:
             got = run_engine(engine, prompts, max_tokens)
             assert engine.block_manager.num_free_blocks == 6, "blocks are still in use after every request finished"
         assert_matches_transformers(conformance_checkpoint, prompts, got, max_tokens)
+
+
+def simulate_policy(scheduler_cls: type, **kwargs: Any) -> SimulatedEngine:
+    """A :class:`SimulatedEngine` of ``scheduler_cls`` for a policy's own tests: the kit's block manager
+    (``prefix_cache``), 64 blocks, 4 sequences and 64 tokens a step unless ``kwargs`` say otherwise."""
+    kwargs = {"num_blocks": 64, "max_num_seqs": 4, "max_num_batched_tokens": 64, **kwargs}
+    return type("Kit", (SchedulerConformance,), {"scheduler_cls": scheduler_cls})().simulate(**kwargs)
