@@ -20,7 +20,8 @@ one run each, every step's GPU time recorded), then ``nanovllm simulate --calibr
 ``benchmarks/policies.py`` serves the long-documents workload (chat turns, every 20th a document of 8k-32k
 tokens) under ``fifo``, ``mixed`` and ``priority`` at 70% and 90% of saturation, each server recording its
 steps (``--step-records``), and the calibration is fitted on the three servers' records: decode batches of every
-size, short prompts beside decodes, 2,048-token chunks deep into documents and 16k-token prompt steps.
+size, short prompts beside decodes, 2,048-token chunks deep into documents and 16k-token prompt steps. It never
+takes a held-out workload of ``policies.py`` (``held-out-agents``, fitted on nothing): it refuses one.
 
 Results go to RESULTS_DIR/calibrate/: NAME.json and NAME.log per run, and the calibration (``--out``, default
 RESULTS_DIR/calibrate/CALIBRATION.json), which records the GPU, commit, date and its fit per source run.
@@ -39,10 +40,12 @@ from _common import (
     machine,
     nanovllm,
     out_dir,
+    read_json,
     run,
     shown,
     split_list,
 )
+from policies import refuse_held_out
 
 LONG = ["--num-seqs", "16", "--max-input-len", "32768", "--max-output-len", "256", "--max-model-len", "33024"]
 RUNS: dict[str, list[str]] = {  # nanovllm bench flags of each run
@@ -62,14 +65,23 @@ def bench_command(name: str, args: argparse.Namespace, folder: Path) -> list[str
 
 
 SERVED_POLICIES = ("fifo", "mixed", "priority")
+SERVED_WORKLOADS = ("long-docs",)  # never a held-out one: servers_command refuses it
 
 
 def servers_command(args: argparse.Namespace) -> list[str]:
     """``policies.py`` serving the long-documents workload under every shipped policy, each server's steps recorded."""
-    cmd = [sys.executable, str(Path(__file__).resolve().parent / "policies.py"), "--workloads", "long-docs"]
+    refuse_held_out(list(SERVED_WORKLOADS), "calibrate.py --from-servers")
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "policies.py")]
+    cmd += ["--workloads", ",".join(SERVED_WORKLOADS)]
     cmd += ["--loads", "0.7,0.9", "--policies", ",".join(SERVED_POLICIES), "--idle-prompts", "0", "--step-records"]
     cmd += ["--shape", args.shape, "--results-dir", args.results_dir]
     return cmd + (["--engine-args", f"--kv-cache-dtype {args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else [])
+
+
+def check_served(steps: Path) -> None:
+    """The steps folder's servers (its ``policies.py`` summary) served no held-out workload; a one-line error if so."""
+    summary = read_json(steps / "summary.json") if (steps / "summary.json").is_file() else {"rows": []}
+    refuse_held_out([r["workload"] for r in summary["rows"]], f"calibrate.py --from-servers on {steps}")
 
 
 def calibrate_command(sources: list[Path], out: Path, frontend: list[str]) -> list[str]:
@@ -129,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, cmd in commands:
         if run(cmd, folder / f"{name}.log") != 0:
             raise SystemExit(f"error: the {name} run failed: see {folder / f'{name}.log'}")
+    if args.from_servers:
+        check_served(steps)
     return run(final, folder / "calibrate.log")
 
 

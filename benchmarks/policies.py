@@ -20,6 +20,14 @@ Workloads:
   document of 8,192-32,768 prompt tokens and 128-512 output tokens (a trace file, ``long-docs.jsonl`` in the
   results folder; the servers then take ``--max-model-len 40960``). Where ``fifo``'s long prompt steps stall the
   chat turns' decodes.
+- ``held-out-agents``: **held out: fitted on nothing.** Multi-turn agent sessions (``held-out-agents.jsonl`` in
+  the results folder, from :func:`agent_sessions`, seed 0): each request's prompt is its session's context so far,
+  token for token the previous turn's prompt plus stand-ins for that turn's output and a tool result, after a
+  system prompt shared by every session of the same agent; prompts of 1-4k tokens, mostly prefix-cache hits of
+  growing length, outputs of 16-128 tokens, and a quarter of the turns a burst of 2-4 requests on one context.
+  Written before any calibration saw it, so that the simulator's validation has one workload it was
+  not tuned to: no calibration is fitted on it or chosen by it (``calibrate.py`` refuses it, and so does
+  ``--step-records`` here), and its simulated-against-measured rows are reported as they come.
 
 Loads are fractions of the workload's saturation rate: the request rate of the first policy's server with every
 request sent at once (``fifo``'s by default), so every policy sees the same arrival rates; ``inf`` sends every
@@ -90,10 +98,40 @@ WORKLOADS: dict[str, dict[str, Any]] = {  # bench serve flags, requests sent at 
     },
     "nano": {"flags": ["--dataset", "nano"], "saturation_prompts": 512, "prompts": 512},
     "sharegpt-synth": {"flags": ["--dataset", "sharegpt-synth"], "saturation_prompts": 1000, "prompts": 1000},
-    "long-docs": {"flags": ["--dataset", "TRACE"], "saturation_prompts": 1000, "prompts": 1000, "max_model_len": 40960},
+    "long-docs": {
+        "flags": ["--dataset", "TRACE"],
+        "saturation_prompts": 1000,
+        "prompts": 1000,
+        "max_model_len": 40960,
+        "trace": "long-docs.jsonl",
+    },
+    "held-out-agents": {  # held out: fitted on nothing (see the module's docstring)
+        "flags": ["--dataset", "TRACE"],
+        "saturation_prompts": 1000,
+        "prompts": 1000,
+        "trace": "held-out-agents.jsonl",
+        "held_out": True,
+    },
 }
-LONG_DOCS_TRACE = "long-docs.jsonl"
+LONG_DOCS_TRACE = WORKLOADS["long-docs"]["trace"]
+AGENTS_TRACE = WORKLOADS["held-out-agents"]["trace"]
+HELD_OUT = [name for name, spec in WORKLOADS.items() if spec.get("held_out")]  # never a calibration's source
 MAX_MODEL_LEN = 8192  # every workload's requests fit, unless it says otherwise
+
+
+def trace_file(folder: Path, workload: str) -> Path | None:
+    """The trace file a trace workload's commands read (``TRACE`` in its flags), in ``folder``; None for others."""
+    name = WORKLOADS[workload].get("trace")
+    return None if name is None else folder / name
+
+
+def refuse_held_out(workloads: list[str], what: str) -> None:
+    """A one-line error if ``workloads`` holds a held-out workload, for ``what`` would fit a calibration on it."""
+    held = [w for w in workloads if w in HELD_OUT]
+    if held:
+        raise SystemExit(
+            f"error: {what} with {', '.join(held)}: a held-out workload is fitted on nothing; leave it out"
+        )
 
 
 def write_long_documents_trace(path: Path) -> None:
@@ -117,6 +155,75 @@ def write_long_documents_trace(path: Path) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+# held-out-agents: the shape of its sessions (token counts are inclusive ranges)
+AGENT_KINDS = 4  # agents, each with a system prompt and tool list of its own, shared by all its sessions
+AGENT_SYSTEM = (896, 1536)  # that shared prefix
+AGENT_TASK = (64, 384)  # a session's task, after it
+AGENT_OBSERVATION = (32, 768)  # a tool result, appended after each turn (with a stand-in for the turn's output)
+AGENT_OUTPUT = (16, 128)  # a turn's output tokens: a tool call or a short answer
+AGENT_CONTEXT = 4096  # a session ends before its prompt would pass this many tokens
+AGENT_OPEN_SESSIONS = 16  # sessions open at once; the next request is the next turn of one of them, drawn at random
+AGENT_BURST = 0.25  # the share of turns sent as a burst of AGENT_BURST_SIZE requests on one context
+AGENT_BURST_SIZE = (2, 4)
+AGENT_BRANCH = (8, 32)  # what tells a burst's requests apart: a short suffix of their own after the context
+
+
+def agent_sessions(num_requests: int = 1000, seed: int = 0, vocab_size: int = 10000) -> list[dict[str, Any]]:
+    """The ``held-out-agents`` requests, in the order sent: ``{"prompt": [ids], "max_tokens": n, "session": s,
+    "turn": t}`` (``bench serve`` and ``nanovllm simulate`` read the first two and ignore the rest).
+
+    Sessions of ``AGENT_KINDS`` agents, ``AGENT_OPEN_SESSIONS`` of them open at once; each request is the next turn
+    of an open session drawn at random, and a turn's prompt is its session's context: the agent's system prompt,
+    the session's task, then for every earlier turn a stand-in for its output (fresh ids, as many as it produced)
+    and a tool result. So each prompt repeats the previous turn's prompt token for token (a prefix-cache hit that
+    grows with the session), and sessions of one agent share its system prompt. A quarter of the turns are a
+    burst: 2-4 consecutive requests on the same context, each with a short suffix of its own (parallel tool calls
+    or candidates); the session goes on from the context. A session closes before its prompt would pass
+    ``AGENT_CONTEXT`` tokens and a new one opens. Deterministic for ``seed``, and the first ``n`` requests are the
+    same whatever ``num_requests`` is."""
+    import random
+
+    rng = random.Random(seed)
+
+    def fresh(count: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(count)]
+
+    def drawn(span: tuple[int, int]) -> list[int]:
+        return fresh(rng.randint(*span))
+
+    systems = [drawn(AGENT_SYSTEM) for _ in range(AGENT_KINDS)]
+    sessions: list[tuple[int, int, list[int]]] = []  # the open ones: (session, turn, context)
+    opened = 0
+    rows: list[dict[str, Any]] = []
+    while len(rows) < num_requests:
+        while len(sessions) < AGENT_OPEN_SESSIONS:
+            sessions.append((opened, 0, systems[rng.randrange(AGENT_KINDS)] + drawn(AGENT_TASK)))
+            opened += 1
+        k = rng.randrange(len(sessions))
+        session, turn, context = sessions[k]
+        burst = rng.randint(*AGENT_BURST_SIZE) if rng.random() < AGENT_BURST else 1
+        outputs = []
+        for _ in range(burst):
+            prompt = context + drawn(AGENT_BRANCH) if burst > 1 else context
+            outputs.append(rng.randint(*AGENT_OUTPUT))
+            rows.append({"prompt": prompt, "max_tokens": outputs[-1], "session": session, "turn": turn})
+        context = context + fresh(outputs[0]) + drawn(AGENT_OBSERVATION)
+        if len(context) + AGENT_BRANCH[1] > AGENT_CONTEXT:
+            sessions.pop(k)
+        else:
+            sessions[k] = (session, turn + 1, context)
+    return rows[:num_requests]
+
+
+def write_agents_trace(path: Path, num_requests: int = 1000) -> None:
+    """The ``held-out-agents`` trace (:func:`agent_sessions`, seed 0) as JSON lines, which ``nanovllm bench serve``
+    and ``nanovllm simulate --dataset`` read."""
+    import json
+
+    path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in agent_sessions(num_requests)))
+
+
+TRACE_WRITERS = {"long-docs": write_long_documents_trace, "held-out-agents": write_agents_trace}
 IDLE_RATE = 2.0
 
 
@@ -131,7 +238,7 @@ def server_command(policy: str, args: argparse.Namespace, checkpoint: str, workl
 
 
 def client(args: argparse.Namespace, workload: str, result: Path, prompts: int, rates: str) -> list[str]:
-    trace = str(result.parent / LONG_DOCS_TRACE)
+    trace = str(trace_file(result.parent, workload))
     return bench_serve_command(
         args.port,
         result,
@@ -232,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="fifo, mixed and priority served in turn on the workloads where the choice matters, at a few "
         "loads; results in RESULTS_DIR/policies/.",
-        epilog=f"policies shipped: {', '.join(POLICIES)}",
+        epilog=f"policies shipped: {', '.join(POLICIES)}; held out: {', '.join(HELD_OUT)}",
     )
     parser.add_argument(
         "--policies",
@@ -256,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--step-records",
         action="store_true",
         help="each server times its steps on the GPU and writes them to steps_POLICY.json at exit "
-        "(nanovllm simulate --calibrate reads them)",
+        "(nanovllm simulate --calibrate reads them); refused with a held-out workload",
     )
     parser.add_argument("--idle-prompts", type=int, default=60, help="priority's idle run (0: none; default 60)")
     add_server_arguments(parser)
@@ -273,10 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     require_positive(args, "client_processes", "step_tokens")
     if args.idle_prompts < 0:
         raise SystemExit(f"error: --idle-prompts {args.idle_prompts}: 0 or more")
+    if args.step_records:  # a server's step records are what calibrations are fitted on
+        refuse_held_out(workloads, "--step-records")
     folder = out_dir(args.results_dir, "policies", make=not args.dry_run)
     checkpoint = str(random_checkpoint(args.shape, args.dry_run))
-    if "long-docs" in workloads and not args.dry_run:
-        write_long_documents_trace(folder / LONG_DOCS_TRACE)
+    if not args.dry_run:
+        for workload in workloads:
+            if workload in TRACE_WRITERS:
+                TRACE_WRITERS[workload](trace_file(folder, workload))
     needs_saturation = any(x != float("inf") for x in loads)
     saturation: dict[str, float] = {}
     failed: list[str] = []

@@ -8,7 +8,8 @@ For every policy, workload and load in RESULTS_DIR/policies/ (``POLICY_WORKLOAD.
 priority classes), step size and ``--max-model-len``, with the prefix cache as that server had it: warm for every
 run after the first of a workload on a server, and for the first policy's loads, which follow its all-at-once
 run. Prints a table row per run, **simulated / measured (difference)** for request throughput and TTFT and ITL
-at p50 and p99, and how many cells are within the goal (throughput and p50s within 10%, p99s within 20%).
+at p50 and p99, and how many cells are within the goal (throughput and p50s within 10%, p99s within 20%): over
+all runs, and apart for a held-out workload (``held-out-agents``: fitted on nothing), reported as it comes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import add_common_arguments, read_json, write_json
-from policies import LONG_DOCS_TRACE, MAX_MODEL_LEN, WORKLOADS
+from policies import HELD_OUT, MAX_MODEL_LEN, WORKLOADS, trace_file
 
 METRICS = (("request_throughput", 10), ("median_ttft_ms", 10), ("p99_ttft_ms", 20), ("median_itl_ms", 10),
            ("p99_itl_ms", 20))  # fmt: skip
@@ -43,7 +44,7 @@ def simulate_command(
     max_model_len = max(WORKLOADS[w].get("max_model_len", MAX_MODEL_LEN) for w in workloads if w in WORKLOADS)
     return workload_command(
         workload,
-        folder / LONG_DOCS_TRACE,
+        trace_file(folder, workload),
         run.get("num_prompts", WORKLOADS[workload]["prompts"]),
         run["request_rate"],
         max_model_len,
@@ -57,7 +58,7 @@ def simulate_command(
 
 def workload_command(
     workload: str,
-    trace: Path,
+    trace: Path | None,
     num_prompts: int,
     rate: float,
     max_model_len: int,
@@ -69,7 +70,8 @@ def workload_command(
 ) -> list[str]:
     """``nanovllm simulate`` of a ``policies.py`` workload as its servers ran it: two priority classes, ``fifo``
     (``scheduler`` None) with its default steps, any other policy with ``step_tokens`` steps; ``warm``: the
-    workload's prompts already in the prefix cache. ``trace``: the long-documents trace file."""
+    workload's prompts already in the prefix cache. ``trace``: the trace file of a trace workload (``TRACE`` in
+    its flags)."""
     flags = [str(trace) if f == "TRACE" else f for f in WORKLOADS[workload]["flags"]]
     cmd = ["simulate", *flags, "--num-prompts", str(num_prompts)]
     cmd += ["--max-model-len", str(max_model_len), "--client-processes", str(client_processes)]
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     workloads = list(dict.fromkeys(r["workload"] for r in summary["rows"]))
     saturation = summary.get("saturation_req_per_s", {})
     rows, within, total = [], 0, 0
+    held = {w: [0, 0] for w in workloads if w in HELD_OUT}  # a held-out workload's cells within the goal, cells
     print("| workload, load | policy | req/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for i, policy in enumerate(policies):
@@ -136,16 +139,23 @@ def main(argv: list[str] | None = None) -> int:
                 cells = [cell(simulated[k], run[k], goal) for k, goal in METRICS]
                 within += sum(ok for _, ok in cells)
                 total += len(cells)
+                if workload in held:
+                    held[workload][0] += sum(ok for _, ok in cells)
+                    held[workload][1] += len(cells)
                 rate = run["request_rate"]
                 known = workload in saturation and rate != float("inf")
                 load = f"{100 * rate / saturation[workload]:.0f}%, " if known else ""
                 print(f"| {workload}, {load}{rate:g} req/s | `{policy}` | " + " | ".join(c for c, _ in cells) + " |")
-                rows.append({"policy": policy, "workload": workload, "request_rate": rate, "command": "nanovllm " +
+                rows.append({"policy": policy, "workload": workload, "held_out": workload in held,
+                             "request_rate": rate, "command": "nanovllm " +
                              " ".join(cmd), "simulated": {k: simulated[k] for k, _ in METRICS},
                              "measured": {k: run[k] for k, _ in METRICS}})  # fmt: skip
     print(f"\n{within} of {total} cells within the goal (throughput and p50s within 10%, p99s within 20%)")
+    for workload, (ok, cells) in held.items():
+        print(f"held out (fitted on nothing): {workload}, {ok} of {cells} cells within the goal")
     if args.json:
-        write_json(Path(args.json), {"rows": rows, "within": within, "cells": total})
+        held_out = {w: {"within": ok, "cells": n} for w, (ok, n) in held.items()}
+        write_json(Path(args.json), {"rows": rows, "within": within, "cells": total, "held_out": held_out})
     return 0
 
 

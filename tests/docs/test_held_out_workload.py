@@ -1,0 +1,206 @@
+"""The held-out workload of benchmarks/policies.py (``held-out-agents``): a trace fitted on nothing.
+
+Its trace is deterministic and has the intended shape (multi-turn agent sessions whose prompts repeat the earlier
+turns token for token, 1-4k tokens, short outputs, bursts on one context); ``policies.py`` serves it and
+``simulate_policies.py`` simulates it with no change of theirs; no calibration can be fitted on it
+(``calibrate.py`` and ``policies.py --step-records`` refuse it). CPU only: nothing here runs a model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from nanovllm_testing.scripts import load_script
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+WORKLOAD = "held-out-agents"
+
+
+@pytest.fixture(scope="module")
+def policies():
+    return load_script(BENCHMARKS / "policies.py")
+
+
+@pytest.fixture(scope="module")
+def trace(policies) -> list[dict]:
+    return policies.agent_sessions()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_it_is_a_held_out_trace_workload_of_policies_py(policies) -> None:
+    spec = policies.WORKLOADS[WORKLOAD]
+    assert policies.HELD_OUT == [WORKLOAD] and spec["held_out"] and spec["trace"] == "held-out-agents.jsonl"
+    assert spec["flags"] == ["--dataset", "TRACE"] and policies.TRACE_WRITERS[WORKLOAD] is policies.write_agents_trace
+    assert "fitted on nothing" in policies.__doc__
+
+
+def test_the_trace_is_deterministic_for_its_seed(policies, trace, tmp_path: Path) -> None:
+    assert policies.agent_sessions() == trace
+    assert policies.agent_sessions(40) == trace[:40]  # a short trace is the full one's start
+    assert policies.agent_sessions(40, seed=1) != trace[:40]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    policies.write_agents_trace(a)
+    policies.write_agents_trace(b)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_bench_serve_and_simulate_read_the_written_trace(policies, trace, tmp_path: Path) -> None:
+    from nanovllm_bench.serve import read_trace
+
+    path = tmp_path / policies.AGENTS_TRACE
+    policies.write_agents_trace(path)
+    requests = read_trace(str(path), 0, 10000)
+    assert [(r.prompt, r.max_tokens) for r in requests] == [(r["prompt"], r["max_tokens"]) for r in trace]
+    assert all(r.arrival is None and r.priority is None for r in requests)  # policies.py sets rates and classes
+
+
+def test_the_trace_has_the_intended_shape(policies, trace) -> None:
+    lengths = sorted(len(r["prompt"]) for r in trace)
+    assert len(trace) == policies.WORKLOADS[WORKLOAD]["prompts"] == 1000
+    assert policies.AGENT_SYSTEM[0] + policies.AGENT_TASK[0] <= lengths[0] and lengths[-1] <= policies.AGENT_CONTEXT
+    assert 1500 <= lengths[len(lengths) // 2] <= 3500  # 1-4k tokens, most of them well inside
+    assert all(16 <= r["max_tokens"] <= 128 for r in trace)
+    assert all(max(r["prompt"]) < 10000 for r in trace)  # bench serve's default vocabulary: no id is wrapped
+    # every prompt opens with one of the agents' system prompts, which their sessions share
+    assert len({tuple(r["prompt"][: policies.AGENT_SYSTEM[0]]) for r in trace}) == policies.AGENT_KINDS
+
+    turns: dict[tuple[int, int], list[int]] = defaultdict(list)  # (session, turn): the rows, in trace order
+    for i, r in enumerate(trace):
+        turns[r["session"], r["turn"]].append(i)
+    branch = policies.AGENT_BRANCH[1]
+    bursts = [rows for rows in turns.values() if len(rows) > 1]
+    assert 0.15 <= len(bursts) / len(turns) <= 0.35
+    for rows in bursts:  # consecutive requests on one context, each with a short suffix of its own
+        assert rows == list(range(rows[0], rows[0] + len(rows))) and len(rows) <= policies.AGENT_BURST_SIZE[1]
+        prompts = [trace[i]["prompt"] for i in rows]
+        assert len({tuple(p) for p in prompts}) == len(prompts)
+        assert all(common_prefix(prompts[0], p) >= len(p) - branch for p in prompts)
+    for (session, turn), rows in turns.items():  # a turn repeats the previous one's context token for token
+        if turn == 0:
+            continue
+        before = turns[session, turn - 1]
+        assert max(before) < min(rows)
+        previous = trace[before[0]]["prompt"]
+        context = len(previous) - (branch if len(before) > 1 else 0)
+        assert all(common_prefix(previous, trace[i]["prompt"]) >= context for i in rows)
+        assert all(len(trace[i]["prompt"]) > len(previous) for i in rows if len(before) == 1)
+
+    # most prompt tokens are prefix-cache hits (whole 256-token blocks an earlier prompt of the session holds)
+    seen: dict[int, list[list[int]]] = defaultdict(list)
+    hits = 0
+    for r in trace:
+        best = max((common_prefix(p, r["prompt"]) for p in seen[r["session"]]), default=0)
+        hits += best // 256 * 256
+        seen[r["session"]].append(r["prompt"])
+    assert hits / sum(lengths) > 0.6
+    assert 60 <= len(seen) <= 250  # sessions of several turns each
+
+
+def test_policies_dry_run_serves_it(tmp_path: Path) -> None:
+    proc = run_script(
+        BENCHMARKS / "policies.py", "--dry-run", "--workloads", WORKLOAD, "--results-dir", str(tmp_path / "r")
+    )
+    assert proc.returncode == 0, proc.stderr
+    clients = [line for line in proc.stdout.splitlines() if line.startswith("nanovllm bench serve")]
+    assert len(clients) == 5  # fifo's saturation and loads, mixed's loads, priority's idle run and loads
+    assert all(f"--dataset {tmp_path}/r/policies/held-out-agents.jsonl" in line for line in clients)
+    assert "--max-model-len 8192" in proc.stdout and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("workloads", [WORKLOAD, "long-docs,held-out-agents", None])
+def test_its_steps_are_never_recorded_for_a_calibration(workloads: str | None, tmp_path: Path) -> None:
+    chosen = ["--workloads", workloads] if workloads else []  # None: every workload, the default
+    proc = run_script(
+        BENCHMARKS / "policies.py", "--dry-run", "--step-records", *chosen, "--results-dir", str(tmp_path)
+    )
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: --step-records with held-out-agents: a held-out workload is fitted on nothing; leave it out"
+    ]
+
+
+def test_calibrate_refuses_it(tmp_path: Path, capsys) -> None:
+    script = load_script(BENCHMARKS / "calibrate.py")
+    assert script.main(["--dry-run", "--from-servers"]) == 0  # long documents, as shipped
+    assert "--workloads long-docs " in capsys.readouterr().out
+    script.SERVED_WORKLOADS = ("long-docs", WORKLOAD)
+    with pytest.raises(
+        SystemExit, match="^error: calibrate.py --from-servers with held-out-agents: .*fitted on nothing"
+    ):
+        script.main(["--dry-run", "--from-servers"])
+    steps = tmp_path / "policies"
+    steps.mkdir()
+    script.check_served(steps)  # no summary: nothing to refuse
+    (steps / "summary.json").write_text(json.dumps({"rows": [{"workload": "long-docs"}]}))
+    script.check_served(steps)
+    (steps / "summary.json").write_text(json.dumps({"rows": [{"workload": "long-docs"}, {"workload": WORKLOAD}]}))
+    with pytest.raises(SystemExit, match="with held-out-agents"):
+        script.check_served(steps)
+
+
+def test_simulate_runs_a_slice_of_it_with_the_shipped_calibration(policies, tmp_path: Path) -> None:
+    from nanovllm_bench.simulate.run import DEFAULT_CALIBRATION
+
+    from nanovllm_core.cli import main as cli_main
+
+    path = tmp_path / policies.AGENTS_TRACE
+    policies.write_agents_trace(path, 80)
+    unshared = tmp_path / "same-lengths.jsonl"  # the same lengths, every prompt fresh ids: no prefix to reuse
+    rows = policies.agent_sessions(80)
+    unshared.write_text("".join(json.dumps({"prompt_len": len(r["prompt"]), "max_tokens": r["max_tokens"]}) + "\n"
+                                for r in rows))  # fmt: skip
+
+    def simulate(trace: Path, *scheduler: str) -> dict:
+        out = tmp_path / "simulated.json"
+        args = ["--dataset", str(trace), "--num-prompts", "80", "--client-processes", "4", "--priorities", "0,1"]
+        assert cli_main(["simulate", *args, "--request-rate", "20", *scheduler, "--result-file", str(out)]) == 0
+        return json.loads(out.read_text())
+
+    for scheduler in ([], ["--scheduler", "mixed", "--max-num-batched-tokens", "2048"]):
+        result = simulate(path, *scheduler)
+        assert result["completed"] == 80 and result["failed"] == 0 and result["calibration"] == DEFAULT_CALIBRATION
+        assert result["total_input_tokens"] == sum(len(r["prompt"]) for r in rows)
+        # the prefix sharing is real: the engine's prefix cache serves the repeated contexts, so the first tokens
+        # come much sooner than for prompts of the same lengths that share nothing
+        assert result["mean_ttft_ms"] < 0.75 * simulate(unshared, *scheduler)["mean_ttft_ms"]
+
+
+def test_simulate_policies_reports_it_apart(policies, tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "policies"
+    folder.mkdir()
+    policies.write_agents_trace(folder / policies.AGENTS_TRACE, 30)  # the first 30 of the trace the servers read
+    fixture = {"request_throughput": 5.0, "median_ttft_ms": 10.0, "p99_ttft_ms": 20.0, "median_itl_ms": 2.0}
+    runs = [{"request_rate": rate, "num_prompts": 30, "p99_itl_ms": 4.0, **fixture} for rate in (3.0, 6.0)]
+    (folder / f"fifo_{WORKLOAD}.json").write_text(json.dumps({"runs": runs}))
+    summary = {
+        "step_tokens": 2048,
+        "saturation_req_per_s": {WORKLOAD: 10.0},
+        "rows": [{"policy": "fifo", "workload": WORKLOAD}],
+    }
+    (folder / "summary.json").write_text(json.dumps(summary))
+    script = load_script(BENCHMARKS / "simulate_policies.py")
+    assert script.main(["--results-dir", str(tmp_path), "--json", str(tmp_path / "rows.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"| {WORKLOAD}, 30%, 3 req/s | `fifo` |" in out
+    assert f"held out (fitted on nothing): {WORKLOAD}, " in out and " of 10 cells within the goal" in out
+    result = json.loads((tmp_path / "rows.json").read_text())
+    assert result["held_out"][WORKLOAD]["cells"] == 10 and all(r["held_out"] for r in result["rows"])
+    assert all(f"--dataset {folder}/held-out-agents.jsonl" in r["command"] for r in result["rows"])
