@@ -174,10 +174,11 @@ class EngineConfig(FreezableModel):
         description="Engine replicas, each a process of its own on `tensor_parallel_size` GPUs of its own (on CPU: "
         "a process each), requests balanced by load; needs data_parallel_size x tensor_parallel_size GPUs.",
     )
-    data_parallel_backend: Literal["mp", "ray"] = Field(
+    data_parallel_backend: str = Field(
         "mp",
-        description="How data-parallel replicas run: `mp`, processes on this host; `ray`, Ray actors anywhere in a Ray "
-        "cluster (needs `pip install nanovllm-core[ray]`; docs/scaling.md).",
+        description="How data-parallel replicas run, a data_parallel_backend plugin by name: `mp`, processes on this "
+        "host; `ray`, Ray actors anywhere in a Ray cluster (both in nanovllm-data-parallel; `ray` with its `[ray]` "
+        "extra; docs/scaling.md).",
     )
     ray_address: str | None = Field(
         None,

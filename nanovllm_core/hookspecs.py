@@ -148,3 +148,16 @@ def nanovllm_register_quantization_methods(register: Register) -> None:
     process them after loading, apply the product), so that model plugins never know which method runs.
     :class:`nanovllm_testing.conformance.QuantizationConformance` checks it.
     """
+
+
+@hookspec
+def nanovllm_register_data_parallel_backends(register: Register) -> None:
+    """Register ways to run data-parallel replicas: ``register("mp", DataParallelClient)``.
+
+    The class subclasses ``nanovllm_core.engine_client.base.EngineClient`` and is built as ``cls(config)`` with the
+    finished config when ``data_parallel_size`` > 1 and ``data_parallel_backend`` (``--data-parallel-backend``)
+    names it: it starts ``data_parallel_size`` replicas of the engine and serves ``LLM`` and ``AsyncLLM`` as one
+    engine would. A class attribute ``finishes_config_on_replicas = True`` says the replicas finish the config
+    where they run (Ray's actors: the front-end may have no GPU), and the front-end then takes the first
+    replica's ``config``. ``nanovllm-data-parallel`` registers ``mp`` and ``ray`` (docs/scaling.md).
+    """

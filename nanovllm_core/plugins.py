@@ -50,6 +50,7 @@ KINDS: dict[str, str] = {
     "reasoning_parser": "nanovllm_register_reasoning_parsers",
     "command": "nanovllm_register_commands",
     "quantization": "nanovllm_register_quantization_methods",
+    "data_parallel_backend": "nanovllm_register_data_parallel_backends",
 }
 HOOK_NAMES = frozenset(KINDS.values())
 API_ATTRIBUTE = "NANOVLLM_PLUGIN_API"
@@ -73,6 +74,7 @@ PROVIDERS: dict[str, dict[str, str]] = {
     "structured_output": {"xgrammar": "nanovllm-structured-xgrammar", "guidance": "nanovllm-structured-llguidance"},
     "quantization": {"fp8": "nanovllm-quant-fp8", "compressed-tensors": "nanovllm-quant-fp8"},
     "command": {"bench": "nanovllm-bench", "simulate": "nanovllm-bench"},
+    "data_parallel_backend": {"mp": "nanovllm-data-parallel", "ray": "nanovllm-data-parallel"},
 }
 """The nanovllm distribution that registers each of the project's own names, kind by kind (for error messages)."""
 REPLY_PARSER_FLAGS = {"tool_parser": "--tool-call-parser", "reasoning_parser": "--reasoning-parser"}
@@ -88,6 +90,7 @@ _BASES: dict[str, type] = {
     "quantization": QuantizationMethod,
 }
 _MODEL_METHODS = ("forward", "compute_logits", "load_weights")
+ENGINE_CLIENT = ("nanovllm_core.engine_client.base", "EngineClient")
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,8 @@ def missing_hint(kind: str, name: str) -> str:
         return f"Install a plugin that registers it, or fix {REPLY_PARSER_FLAGS[kind]}."
     if kind == "quantization":
         return "Install a plugin that registers this quantization method, or fix `quantization` (--quantization)."
+    if kind == "data_parallel_backend":
+        return "Install a plugin that registers it, or fix `data_parallel_backend` (--data-parallel-backend)."
     return f"Install the plugin that registers it, or fix [plugins] {kind}."
 
 
@@ -315,6 +320,13 @@ def check_registration(kind: str, obj: Any) -> str | None:
                 f"{_qualname(obj)} lacks {', '.join(missing)}; a model class implements "
                 "forward(input_ids, positions), compute_logits(hidden_states) and load_weights(weights) "
                 "(the nanovllm_core.CausalLM protocol)"
+            )
+        return None
+    if kind == "data_parallel_backend":  # EngineClient lives a layer above the registry: found by name in the MRO
+        if not any(c.__module__ == ENGINE_CLIENT[0] and c.__qualname__ == ENGINE_CLIENT[1] for c in obj.__mro__):
+            return (
+                f"{_qualname(obj)} is not a subclass of {'.'.join(ENGINE_CLIENT)}; a data-parallel backend is an "
+                "engine client built as cls(config)"
             )
         return None
     base = _BASES[kind]

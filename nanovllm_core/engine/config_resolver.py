@@ -7,8 +7,8 @@ keyword overrides, command-line overrides), merges them (defaults < file < keywo
 attention and structured-output backends selected by name, the plugins' options validated. Every check that must
 pass before weights load runs here, so a bad configuration fails before any process or engine starts. The finished
 config is frozen; the engine clients, data-parallel replicas and the engine core receive it and resolve nothing again
-(a finished config passed to the resolver comes back as it is). The one exception is Ray's data parallelism, whose
-replicas may run on nodes with a device the front-end lacks: each replica actor finishes the config there.
+(a finished config passed to the resolver comes back as it is). The one exception is a data-parallel backend whose
+replicas may run on nodes with a device the front-end lacks (Ray's): each replica finishes the config there.
 """
 
 from __future__ import annotations
@@ -214,9 +214,13 @@ def finish_config(config: EngineConfig) -> EngineConfig:
 
 
 def finishes_on_the_cluster(config: EngineConfig) -> bool:
-    """Whether ``config`` runs data-parallel replicas as Ray actors: then the replicas finish it on the cluster's
-    nodes, where its device is (the front-end may have no GPU); the front-end takes the first replica's."""
-    return config.data_parallel_size > 1 and config.data_parallel_backend == "ray"
+    """Whether ``config`` runs data-parallel replicas whose backend finishes the config on each replica's node
+    (``finishes_config_on_replicas``: Ray actors, where the front-end may have no GPU); the front-end then takes
+    the first replica's. A backend that is not installed fails here, naming its distribution."""
+    if config.data_parallel_size == 1:
+        return False
+    backend = get_registry().get("data_parallel_backend", config.data_parallel_backend).obj
+    return bool(getattr(backend, "finishes_config_on_replicas", False))
 
 
 def registered_name(registry: PluginRegistry, kind: str, cls: type) -> str:

@@ -2,8 +2,9 @@
 
 A way to run engines is one class implementing it: :class:`~nanovllm_core.engine_client.step_loop.InProcessClient`
 (an engine core in this process), :class:`~nanovllm_core.engine_client.step_loop.EngineProcess` (one engine in a
-process of its own), :class:`~nanovllm_core.engine_client.data_parallel.DataParallelClient` (replicas in processes
-of their own). :func:`~nanovllm_core.engine_client.factory.make_engine_client` picks one from the resolved config.
+process of its own), and the ``data_parallel_backend`` plugins' clients (``nanovllm-data-parallel``'s
+``DataParallelClient``: replicas in processes of their own).
+:func:`~nanovllm_core.engine_client.factory.make_engine_client` picks one from the resolved config.
 """
 
 from __future__ import annotations

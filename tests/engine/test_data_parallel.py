@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 from engine_helpers import GREEDY, PROMPTS, SHUTDOWN_LIMIT_S, assert_exited_cleanly, make_prompts, pid_running
+from nanovllm_data_parallel.client import DataParallelClient, combine_stats, plan_replicas
 from nanovllm_testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
 from nanovllm_core import LLM, ConfigError, EngineConfig, InvalidRequestError, SamplingParams
 from nanovllm_core.engine.core import EngineStats
 from nanovllm_core.engine.parallel import PORT_ENV
-from nanovllm_core.engine_client.data_parallel import DataParallelClient, combine_stats, plan_replicas
 from nanovllm_core.entrypoints import llm as llm_module
 
 ENGINE = dict(device="cpu", num_kvcache_blocks=64, kvcache_block_size=16, max_model_len=256)

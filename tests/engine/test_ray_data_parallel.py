@@ -15,9 +15,9 @@ import pytest
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 import ray  # noqa: E402
 from engine_helpers import GREEDY, PROMPTS, make_prompts, pid_running  # noqa: E402
+from nanovllm_data_parallel.ray_client import RayDataParallelClient  # noqa: E402
 
 from nanovllm_core import LLM, EngineConfig, SamplingParams  # noqa: E402
-from nanovllm_core.engine_client.ray_client import RayDataParallelClient  # noqa: E402
 from nanovllm_core.errors import UnknownPluginError  # noqa: E402
 
 pytestmark = pytest.mark.ray

@@ -13,7 +13,8 @@ import torch
 
 from nanovllm_core import ConfigError, LLMEngine, ModelLoadError, UnknownPluginError
 from nanovllm_core.cli import main
-from nanovllm_core.config import read_config_file
+from nanovllm_core.config import EngineConfig, read_config_file
+from nanovllm_core.engine.config_resolver import finish_config
 from nanovllm_core.engine.model_core import select_attention_backend
 from nanovllm_core.plugins import PROVIDERS, PluginRegistry, build_registry, new_plugin_manager
 
@@ -85,6 +86,17 @@ def test_a_missing_architecture_of_ours_names_its_distribution(
         "It ships in nanovllm-models-qwen3: pip install nanovllm-models-qwen3"
     )
 
+
+
+def test_data_parallel_without_its_distribution_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("nanovllm_core.engine.config_resolver.get_registry", empty_registry)
+    config = EngineConfig(model="m", data_parallel_size=2)
+    with pytest.raises(UnknownPluginError) as info:
+        finish_config(config)  # before the checkpoint is read: nothing starts
+    assert str(info.value) == (
+        "no data parallel backend named 'mp' is installed; installed: none. It ships in nanovllm-data-parallel: "
+        "pip install nanovllm-data-parallel"
+    )
 
 def test_plugins_flags_every_missing_role(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("nanovllm_core.plugins.get_registry", empty_registry)

@@ -48,6 +48,7 @@ FOLDERS = {
     "nanovllm-quant-fp8": ROOT / "plugins" / "quant_fp8",
     "nanovllm-bench": ROOT / "plugins" / "bench",
     "nanovllm-testing": ROOT / "plugins" / "testing",
+    "nanovllm-data-parallel": ROOT / "plugins" / "data_parallel",
 }
 PLUGINS = [name for name in FOLDERS if name != "nanovllm-core"]
 SUBSET = ["nanovllm-scheduler-fifo", "nanovllm-attention-flash", "nanovllm-models-qwen3"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 
 import pytest
+from nanovllm_data_parallel.router import CHARS_PER_TOKEN, Router
 
 from nanovllm_core import ConfigError, EngineConfig
-from nanovllm_core.engine_client.router import CHARS_PER_TOKEN, Router
+from nanovllm_core.engine.config_resolver import finish_config
+from nanovllm_core.errors import UnknownPluginError
 
 
 def prompt(prefix: int, suffix: int, chunks: int = 3, chunk: int = 16) -> list[int]:
@@ -87,8 +89,9 @@ def test_cache_is_bounded_least_recently_used_first():
 def test_ray_settings_and_their_errors(monkeypatch):
     config = EngineConfig(model="m")
     assert (config.data_parallel_backend, config.ray_address, config.ray_num_gpus_per_replica) == ("mp", None, None)
-    with pytest.raises(ConfigError, match="data_parallel_backend"):
-        EngineConfig.load(overrides={"model": "m", "data_parallel_backend": "dask"})
+    dask = EngineConfig.load(overrides={"model": "m", "data_parallel_size": 2, "data_parallel_backend": "dask"})
+    with pytest.raises(UnknownPluginError, match="no data parallel backend named 'dask' is installed"):
+        finish_config(dask)
     with pytest.raises(ConfigError, match="needs tensor_parallel_size 1"):
         EngineConfig.load(overrides={"model": "m", "ray_num_gpus_per_replica": 0.5, "tensor_parallel_size": 2})
     with pytest.raises(ConfigError, match="fewer GPUs than tensor_parallel_size=4 needs; allowed: at least 4"):
@@ -109,5 +112,5 @@ def test_ray_settings_and_their_errors(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "ray", None)  # as if it were not installed
     ray_config = EngineConfig(model="m", data_parallel_size=2, data_parallel_backend="ray")
-    with pytest.raises(ConfigError, match=r"needs the ray package.*pip install nanovllm-core\[ray\]"):
+    with pytest.raises(ConfigError, match=r'needs the ray package.*pip install "nanovllm-data-parallel\[ray\]"'):
         make_engine_client(ray_config)

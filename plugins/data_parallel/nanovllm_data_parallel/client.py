@@ -3,9 +3,9 @@ behind one :class:`~nanovllm_core.engine_client.base.EngineClient`.
 
 :class:`DataParallelClient` holds the replicas (each an :class:`~nanovllm_core.engine_client.step_loop.EngineProcess`)
 and serves ``LLM`` (pull) and ``AsyncLLM`` (push) as one engine would. It routes each ``add`` through its
-:class:`~nanovllm_core.engine_client.router.Router` (the replica holding the prompt's prefix, else the one with the
+:class:`~nanovllm_data_parallel.router.Router` (the replica holding the prompt's prefix, else the one with the
 least outstanding work), each ``abort`` to the replica that owns the request, answers ``stats`` from every
-replica's stats, and sends ``stop`` to all. :class:`~nanovllm_core.engine_client.ray_client.RayDataParallelClient`
+replica's stats, and sends ``stop`` to all. :class:`~nanovllm_data_parallel.ray_client.RayDataParallelClient`
 is this client with Ray actors for replicas.
 
 Replica ``r`` of ``N`` with ``tensor_parallel_size`` ``T`` runs on GPUs ``r*T .. (r+1)*T - 1`` (of the GPUs this
@@ -37,11 +37,11 @@ from nanovllm_core.engine.core import EngineStats
 from nanovllm_core.engine.model_core import ModelEngineCore
 from nanovllm_core.engine.parallel import PORT_ENV, launched_by_torchrun
 from nanovllm_core.engine_client.base import Command, EngineClient, LoopAccount, Result
-from nanovllm_core.engine_client.router import Router
 from nanovllm_core.engine_client.step_loop import EngineProcess
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.outputs import RequestOutput
 from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_data_parallel.router import Router
 
 logger = logging.getLogger(__name__)
 

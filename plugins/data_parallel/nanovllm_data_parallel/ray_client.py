@@ -37,17 +37,17 @@ from typing import Any
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.config_resolver import resolve_device
 from nanovllm_core.engine_client.base import Command, LoopAccount, Result
-from nanovllm_core.engine_client.data_parallel import (
+from nanovllm_core.engine_client.step_loop import InProcessClient, on_loop, pack_outputs, unpack_outputs
+from nanovllm_core.errors import ConfigError
+from nanovllm_core.outputs import CompletionOutput, RequestOutput
+from nanovllm_core.sampling_params import SamplingParams
+from nanovllm_data_parallel.client import (
     STOP_TIMEOUT_S,
     DataParallelClient,
     ReplicaPlacement,
     SentCommand,
     build_replica_engine,
 )
-from nanovllm_core.engine_client.step_loop import InProcessClient, on_loop, pack_outputs, unpack_outputs
-from nanovllm_core.errors import ConfigError
-from nanovllm_core.outputs import CompletionOutput, RequestOutput
-from nanovllm_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def import_ray() -> Any:
     except ImportError:
         raise ConfigError(
             "data_parallel_backend='ray' needs the ray package, which is not installed: "
-            "pip install nanovllm-core[ray] (or use data_parallel_backend='mp', one host)"
+            "pip install \"nanovllm-data-parallel[ray]\" (or use data_parallel_backend='mp', one host)"
         ) from None
     return ray
 
@@ -277,14 +277,16 @@ class RayDataParallelClient(DataParallelClient):
     Joins the cluster at ``ray_address`` (``ray.init(address=...)``), or starts a local Ray runtime when there is
     none and no Ray connection exists in this process yet (an existing one is used as it is)."""
 
+    finishes_config_on_replicas = True  # each actor finishes the config on its node: the front-end may have no GPU
+
     def __init__(self, config: EngineConfig) -> None:
         self._ray = import_ray()
         self._started_ray = False
         self._placement_group: Any = None
         self._gone = [False] * config.data_parallel_size
         super().__init__(config)
-        # the replicas finished the config on the cluster's nodes (finish_config leaves a Ray config to them): the
-        # front-end's is the first replica's, which every replica shares but for a GPU share's memory fraction
+        # the replicas finished the config on the cluster's nodes (finish_config leaves it to them): the front-end's
+        # is the first replica's, which every replica shares but for a GPU share's memory fraction
         self.config = self.replicas[0].config.model_copy(update={"data_parallel_size": self.data_parallel_size})
 
     # --- start-up --------------------------------------------------------------------------------------------
