@@ -13,12 +13,13 @@ EDITABLES := -e ".[test]" -e "plugins/scheduler_fifo[test]" -e "plugins/schedule
 	-e "plugins/scheduler_priority[test]" -e "plugins/attention_flash[test]" -e "plugins/models_qwen3[test]" \
 	-e "plugins/structured_xgrammar[test]" -e "plugins/structured_llguidance[test]" -e "plugins/quant_fp8[test]" \
 	-e "plugins/bench[test]" -e "plugins/testing[test]" \
-	-e "plugins/data_parallel[test]"
+	-e "plugins/data_parallel[test]" -e "plugins/attention_flashinfer[test]"
 STAMP := $(VENV)/.install-stamp
 SOURCES := pyproject.toml plugins/scheduler_fifo/pyproject.toml plugins/scheduler_mixed/pyproject.toml \
 	plugins/scheduler_priority/pyproject.toml plugins/attention_flash/pyproject.toml plugins/models_qwen3/pyproject.toml \
 	plugins/structured_xgrammar/pyproject.toml plugins/structured_llguidance/pyproject.toml plugins/quant_fp8/pyproject.toml \
-	plugins/bench/pyproject.toml plugins/testing/pyproject.toml plugins/data_parallel/pyproject.toml
+	plugins/bench/pyproject.toml plugins/testing/pyproject.toml plugins/data_parallel/pyproject.toml \
+	plugins/attention_flashinfer/pyproject.toml
 
 .PHONY: install run test test-latest lock lint bench-host soak clean
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from nanovllm_core.config import EngineConfig
+from nanovllm_core.errors import ConfigError
 from nanovllm_core.host_tensor import host_tensor
 from nanovllm_core.sequence import Sequence, SequenceStatus
 
@@ -21,8 +22,6 @@ from nanovllm_core.sequence import Sequence, SequenceStatus
 def _reject_options(plugin: object, kind: str, options: dict[str, Any]) -> None:
     """Options that reach a base class were consumed by no subclass: they are misspelt or unsupported."""
     if options:
-        from nanovllm_core.errors import ConfigError
-
         raise ConfigError(
             f"plugins.{kind}_options {sorted(options)} not accepted by {type(plugin).__name__}; declare them in "
             "its `Options` model or its __init__"
@@ -534,7 +533,11 @@ class AttentionBackend(ABC):
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        _reject_options(self, "attention", options)
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        # the class's pydantic `Options` model, filled (the engine validated them against it before the weights)
+        model = getattr(type(self), "Options", None)
+        self.options = _reject_options(self, "attention", options) if model is None else model(**options)
 
     def build_metadata(self, batch: AttentionBatch) -> Any:
         """Turn the runner's batch description into whatever ``forward`` needs (called once per step)."""

@@ -65,7 +65,7 @@ PROVIDERS: dict[str, dict[str, str]] = {
     },
     "block_manager": {"prefix_cache": "nanovllm-scheduler-fifo"},
     "attention": {"torch": "nanovllm-attention-flash", "triton": "nanovllm-attention-flash",
-                  "flash_attn": "nanovllm-attention-flash"},
+                  "flash_attn": "nanovllm-attention-flash", "flashinfer": "nanovllm-attention-flashinfer"},
     "model": {
         "Qwen3ForCausalLM": "nanovllm-models-qwen3",
         "Qwen2ForCausalLM": "nanovllm-models-qwen3",

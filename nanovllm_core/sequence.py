@@ -88,10 +88,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose KV is not in the cache yet (the whole prompt before the first step, 1 in decode)."""
         return len(self.token_ids) - self.num_computed_tokens

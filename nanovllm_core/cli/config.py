@@ -13,9 +13,8 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from nanovllm_core.cli.engine_flags import add_engine_flags, cli_overrides, engine_flag_names
+from nanovllm_core.cli.engine_flags import add_engine_flags, add_model_flags, engine_flag_names, model_overrides
 from nanovllm_core.config import EngineConfig, PluginsConfig
-from nanovllm_core.demo import DEMO_MAX_MODEL_LEN, ensure_demo_checkpoint
 from nanovllm_core.errors import ConfigError
 
 
@@ -29,9 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "every check they make before loading weights (max_model_len, device, dtype, quantization and attention "
         "backend decided); else the checks that need no checkpoint. Exits 2 on an invalid configuration.",
     )
-    config_which = config.add_mutually_exclusive_group()
-    config_which.add_argument("--model", help="checkpoint folder (or set `model` in --config)")
-    config_which.add_argument("--demo", action="store_true", help="the embedded tiny random-weight Qwen3 demo")
+    add_model_flags(config)
     config.add_argument("--reference", action="store_true", help="print the config reference (docs/config.md)")
     add_engine_flags(config)
     config.set_defaults(func=cmd_config)
@@ -208,12 +205,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     from nanovllm_core.config import read_config_file
     from nanovllm_core.engine.config_resolver import finish_config, load_config
 
-    overrides = cli_overrides(args)
-    if args.demo:
-        overrides["model"] = str(ensure_demo_checkpoint())
-        overrides.setdefault("max_model_len", DEMO_MAX_MODEL_LEN)
-    elif args.model:
-        overrides["model"] = args.model
+    overrides = model_overrides(args)
     if "model" not in overrides and not (args.config and "model" in read_config_file(args.config)):
         raise ConfigError(
             'model is not set: put `model = "/path/to/checkpoint"` in the --config file or pass --model '

@@ -11,6 +11,7 @@ from decimal import Decimal
 from typing import Any
 
 from nanovllm_core.config import EngineConfig, PluginsConfig
+from nanovllm_core.demo import DEMO_MAX_MODEL_LEN, ensure_demo_checkpoint
 
 # --- engine flags, with vLLM's names beside ours ------------------------------------------------------
 
@@ -23,7 +24,9 @@ VLLM_FLAG_ALIASES: dict[str, tuple[str, ...]] = {
 }
 """More spellings of an EngineConfig field's flag: ``vllm serve``'s, where the meaning is the same."""
 
-VLLM_ATTENTION_BACKENDS = {"TRITON_ATTN": "triton", "FLASH_ATTN": "flash_attn", "TORCH_SDPA": "torch"}
+VLLM_ATTENTION_BACKENDS = {
+    "TRITON_ATTN": "triton", "FLASH_ATTN": "flash_attn", "FLASHINFER": "flashinfer", "TORCH_SDPA": "torch"
+}  # fmt: skip
 """vLLM's ``--attention-backend`` values that have a backend here, and its name here."""
 
 VLLM_SCHEDULING_POLICIES = {"fcfs": "mixed", "priority": "priority"}
@@ -174,6 +177,25 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help=PluginsConfig.model_fields["structured_output_backend"].description
         + " vLLM's flag (--guided-decoding-backend: its older name).",
     )
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """``--model`` or ``--demo``, one of them (``generate`` and ``config``; ``serve`` has a MODEL argument too)."""
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", help="checkpoint folder (or set `model` in --config)")
+    which.add_argument("--demo", action="store_true", help="the embedded tiny random-weight Qwen3 demo")
+
+
+def model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`cli_overrides` with the model: ``--model``'s, or with ``--demo`` the demo checkpoint (written on first
+    use) and, unless set, a ``max_model_len`` that fits it."""
+    overrides = cli_overrides(args)
+    if args.demo:
+        overrides["model"] = str(ensure_demo_checkpoint())
+        overrides.setdefault("max_model_len", DEMO_MAX_MODEL_LEN)
+    elif args.model:
+        overrides["model"] = args.model
+    return overrides
 
 
 def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -6,8 +6,7 @@ import argparse
 import sys
 import time
 
-from nanovllm_core.cli.engine_flags import add_engine_flags, cli_overrides
-from nanovllm_core.demo import ensure_demo_checkpoint
+from nanovllm_core.cli.engine_flags import add_engine_flags, add_model_flags, model_overrides
 
 DEMO_PROMPTS = ["Hello world!", "The quick brown fox", "To be or not to be, that is the question."]
 
@@ -19,9 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="generate completions for prompts",
         description="Generate completions for prompts. Exits 1 when every prompt failed.",
     )
-    which = gen.add_mutually_exclusive_group()
-    which.add_argument("--model", help="checkpoint folder (or set `model` in --config)")
-    which.add_argument("--demo", action="store_true", help="use the embedded tiny random-weight Qwen3 demo")
+    add_model_flags(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: three demo prompts")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -37,12 +34,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from nanovllm_core import LLM, SamplingParams
 
-    overrides = cli_overrides(args)
-    if args.demo:
-        overrides["model"] = str(ensure_demo_checkpoint())
-        overrides.setdefault("max_model_len", 512)
-    elif args.model:
-        overrides["model"] = args.model
     prompts = args.prompt or DEMO_PROMPTS
     params = SamplingParams(
         temperature=args.temperature,
@@ -52,7 +43,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         seed=args.seed_request,
     )
-    llm = LLM(config=args.config, cli_overrides=overrides)
+    llm = LLM(config=args.config, cli_overrides=model_overrides(args))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     elapsed = time.perf_counter() - start

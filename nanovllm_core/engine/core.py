@@ -186,9 +186,6 @@ class EngineCore:
 
     # --- requests -------------------------------------------------------------------------------------
 
-    def _tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, prompt)
-
     def _make_request(self, prompt: Any, params: SamplingParams | None, request_id: str | None) -> Request:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -201,7 +198,7 @@ class EngineCore:
             raise InvalidRequestError(f"a request id is a non-empty string, not {request_id!r}")
         elif request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         keep = params.truncate_prompt_tokens
         if keep is not None and len(token_ids) > keep:
             text, token_ids = None, token_ids[-keep:]  # the text no longer matches the ids

@@ -169,9 +169,12 @@ class ServerMetrics:
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total and friends (Linux)
         labels = ["model_name"]
 
+        histograms: list[LatencyHistogram] = []  # exposed in the order they are made
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> LatencyHistogram:
             aliases = tuple(f"vllm:{alias}" for alias in VLLM_HISTOGRAMS.get(name, ()))
-            return LatencyHistogram(f"nanovllm:{name}", doc, buckets, aliases)
+            histograms.append(LatencyHistogram(f"nanovllm:{name}", doc, buckets, aliases))
+            return histograms[-1]
 
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two outputs of a request.", ITL_BUCKETS)
@@ -217,13 +220,7 @@ class ServerMetrics:
             "and the front-end's event loop), one observation per step.",
             LAG_BUCKETS,
         )
-        self.registry.register(
-            HistogramCollector(
-                model_name,
-                [self.ttft, self.itl, self.e2e, self.loop_lag, self.queue, self.prefill, self.decode, self.inference,
-                 self.frontend, self.intake, self.delivery],
-            )
-        )
+        self.registry.register(HistogramCollector(model_name, histograms))
         self.finished_requests, self.vllm_finished_requests = (
             Counter(
                 f"{prefix}:request_success",

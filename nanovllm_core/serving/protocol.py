@@ -541,13 +541,21 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
-class CompletionResponse(BaseModel):
+class ChoicesResponse(BaseModel):
+    """What completions and chat completions (whole or a stream's chunk) answer: each subclass sets ``object``
+    and the type of ``choices`` (a field a subclass declares again keeps its place in the JSON)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[Any]
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(ChoicesResponse):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -575,24 +583,24 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class DeltaFunctionCall(BaseModel):
-    name: str | None = None  # the call's first delta only
-    arguments: str | None = None  # JSON text; a call's deltas' arguments joined are the whole
+class WithoutNone(BaseModel):
+    """A tool call's delta: its None fields are left out of the JSON."""
 
     @model_serializer(mode="wrap")
     def _without_none(self, handler: Any) -> dict[str, Any]:
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
-class DeltaToolCall(BaseModel):
+class DeltaFunctionCall(WithoutNone):
+    name: str | None = None  # the call's first delta only
+    arguments: str | None = None  # JSON text; a call's deltas' arguments joined are the whole
+
+
+class DeltaToolCall(WithoutNone):
     index: int  # the call's position in the message: clients assemble a call's deltas by it
     id: str | None = None  # id, type and the function's name: the call's first delta only (left out after)
     type: Literal["function"] | None = None
     function: DeltaFunctionCall | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_none(self, handler: Any) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class AssistantMessage(BaseModel):
@@ -610,13 +618,9 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ChoicesResponse):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[ChatChoice]
-    usage: UsageInfo | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -646,13 +650,9 @@ class ChatStreamChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ChoicesResponse):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):

@@ -23,6 +23,9 @@ from nanovllm_core.errors import ConfigError
 from nanovllm_core.serving.admission import BODY_BYTES_PER_TOKEN, BODY_JSON_ROOM, check_max_request_body_bytes
 
 DEMO_SERVED_MODEL_NAME = "demo"
+# the flags that ServerSettings takes as they are, by the same names
+SETTINGS_AS_GIVEN = ("max_queued_requests", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
+                     "max_request_body_bytes", "shutdown_timeout", "request_timeline")  # fmt: skip
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -276,15 +279,9 @@ def run_serve(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         served_model_name=(args.served_model_name or [args.model_path or engine.config.model])[0],
         other_model_names=tuple((args.served_model_name or [])[1:]),
         api_key=resolve_api_key(args.api_key),
-        max_queued_requests=args.max_queued_requests,
         chat_template=chat_template,
         allowed_origins=allowed_origins,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        max_request_body_bytes=args.max_request_body_bytes,
-        shutdown_timeout=args.shutdown_timeout,
-        request_timeline=args.request_timeline,
+        **{name: getattr(args, name) for name in SETTINGS_AS_GIVEN},
     )
     app = build_app(engine, settings)
     freeze_startup_heap()  # this process is the server's own: see nanovllm_core.gc_heap

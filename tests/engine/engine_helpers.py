@@ -4,6 +4,8 @@ and the checks of the lifecycle tests (processes gone, a script that exits clean
 from __future__ import annotations
 
 import random
+import time
+from typing import Any
 
 from nanovllm_core import SamplingParams
 
@@ -20,6 +22,13 @@ PROMPTS = make_prompts(0, [5, 17, 40, 73, 120])
 
 
 SHUTDOWN_LIMIT_S = 5.0  # the issue's bound on shutdown, and on exiting without one
+
+
+def timed_shutdown(llm: Any) -> float:
+    """``llm.shutdown()``; the seconds it took (the lifecycle tests check them against SHUTDOWN_LIMIT_S)."""
+    start = time.monotonic()
+    llm.shutdown()
+    return time.monotonic() - start
 
 
 def pid_running(pid: int) -> bool:

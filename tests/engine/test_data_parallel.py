@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import GREEDY, PROMPTS, SHUTDOWN_LIMIT_S, assert_exited_cleanly, make_prompts, pid_running
+from engine_helpers import (
+    GREEDY,
+    PROMPTS,
+    SHUTDOWN_LIMIT_S,
+    assert_exited_cleanly,
+    make_prompts,
+    pid_running,
+    timed_shutdown,
+)
 from nanovllm_data_parallel.client import DataParallelClient, combine_stats, plan_replicas
 from nanovllm_testing import GPU_TEST_SHAPE, write_tiny_checkpoint
 
@@ -357,9 +365,8 @@ def test_a_dead_replica_fails_the_call_with_its_name_and_a_hung_one_does_not_sta
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:
         killer.join()
-        start = time.monotonic()
-        llm.shutdown()
-    assert time.monotonic() - start < SHUTDOWN_LIMIT_S
+        shutdown_s = timed_shutdown(llm)
+    assert shutdown_s < SHUTDOWN_LIMIT_S
     assert not wait_gone([hung.pid, victim.pid], 1.0)
 
 
@@ -415,9 +422,8 @@ def test_two_replicas_of_two_tensor_parallel_ranks_on_cpu(qwen3_path, want_mixed
         assert all(s.num_finished_requests > 0 for s in llm.replica_stats())
     finally:
         replicas = [p.pid for p in llm.replica_processes]
-        start = time.monotonic()
-        llm.shutdown()
-    assert time.monotonic() - start < SHUTDOWN_LIMIT_S
+        shutdown_s = timed_shutdown(llm)
+    assert shutdown_s < SHUTDOWN_LIMIT_S
     assert not wait_gone(replicas + workers, SHUTDOWN_LIMIT_S)
 
 

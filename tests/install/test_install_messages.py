@@ -68,8 +68,8 @@ def test_no_attention_backend_at_all_says_what_to_install() -> None:
     with pytest.raises(ConfigError) as info:
         select_attention_backend(empty_registry(), "auto", torch.device("cpu"), torch.float32, 64, 16)
     assert str(info.value) == (
-        "no attention backend is installed; torch, triton, flash_attn ship in nanovllm-attention-flash: "
-        "pip install nanovllm-attention-flash"
+        "no attention backend is installed; torch, triton, flash_attn, flashinfer ship in nanovllm-attention-flash "
+        "and nanovllm-attention-flashinfer: pip install nanovllm-attention-flash nanovllm-attention-flashinfer"
     )
 
 
@@ -109,8 +109,9 @@ def test_plugins_flags_every_missing_role(capsys: pytest.CaptureFixture, monkeyp
         "pip install nanovllm-scheduler-fifo",
         "error: block_manager 'prefix_cache' is not installed (installed: none). It ships in "
         "nanovllm-scheduler-fifo: pip install nanovllm-scheduler-fifo",
-        "error: no attention backend is installed; torch, triton, flash_attn ship in nanovllm-attention-flash: "
-        "pip install nanovllm-attention-flash",
+        "error: no attention backend is installed; torch, triton, flash_attn, flashinfer ship in "
+        "nanovllm-attention-flash and nanovllm-attention-flashinfer: pip install nanovllm-attention-flash "
+        "nanovllm-attention-flashinfer",
         "error: no model is installed; Qwen3ForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM ship in "
         "nanovllm-models-qwen3: pip install nanovllm-models-qwen3",
     ]

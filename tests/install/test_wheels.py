@@ -49,6 +49,7 @@ FOLDERS = {
     "nanovllm-bench": ROOT / "plugins" / "bench",
     "nanovllm-testing": ROOT / "plugins" / "testing",
     "nanovllm-data-parallel": ROOT / "plugins" / "data_parallel",
+    "nanovllm-attention-flashinfer": ROOT / "plugins" / "attention_flashinfer",
 }
 PLUGINS = [name for name in FOLDERS if name != "nanovllm-core"]
 SUBSET = ["nanovllm-scheduler-fifo", "nanovllm-attention-flash", "nanovllm-models-qwen3"]

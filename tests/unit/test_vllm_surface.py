@@ -145,7 +145,10 @@ def test_both_spellings_resolve_to_one_setting() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--attention-backend", "FLASHINFER"], "vLLM's attention backend 'FLASHINFER' has no counterpart here"),
+        (
+            ["--attention-backend", "FLEX_ATTENTION"],
+            "vLLM's attention backend 'FLEX_ATTENTION' has no counterpart here",
+        ),
         (["--scheduling-policy", "lifo"], "'lifo' is not a scheduling policy; allowed: fcfs (the mixed scheduler)"),
         (["--async-scheduling", "maybe"], "invalid choice"),
         (["--max-model-len", "4x"], "'4x' is not an integer; allowed: digits, or with k/m/g"),

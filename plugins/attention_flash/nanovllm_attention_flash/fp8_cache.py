@@ -44,13 +44,18 @@ class Fp8CacheSupport:
     """``AttentionBackend`` classmethods of a backend that also stores ``kv_cache_dtype = "fp8"`` in this module's
     layout; listed before ``AttentionBackend`` among the bases."""
 
+    fp8_kernels_on_cuda: bool = False  # its CUDA kernels convert e4m3 in hardware: an NVIDIA GPU of 8.9+
+
     @classmethod
     def check_kv_cache_dtype(cls, kv_cache_dtype: str, device: torch.device) -> str | None:
-        if kv_cache_dtype in KV_CACHE_DTYPES:
-            return None
-        return (
-            f"kv_cache_dtype {kv_cache_dtype!r} is not supported (supported: {', '.join(map(repr, KV_CACHE_DTYPES))})"
-        )
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            supported = ", ".join(map(repr, KV_CACHE_DTYPES))
+            return f"kv_cache_dtype {kv_cache_dtype!r} is not supported (supported: {supported})"
+        if kv_cache_dtype == "fp8" and cls.fp8_kernels_on_cuda and device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 9) or torch.version.hip is not None:
+                return f"kv_cache_dtype 'fp8' needs an NVIDIA GPU of compute capability 8.9+, not {major}.{minor}"
+        return None
 
     @classmethod
     def kv_cache_spec(

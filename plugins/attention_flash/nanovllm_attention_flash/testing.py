@@ -251,3 +251,48 @@ def record_tma_use(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(triton_kernels, "kv_tensor_descriptors", spy)
     return used
+
+
+STEP_KINDS = ["decode", "prefill", "prefix_hit", "chunked", "mixed"]
+# the GPU tests' cases, (kind, num_heads, num_kv_heads, head_dim, block_size, dtype): a GQA sweep at the default
+# block size, a block-size sweep, float16, other head sizes
+GPU_CASES = (
+    [(k, 2 * g, 2, 128, 256, torch.bfloat16) for k in STEP_KINDS for g in (1, 2, 4, 8)]
+    + [(k, 16, 8, 128, bs, torch.bfloat16) for k in STEP_KINDS for bs in (16, 64, 128)]
+    + [(k, 8, 2, 128, 128, torch.float16) for k in STEP_KINDS]
+    + [(k, 8, 4, 64, 64, torch.bfloat16) for k in ("decode", "chunked", "mixed")]
+    + [(k, 4, 2, 256, 64, torch.bfloat16) for k in ("decode", "chunked", "mixed")]
+)
+
+
+def case_id(case: tuple) -> str:
+    """A ``GPU_CASES`` entry as a test id."""
+    kind, h, kvh, d, bs, dtype = case
+    return f"{kind}-q{h}kv{kvh}-d{d}-bs{bs}-{str(dtype).removeprefix('torch.')}"
+
+
+def step_lengths(kind: str, block_size: int, seed: int, small: bool = False) -> tuple[list[int], list[int], int]:
+    """(query_lens, context_lens, padding rows) of a ragged step of one of ``STEP_KINDS``: decode rows (with three
+    padding rows, as in a CUDA-graph bucket), fresh prompts, prompts after whole cached blocks, prompt chunks over a
+    cached context, or decode rows and chunks shuffled. ``small``: a step for the CPU, a twentieth of the tokens."""
+    rnd = random.Random(seed)
+    tokens = 20 if small else 1  # divides every length limit
+    rows, chunks = (9, 3) if small else (37, 7)
+
+    def draw(count: int, low: int, high: int) -> list[int]:
+        return [rnd.randint(low, max(low, high // tokens)) for _ in range(count)]
+
+    if kind == "decode":
+        return [1] * rows, draw(rows, 0, 3000), 3
+    if kind == "prefill":
+        return draw(chunks, 1, 700), [0] * chunks, 0
+    if kind == "prefix_hit":
+        return draw(chunks, 1, 300), [block_size * n for n in draw(chunks, 1, 1024 // block_size)], 0
+    if kind == "chunked":
+        return draw(chunks, 2, 512), draw(chunks, 1, 2000), 0
+    if kind == "mixed":
+        q, c = [1] * (rows // 2) + draw(3, 2, 400), draw(rows // 2, 1, 2000) + draw(3, 0, 900)
+        order = list(range(len(q)))
+        rnd.shuffle(order)
+        return [q[i] for i in order], [c[i] for i in order], 0
+    raise ValueError(f"unknown step kind {kind!r}: {STEP_KINDS}")

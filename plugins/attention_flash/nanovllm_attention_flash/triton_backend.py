@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from nanovllm_attention_flash.fp8_cache import Fp8CacheSupport, fp8_views, is_fp8_cache
 from nanovllm_core import AttentionBackend, AttentionBatch, ConfigError
@@ -77,6 +77,7 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
     name = "triton"
     priority = 30  # its paged decode is the fastest of the bundled backends end to end, so `auto` takes it first
     supports_cuda_graph = True
+    fp8_kernels_on_cuda = True
     supports_cuda_graph_mixed = True  # both kernels' grids follow from num_tokens and num_seqs alone
 
     class Options(BaseModel):
@@ -129,33 +130,12 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
     def supported_block_sizes(cls) -> list[int] | None:
         return [16, 32, 64, 128, 256]
 
-    @classmethod
-    def check_kv_cache_dtype(cls, kv_cache_dtype: str, device: torch.device) -> str | None:
-        reason = super().check_kv_cache_dtype(kv_cache_dtype, device)
-        if reason is None and kv_cache_dtype == "fp8" and device.type == "cuda":
-            major, minor = torch.cuda.get_device_capability(device)
-            if (major, minor) < (8, 9) or torch.version.hip is not None:
-                return f"kv_cache_dtype 'fp8' needs an NVIDIA GPU of compute capability 8.9+, not {major}.{minor}"
-        return reason
-
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        **options: Any,
-    ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size, dtype, device)
-        try:
-            self.options = self.Options(**options)
-        except ValidationError as exc:
-            raise ConfigError(f"invalid plugins.attention_options for the triton backend: {exc}") from None
-        if num_heads % num_kv_heads:
-            raise ConfigError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``AttentionBackend``'s arguments; it checks the options against ``Options`` into ``self.options``."""
+        super().__init__(*args, **kwargs)
+        num_heads, num_kv_heads, head_dim, block_size = (self.num_heads, self.num_kv_heads, self.head_dim,
+                                                         self.block_size)  # fmt: skip
+        device = torch.device(self.device)
         kernels = _kernels()
         opts = self.options
         # one decode tile for 16-bit caches and one for FP8 caches; the decode_* options set both
@@ -171,7 +151,7 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
             )
         )
         self._split_config = self.decode_config  # the cache's tile, once warmup() has seen the cache
-        prefill = kernels.default_prefill_config(head_dim, block_size, dtype, torch.device(device))
+        prefill = kernels.default_prefill_config(head_dim, block_size, self.dtype, device)
         self.prefill_config = kernels.PrefillConfig(
             block_m=opts.prefill_block_m or prefill.block_m,
             block_n=opts.prefill_block_n or prefill.block_n,
@@ -186,7 +166,7 @@ class TritonAttentionBackend(Fp8CacheSupport, AttentionBackend):
                 raise ConfigError(f"{what}={tile} must be a power of two dividing kvcache_block_size ({block_size})")
         if opts.num_kv_splits is not None and opts.num_kv_splits & (opts.num_kv_splits - 1):
             raise ConfigError(f"num_kv_splits={opts.num_kv_splits} must be a power of two")
-        self._num_sms = kernels.num_sms(torch.device(device))
+        self._num_sms = kernels.num_sms(device)
         self._fp8_views: dict[tuple[int, tuple[int, ...]], tuple] = {}
         self._counters: torch.Tensor | None = None  # the decode kernel's split counters (see _split_counters)
 

@@ -25,7 +25,18 @@ import torch
 from nanovllm_attention_flash import FlashAttnBackend, TorchAttentionBackend, TritonAttentionBackend
 from nanovllm_attention_flash import triton_kernels as tk
 from nanovllm_attention_flash.fp8_cache import fp8_views, store_fp8
-from nanovllm_attention_flash.testing import PagedCase, bf16_rows, e4m3_reference, make_case, reference
+from nanovllm_attention_flash.testing import (
+    GPU_CASES as CASES,
+)
+from nanovllm_attention_flash.testing import (
+    PagedCase,
+    bf16_rows,
+    case_id,
+    e4m3_reference,
+    make_case,
+    reference,
+)
+from nanovllm_attention_flash.testing import step_lengths as lengths
 from nanovllm_testing import cuda_median_ms
 
 pytestmark = [
@@ -46,49 +57,6 @@ VARIANTS = {
 FP8_VARIANTS = {"triton_fp8", "triton_fp8_tma"}
 TOLERANCE = {torch.bfloat16: dict(atol=1e-2, rtol=2e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 TIMINGS: list[tuple[str, str, float]] = []
-
-
-def lengths(kind: str, block_size: int, seed: int) -> tuple[list[int], list[int], int]:
-    """(query_lens, context_lens, padding rows) of a ragged step of the given kind."""
-    rnd = random.Random(seed)
-    if kind == "decode":
-        n = 37
-        return [1] * n, [rnd.randint(0, 3000) for _ in range(n)], 3
-    if kind == "prefill":
-        n = 7
-        return [rnd.randint(1, 700) for _ in range(n)], [0] * n, 0
-    if kind == "prefix_hit":
-        n = 6
-        cached_blocks = [rnd.randint(1, 1024 // block_size) for _ in range(n)]
-        return [rnd.randint(1, 300) for _ in range(n)], [block_size * b for b in cached_blocks], 0
-    if kind == "chunked":
-        n = 5
-        return [rnd.randint(1, 512) for _ in range(n)], [rnd.randint(1, 2000) for _ in range(n)], 0
-    if kind == "mixed":
-        decode, chunks = 20, 3
-        q = [1] * decode + [rnd.randint(2, 400) for _ in range(chunks)]
-        c = [rnd.randint(1, 2000) for _ in range(decode)] + [rnd.randint(0, 900) for _ in range(chunks)]
-        order = list(range(len(q)))
-        rnd.shuffle(order)
-        return [q[i] for i in order], [c[i] for i in order], 0
-    raise ValueError(kind)
-
-
-KINDS = ["decode", "prefill", "prefix_hit", "chunked", "mixed"]
-# (kind, num_heads, num_kv_heads, head_dim, block_size, dtype): GQA sweep at the default block size, block-size
-# sweep, float16, other head sizes
-CASES = (
-    [(k, 2 * g, 2, 128, 256, torch.bfloat16) for k in KINDS for g in (1, 2, 4, 8)]
-    + [(k, 16, 8, 128, bs, torch.bfloat16) for k in KINDS for bs in (16, 64, 128)]
-    + [(k, 8, 2, 128, 128, torch.float16) for k in KINDS]
-    + [(k, 8, 4, 64, 64, torch.bfloat16) for k in ("decode", "chunked", "mixed")]
-    + [(k, 4, 2, 256, 64, torch.bfloat16) for k in ("decode", "chunked", "mixed")]
-)
-
-
-def case_id(c) -> str:
-    kind, h, kvh, d, bs, dtype = c
-    return f"{kind}-q{h}kv{kvh}-d{d}-bs{bs}-{str(dtype).removeprefix('torch.')}"
 
 
 def skip_unless_available(cls, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
