@@ -535,9 +535,11 @@ class AttentionBackend(ABC):
         self.device = device
         if num_heads % num_kv_heads:
             raise ConfigError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        # the class's pydantic `Options` model, filled (the engine validated them against it before the weights)
-        model = getattr(type(self), "Options", None)
-        self.options = _reject_options(self, "attention", options) if model is None else model(**options)
+        model = getattr(type(self), "Options", None)  # a pydantic model of the options, if the class has one
+        try:
+            self.options = _reject_options(self, "attention", options) if model is None else model(**options)
+        except ValueError as exc:  # pydantic's ValidationError
+            raise ConfigError(f"invalid plugins.attention_options for {type(self).__name__}: {exc}") from None
 
     def build_metadata(self, batch: AttentionBatch) -> Any:
         """Turn the runner's batch description into whatever ``forward`` needs (called once per step)."""
