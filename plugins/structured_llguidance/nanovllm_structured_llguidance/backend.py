@@ -13,10 +13,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import llguidance.hf
+import llguidance
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
-from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanovllm_core import StructuredOutputBackend, StructuredOutputGrammar, bitmask_words
@@ -83,6 +82,9 @@ class GuidanceBackend(StructuredOutputBackend):
         self.disable_additional_properties = disable_additional_properties
         self.ll_tokenizer = _ll_tokenizer(tokenizer, vocab_size, eos_token_ids)
         self._executor = LLExecutor()  # llguidance's threads for a step's rows
+        # imported here, not with the plugin: `llguidance.torch` decorates a function with torch.compile at import,
+        # which loads torch's compiler (seconds), and every `nanovllm` command loads the plugins
+        import llguidance.torch  # noqa: F401 - used as llguidance.torch below
         self._rows = torch.empty((0, bitmask_words(self.ll_tokenizer.vocab_size)), dtype=torch.int32)
 
     def validate(self, kind: str, spec: str) -> None:
@@ -115,7 +117,8 @@ class GuidanceBackend(StructuredOutputBackend):
         if self._rows.shape[0] < num_rows:
             self._rows = torch.empty((max(num_rows, 2 * self._rows.shape[0]), self._rows.shape[1]), dtype=torch.int32)
         rows = self._rows[:num_rows]
-        fill_next_token_bitmask_par(self._executor, [(g._matcher, i) for i, g in enumerate(grammars)], rows)
+        matchers = [(g._matcher, i) for i, g in enumerate(grammars)]
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, rows)
         words = rows.shape[1]
         bitmask[:, :words] = rows
         bitmask[:, words:] = 0
@@ -175,10 +178,10 @@ class GuidanceGrammar(StructuredOutputGrammar):
     def fill_bitmask(self, bitmask: Any, index: int) -> None:
         words = self._tokenizer_words
         if words == bitmask.shape[1]:
-            fill_next_token_bitmask(self._matcher, bitmask, index)
+            llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, index)
             return
         # llguidance writes the tokenizer's words; the model's padding ids beyond them are never allowed
-        fill_next_token_bitmask(self._matcher, bitmask[:, :words], index)
+        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask[:, :words], index)
         bitmask[index, words:] = 0
 
     def is_terminated(self) -> bool:
@@ -203,6 +206,8 @@ class GuidanceGrammar(StructuredOutputGrammar):
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> LLTokenizer:
     """llguidance's tokenizer for a fast Hugging Face tokenizer, its own size, ending on ``eos_token_ids``."""
+    import llguidance.hf  # here: it imports transformers
+
     eos = sorted(eos_token_ids)
     try:  # one id as an int: llguidance releases before multi-EOS support take no list
         ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=(eos[0] if len(eos) == 1 else eos) or None)

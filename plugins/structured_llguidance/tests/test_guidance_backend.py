@@ -11,6 +11,8 @@ import ast
 import json
 import random
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -445,3 +447,17 @@ def test_the_plugin_registers_guidance() -> None:
     assert SpecifierSet(plugin.NANOVLLM_PLUGIN_API).contains(str(PLUGIN_API_VERSION))
     assert GuidanceBackend.name == "guidance" and GuidanceBackend.priority == 5
     assert GuidanceBackend.grammar_syntax == "Lark (llguidance)"
+
+
+def test_loading_the_plugin_leaves_torch_compile_and_transformers_unimported() -> None:
+    """Every `nanovllm` command loads the plugins: importing `llguidance.torch` (a torch.compile decorator) or
+    `llguidance.hf` (transformers) with the plugin would add seconds to each command's start."""
+    code = (
+        "import sys\n"
+        "from nanovllm_core.plugins import build_registry\n"
+        "assert 'guidance' in build_registry().names('structured_output')\n"
+        "print(sorted(m for m in ('torch._inductor', 'llguidance.torch', 'transformers') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
