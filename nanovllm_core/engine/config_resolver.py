@@ -20,7 +20,7 @@ import torch
 
 from nanovllm_core.config import EngineConfig
 from nanovllm_core.engine.kv_cache import model_shape
-from nanovllm_core.engine.options import validate_options, validate_plugin_options
+from nanovllm_core.engine.options import validate_options
 from nanovllm_core.engine.structured_output import select_structured_output_backend
 from nanovllm_core.errors import ConfigError, ModelLoadError, UnknownPluginError
 from nanovllm_core.interfaces import AttentionBackend
@@ -198,7 +198,9 @@ def finish_config(config: EngineConfig) -> EngineConfig:
     attention_cls = select_attention_backend(
         registry, plugins.attention, device, dtype, head_dim, config.kvcache_block_size, config.kv_cache_dtype
     )
-    validate_plugin_options(plugins, scheduler_cls, block_manager_cls, attention_cls)
+    validate_options("scheduler", scheduler_cls, plugins.scheduler_options)
+    validate_options("block_manager", block_manager_cls, plugins.block_manager_options)
+    validate_options("attention", attention_cls, plugins.attention_options)
     structured_cls = select_structured_output_backend(registry, plugins.structured_output_backend)
     plugin_values = {"attention": registered_name(registry, "attention", attention_cls)}
     if structured_cls is not None:

@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 Prompt = str | list[int] | dict[str, Any]
 """Text, token ids, or vLLM's prompt dicts: ``{"prompt": text}`` (TextPrompt), ``{"prompt_token_ids": ids}``
 (TokensPrompt)."""
-PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def unwrap_prompt(prompt: Any) -> Any:
@@ -46,7 +45,7 @@ def unwrap_prompt(prompt: Any) -> Any:
     any other prompt as it is. A dict with other keys, or neither, raises InvalidRequestError."""
     if not isinstance(prompt, dict):
         return prompt
-    unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
     if unknown or not prompt:
         raise InvalidRequestError(
             f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (token ids), as vLLM's TextPrompt and "
@@ -191,9 +190,7 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
         if request_id is None:
-            request_id = str(next(self._request_counter))
-            while request_id in self._requests:
-                request_id = str(next(self._request_counter))
+            request_id = next(r for r in map(str, self._request_counter) if r not in self._requests)
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"a request id is a non-empty string, not {request_id!r}")
         elif request_id in self._requests:
@@ -258,8 +255,8 @@ class EngineCore:
                 assert self.structured_output is not None  # _make_request checked
                 request.grammar_future = self.structured_output.compile(request.params.structured_outputs)
                 self._waiting_for_grammar.append(request)
-                return request.request_id
-            self._schedule_request(request)
+            else:
+                self._schedule_request(request)
             return request.request_id
 
     def _schedule_request(self, request: Request) -> None:
@@ -284,9 +281,8 @@ class EngineCore:
             request.grammar_future = None
             error = future.exception()
             if error is None:
-                compiled = future.result()
                 for seq in request.seqs:
-                    seq.grammar = self.structured_output.new_grammar(compiled)
+                    seq.grammar = self.structured_output.new_grammar(future.result())
                 self._schedule_request(request)
                 continue
             logger.error("request %s: its structured_outputs failed to compile: %s", request.request_id, error)
@@ -294,8 +290,7 @@ class EngineCore:
                 if not seq.is_finished:
                     seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
                     request.num_finished += 1
-            self._forget(request)
-            outputs.append(self._output(request, range(len(request.seqs)), final=True))
+            outputs.append(self._end(request))
         self._waiting_for_grammar = still
         return outputs
 
@@ -333,10 +328,8 @@ class EngineCore:
                 request.num_finished += 1
             request.held_back = [seq for seq in held_back if not seq.is_finished]
             # sample 0 will not compute the prompt for them
-            if request.held_back and request.seqs[0].is_finished and not compiling:
-                for seq in request.held_back:
-                    self.scheduler.add(seq)
-                request.held_back = []
+            if request.seqs[0].is_finished and not compiling:
+                self._release_held_back(request)
             if not request.finished:
                 return self._output(request, indices, final=False)
             if compiling:
@@ -344,8 +337,7 @@ class EngineCore:
             metrics = request.metrics
             if metrics.finished_time is None:  # its output ended with its last token (or now, if it had none)
                 metrics.finished_time = metrics.last_token_time or time.monotonic()
-            self._forget(request)
-            return self._output(request, range(len(request.seqs)), final=True)
+            return self._end(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self._in_flight is not None
@@ -530,10 +522,12 @@ class EngineCore:
             if num_completion_tokens >= seq.sampling_params.max_tokens or num_tokens >= max_len:
                 self._finish(seq, "length")
             if num_completion_tokens == 1 and seq.index == 0:
-                request = self._requests[seq.request_id]
-                for sibling in request.held_back:
-                    self.scheduler.add(sibling)
-                request.held_back = []
+                self._release_held_back(self._requests[seq.request_id])
+
+    def _release_held_back(self, request: Request) -> None:
+        for seq in request.held_back:
+            self.scheduler.add(seq)
+        request.held_back = []
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq)
@@ -553,9 +547,8 @@ class EngineCore:
         num_received = 0
         seqs = launched.batch.seqs
         if prompt_logprobs:  # apart: nothing below reads them
-            for row, (seq, _) in enumerate(zip(seqs, tokens)):
-                if row in prompt_logprobs:
-                    self._add_prompt_logprobs(seq, prompt_logprobs[row], launched.prompt_positions[row])
+            for row, entries in prompt_logprobs.items():
+                self._add_prompt_logprobs(seqs[row], entries, launched.prompt_positions[row])
         for row, seq, token in zip(itertools.count(), seqs, tokens):  # cheaper than enumerate(zip(...)) per row
             if token is None:
                 continue  # a prompt chunk short of its end
@@ -573,11 +566,7 @@ class EngineCore:
             elif ((token in eos and not params.ignore_eos) or params.stop_token_ids) and (
                 reason := self._token_stop(seq)
             ) is not None:
-                if seq.status is stopped:  # reached its length limit when launched: its last token
-                    seq.finish_reason = reason
-                else:
-                    self._finish(seq, reason)
-                    self._num_stopped_in_flight += 1
+                self._stop(seq, reason)
             if sample_logprobs is not None and request.logprobs is not None and sample_logprobs[row] is not None:
                 request.logprobs[seq.index].append(self._position_logprobs(sample_logprobs[row]))
             metrics = request.metrics
@@ -604,8 +593,7 @@ class EngineCore:
                 outputs.append(self._output(request, range(len(request.seqs)) if every else indices, final=False))
         for request in finished.values():
             request.metrics.finished_time = now
-            self._forget(request)
-            outputs.append(self._output(request, range(len(request.seqs)), final=True))
+            outputs.append(self._end(request))
         return outputs
 
     def _advance_grammar(self, seq: Sequence, token: int) -> bool:
@@ -617,13 +605,16 @@ class EngineCore:
             return False
         if not accepted:
             logger.warning("request %s: token %d is outside its structured_outputs; it ends", seq.request_id, token)
-        reason = "stop" if accepted else "abort"
+        self._stop(seq, "stop" if accepted else "abort")
+        return True
+
+    def _stop(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` on a token just read."""
         if seq.status is SequenceStatus.FINISHED:  # reached its length limit when launched: its last token
             seq.finish_reason = reason
         else:
             self._finish(seq, reason)
             self._num_stopped_in_flight += 1
-        return True
 
     def _add_prompt_logprobs(self, seq: Sequence, entries: list[Any], first_position: int) -> None:
         """Prompt logprobs of positions ``first_position...``; a recomputed prompt (preemption) adds nothing twice."""
@@ -635,11 +626,13 @@ class EngineCore:
             if position == len(known):
                 known.append(self._position_logprobs(entry))
 
-    def _forget(self, request: Request) -> None:
+    def _end(self, request: Request) -> RequestOutput:
+        """Forget a finished request; its final output."""
         del self._requests[request.request_id]
         self._totals["finished"] += 1
         if request.params.needs_output_token_ids:
             self._num_sync_requests -= 1
+        return self._output(request, range(len(request.seqs)), final=True)
 
     def _token_stop(self, seq: Sequence) -> str | None:
         """``"stop"`` when the last token is an EOS or a stop token, else None (stop strings: the front-end's)."""
@@ -685,14 +678,13 @@ class EngineCore:
             else:
                 token_ids = seq.completion_token_ids
             completions.append(CompletionOutput(i, "", token_ids, seq.finish_reason, seq.stop_reason, None, logprobs))
-        first = request.seqs[0]
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=completions,
             finished=request.finished,
-            num_cached_tokens=first.num_cached_prompt_tokens or 0,
+            num_cached_tokens=request.seqs[0].num_cached_prompt_tokens or 0,
             metrics=request.metrics,
             prompt_logprobs=request.prompt_logprobs,
             embedding=request.embedding,
@@ -701,8 +693,4 @@ class EngineCore:
 
 def _is_int(value: Any) -> bool:
     """An integer token id: int or an integer-like scalar (numpy, torch), never a bool or a float."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return True
-    return hasattr(value, "__index__") and not isinstance(value, float) and type(value).__name__ != "bool_"
+    return not isinstance(value, (bool, float)) and hasattr(value, "__index__") and type(value).__name__ != "bool_"

@@ -1,18 +1,16 @@
 """Steps replayed from CUDA graphs: decode steps per batch-size bucket, steps with prompt tokens per token bucket.
 
 A step launches hundreds of small kernels; capturing them once per bucket and replaying removes the launch
-cost, which is most of an eager decode step of a small model.
-``CudaGraphDecoder`` replays pure-decode steps (one new token per sequence), one graph per batch size.
-``CudaGraphMixed`` replays steps that carry prompt tokens (prefill chunks, alone or beside decode tokens: what
-a mixed-batch scheduler runs in most steps under load) of up to ``max_tokens`` tokens, one graph per token-count
-bucket, each over ``max_seqs`` sequence rows: a step's rows are copied in, the rest are padding (query length
-0, context 0) and its tokens past the step's own are owned by no sequence (slot -1: nothing stored, their
-hidden rows are garbage the runner never reads). Backends opt in with ``supports_cuda_graph_mixed`` and build
-such a step's metadata with ``build_graph_metadata``. The graphs read every input from static buffers:
-a step copies its inputs into them, pads the rows up to the bucket size (slot -1: nothing stored; sequence
-length 0: nothing attended), and replays. Backends opt in with ``supports_cuda_graph``; their
-``build_metadata`` is called once per bucket on the static buffers and must keep only references to them
-(anything that depends on the values is computed inside ``forward``, hence inside the graph).
+cost, which is most of an eager decode step of a small model. The graphs read every input from static buffers: a
+step copies its inputs into them, pads them up to the bucket size (padding rows: query length 0, context 0, nothing
+attended; padding tokens: slot -1, nothing stored, their hidden rows garbage the runner never reads), and replays.
+``CudaGraphDecoder`` replays pure-decode steps (one new token per sequence), one graph per batch size; backends
+opt in with ``supports_cuda_graph``, and their ``build_metadata``, called once per bucket on the static buffers,
+must keep only references to them (anything that depends on the values is computed inside ``forward``, hence
+inside the graph). ``CudaGraphMixed`` replays steps that carry prompt tokens (prefill chunks, alone or beside
+decode tokens: what a mixed-batch scheduler runs in most steps under load) of up to ``max_tokens`` tokens, one
+graph per token-count bucket over ``max_seqs`` sequence rows; backends opt in with ``supports_cuda_graph_mixed``
+and build its metadata with ``build_graph_metadata``.
 
 Under tensor parallelism every rank captures its own graphs, and the layers' all-reduces (NCCL, or the
 symmetric-memory kernels of :mod:`nanovllm_core.distributed`) are captured inside them: a decode step replays
@@ -208,7 +206,6 @@ class CudaGraphDecoder(CudaGraphMixed):
     ) -> None:
         super().__init__(model, backend, max_batch, max_batch, max_model_len, block_size, hidden_size, dtype, device,
                          decode=True)  # fmt: skip
-        self.max_batch = self.max_seqs
 
 
 def capture_cuda_graphs(
@@ -230,6 +227,4 @@ def capture_cuda_graphs(
     mixed_tokens = min(config.cuda_graph_max_mixed_tokens, config.max_num_batched_tokens)
     if mixed_tokens <= 1 or not backend.supports_cuda_graph_mixed:
         return graphs, None
-    mixed = CudaGraphMixed(model, backend, graphs.max_batch, mixed_tokens, pool=graphs.pool, **shape)
-    return graphs, mixed
-
+    return graphs, CudaGraphMixed(model, backend, graphs.max_seqs, mixed_tokens, pool=graphs.pool, **shape)

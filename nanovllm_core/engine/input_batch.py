@@ -226,7 +226,6 @@ def to_model_inputs(
 
 
 def prepare_inputs(batch: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
-    """``flatten_batch`` then the tensors on ``device``."""
     return to_model_inputs(flatten_batch(batch, block_size), block_size, device)
 
 

@@ -82,8 +82,7 @@ def warmup_prompt_lengths(
         lengths.append(n)
         room -= blocks(n)
     lengths += smaller
-    num_decode = max(1, min(max_num_seqs - len(lengths), room // blocks(WARMUP_DECODE_PROMPT)))
-    return lengths, num_decode
+    return lengths, max(1, min(max_num_seqs - len(lengths), room // blocks(WARMUP_DECODE_PROMPT)))
 
 
 @dataclass
@@ -178,8 +177,7 @@ class ModelEngineCore(EngineCore):
         structured_cls = select_structured_output_backend(registry, cfg.plugins.structured_output_backend)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.eos_token_ids = read_eos_token_ids(self.hf_config, cfg.model, self.tokenizer)
-        # a generation_config folder without the file fails here, early; LLM.get_default_sampling_params reads this
-        defaults = self._sampling_defaults = sampling_defaults(cfg)
+        defaults = sampling_defaults(cfg)  # a generation_config folder without the file fails here, early
         if defaults:
             logger.info(
                 "requests that leave them out sample with %s from the checkpoint's generation_config.json "
@@ -276,11 +274,10 @@ class ModelEngineCore(EngineCore):
             self.block_manager.block_size,
         )
         vocab = self.hf_config.vocab_size
-        ids = []
         for i, n in enumerate(lengths + [WARMUP_DECODE_PROMPT] * num_decode):
             temperature = 0.6 if i % 2 else 0.0
             params = SamplingParams(temperature=temperature, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True, seed=i)
-            ids.append(self.add_request([(7 * i + j) % vocab for j in range(n)], params, request_id=f"warmup-{i}"))
+            self.add_request([(7 * i + j) % vocab for j in range(n)], params, request_id=f"warmup-{i}")
         while self.has_unfinished_requests():
             self.step()
         self._totals = dict.fromkeys(self._totals, 0)
@@ -290,11 +287,9 @@ class ModelEngineCore(EngineCore):
 
     def _use_async_scheduling(self) -> bool:
         mode = self.config.async_scheduling
-        if mode == "off":
-            return False
         # under tensor parallelism too: the workers get the in-flight step's sampled tokens from rank 0 with one
         # device-side broadcast in the step that needs them (model_runner.to_model_inputs)
-        return mode == "on" or self.device.type == "cuda"
+        return mode == "on" or (mode == "auto" and self.device.type == "cuda")
 
     # --- set-up helpers -------------------------------------------------------------------------------
 

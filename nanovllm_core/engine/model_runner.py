@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from nanovllm_core.config import EngineConfig
-from nanovllm_core.engine.cuda_graph import CudaGraphDecoder, CudaGraphMixed, capture_cuda_graphs
+from nanovllm_core.engine.cuda_graph import capture_cuda_graphs
 from nanovllm_core.engine.input_batch import (
     HostBatch,
     InputBatch,
@@ -95,16 +95,14 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        generator = torch.Generator(device=device)
-        generator.manual_seed(config.seed)
-        self.sampler = Sampler(generator, seed=config.seed)
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed), seed=config.seed)
         self.input_batch = InputBatch(self.vocab_size, device)
         self.kv_cache, self.num_kvcache_blocks = allocate_kv_cache(self)
         self.backend.warmup(self.attention_layers[0].kv_cache)  # compile every attention kernel variant now
         started = time.perf_counter()
-        graphs = capture_cuda_graphs(self.model, self.backend, config, hf_config.hidden_size, dtype, device)
-        self.graphs: CudaGraphDecoder | None = graphs[0]
-        self.mixed_graphs: CudaGraphMixed | None = graphs[1]
+        self.graphs, self.mixed_graphs = capture_cuda_graphs(
+            self.model, self.backend, config, hf_config.hidden_size, dtype, device
+        )
         self.graph_capture_s = time.perf_counter() - started
         if device.type == "cuda":
             with torch.inference_mode():
@@ -243,12 +241,11 @@ class ModelRunner:
             "host_prepare_s": self.host_prepare_s,
             "host_prepare_ms_per_step": 1e3 * self.host_prepare_s / max(self.num_steps, 1),
         }
-        if self._step_events:
+        events = self._step_events
+        if events:
             torch.cuda.synchronize(self.device)
-            busy = sum(start.elapsed_time(end) for start, end, _ in self._step_events) / 1e3
-            idle = (
-                sum(prev[1].elapsed_time(cur[0]) for prev, cur in zip(self._step_events, self._step_events[1:])) / 1e3
-            )
+            busy = sum(start.elapsed_time(end) for start, end, _ in events) / 1e3
+            idle = sum(prev[1].elapsed_time(cur[0]) for prev, cur in zip(events, events[1:])) / 1e3
             summary.update(gpu_busy_s=busy, gpu_idle_s=idle, gpu_idle_fraction=idle / max(busy + idle, 1e-9))
         return summary
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from nanovllm_core.config import PluginsConfig, describe_error
+from nanovllm_core.config import describe_error
 from nanovllm_core.errors import ConfigError
 
 _CORE_MODULE = "nanovllm_core.interfaces"
@@ -37,13 +37,6 @@ def validate_options(kind: str, cls: type, options: dict[str, Any]) -> dict[str,
             f"{_accepted_text(accepted)}"
         )
     return dict(options)
-
-
-def validate_plugin_options(plugins: PluginsConfig, scheduler: type, block_manager: type, attention: type) -> None:
-    """Check the options of the three selected plugin classes (the engine calls this before any weights load)."""
-    validate_options("scheduler", scheduler, plugins.scheduler_options)
-    validate_options("block_manager", block_manager, plugins.block_manager_options)
-    validate_options("attention", attention, plugins.attention_options)
 
 
 def instantiate(kind: str, cls: type, options: dict[str, Any], *args: Any, **kwargs: Any) -> Any:

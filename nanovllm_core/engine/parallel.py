@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 INIT_TIMEOUT = timedelta(seconds=int(os.environ.get("NANOVLLM_TP_TIMEOUT", "300")))
 WORKER_ENV = "NANOVLLM_TP_WORKER"  # "<ring layout>;<rank>": set only in the processes this module spawns
 PORT_ENV = "NANOVLLM_TP_PORT"  # rendezvous port of a spawned group (data parallelism gives each replica its own)
-STARTING, STARTED, FAILED = 0, 1, 2  # a worker's state in its ring report
+STARTED, FAILED = 1, 2  # a worker's state in its ring report (0 until it reports)
 EXIT_DEADLINE_S = 2.0  # how long shutdown waits for the workers to leave before it terminates them
 LEAVE_DEADLINE_S = 1.5  # how long a rank waits for its own leaving of the process group (an NCCL abort can hang)
 MAIN_GUARD_EXIT = 3  # exit code of a worker that found itself re-importing an unguarded main module
@@ -90,8 +90,7 @@ def launched_by_torchrun() -> bool:
 def local_device(device_type: str, rank: int) -> torch.device:
     if device_type != "cuda":
         return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    return torch.device("cuda", local_rank)
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
 
 
 def spin_seconds(device_type: str) -> float:
@@ -100,8 +99,9 @@ def spin_seconds(device_type: str) -> float:
     return 0.05 if device_type == "cuda" else 0.001
 
 
-def cpu_threads_per_rank(world_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world_size)
+def limit_cpu_threads(device_type: str, world_size: int) -> None:
+    if device_type == "cpu":  # the ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
 
 def init_distributed(
@@ -109,10 +109,9 @@ def init_distributed(
 ) -> dist.ProcessGroup | None:
     """Join the process group; with ``control``, also return a gloo group for control messages."""
     device = local_device(device_type, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
+        torch.cuda.set_device(device)
         # torch's abort (how every rank leaves) is to be used with NCCL's own asynchronous error handling off,
         # whose watchdog otherwise races it to tear the communicators down; a dead peer is noticed by ours.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
@@ -211,8 +210,8 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
     os.environ.pop(WORKER_ENV, None)
     parent = os.getppid()
-    ring = BroadcastRing.attach(layout, reader=rank - 1, doorbell=doorbell)
     reader = rank - 1
+    ring = BroadcastRing.attach(layout, reader=reader, doorbell=doorbell)
     code = 0
     runner = None
 
@@ -221,9 +220,8 @@ def worker_main(
             raise _ParentGone
 
     try:
-        if spec.device_type == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(world_size))
-        elif spec.device_type == "cuda":
+        limit_cpu_threads(spec.device_type, world_size)
+        if spec.device_type == "cuda":
             torch.cuda.set_device(local_device("cuda", rank))
         ring.report(reader, STARTED)
         init_distributed(rank, world_size, init_method, spec.device_type)
@@ -251,8 +249,7 @@ def worker_main(
 
 def serve_torchrun(rank: int, world_size: int, spec: RunnerSpec) -> None:
     """A torchrun worker (rank > 0): serve until rank 0 shuts down (step inputs over a gloo group)."""
-    if spec.device_type == "cpu":
-        torch.set_num_threads(cpu_threads_per_rank(world_size))
+    limit_cpu_threads(spec.device_type, world_size)
     control = init_distributed(rank, world_size, "env://", spec.device_type, control=True)
 
     def receive() -> Any:
@@ -331,7 +328,6 @@ _current: weakref.ref[TensorParallelGroup] | None = None
 def _claim_process() -> None:
     """torch.distributed has one default process group per process, so one tensor-parallel engine at a time.
     An engine that was deleted but not yet collected (reference cycles) is collected here, which shuts it down."""
-    global _current
     if _current is not None and _current() is not None and not _current().closed:
         gc.collect()
     if _current is not None and _current() is not None and not _current().closed:
@@ -369,8 +365,7 @@ class TensorParallelGroup:
         self._watchdog: threading.Thread | None = None
         self._send_lock = threading.Lock()  # one writer in the ring: a step, or the exit from another thread
         try:
-            if spec.device_type == "cpu":
-                torch.set_num_threads(cpu_threads_per_rank(world_size))
+            limit_cpu_threads(spec.device_type, world_size)
             if launched_by_torchrun():
                 self.control = init_distributed(0, world_size, "env://", spec.device_type, control=True)
             else:
@@ -388,7 +383,6 @@ class TensorParallelGroup:
         self.ring.spin_s = spin_seconds(spec.device_type)
         doorbells = self.ring.make_doorbells()
         ctx = mp.get_context("spawn")
-        previous = os.environ.get(WORKER_ENV)
         try:
             for rank in range(1, self.world_size):
                 os.environ[WORKER_ENV] = f"{self.ring.layout.encode()};{rank}"
@@ -400,11 +394,8 @@ class TensorParallelGroup:
                 )
                 proc.start()
                 self.processes.append(proc)
-        finally:
-            if previous is None:
-                os.environ.pop(WORKER_ENV, None)
-            else:
-                os.environ[WORKER_ENV] = previous
+        finally:  # unset before (refuse_inside_worker): set only for the workers to inherit
+            os.environ.pop(WORKER_ENV, None)
         self._wait_started()
         self._watchdog = threading.Thread(target=self._watch, name="nanovllm-tp-watchdog", daemon=True)
         self._watchdog.start()
@@ -491,9 +482,9 @@ class TensorParallelGroup:
         with self._send_lock:
             self._send(("step", host))
 
-    def _send(self, message: tuple[str, Any], timeout: float | None = None) -> bool:
+    def _send(self, message: tuple[str, Any]) -> bool:
         if self.ring is not None:
-            return self.ring.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), self.check, timeout)
+            return self.ring.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), self.check)
         dist.broadcast_object_list([message], src=0, group=self.control)
         return True
 

@@ -123,11 +123,6 @@ class BroadcastRing:
 
     # --- layout -----------------------------------------------------------------------------------------
 
-    @staticmethod
-    def segment_bytes(num_readers: int, num_slots: int, slot_bytes: int) -> int:
-        words = num_readers * _READER_WORDS + num_slots * _SLOT_WORDS + 1
-        return words * 8 + num_readers * REPORT_BYTES + num_slots * slot_bytes
-
     def _reader_word(self, reader: int, field: int) -> int:
         return reader * _READER_WORDS + field
 
@@ -141,7 +136,8 @@ class BroadcastRing:
                 "a ring needs at least one reader, one slot and one byte per slot "
                 f"(got {num_readers} readers, {num_slots} slots, {slot_bytes} bytes)"
             )
-        size = cls.segment_bytes(num_readers, num_slots, slot_bytes)
+        num_words = num_readers * _READER_WORDS + num_slots * _SLOT_WORDS + 1  # as __init__ lays them out
+        size = num_words * 8 + num_readers * REPORT_BYTES + num_slots * slot_bytes
         shm = shared_memory.SharedMemory(create=True, size=size)
         shm.buf[:size] = bytes(size)  # the counters must start at zero
         return cls(shm, num_readers, num_slots, slot_bytes, None)

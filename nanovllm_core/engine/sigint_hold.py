@@ -85,8 +85,7 @@ class SigintHold:
     def _retry_later(self) -> None:
         if self._retry is not None and self._retry.is_alive():
             return
-        main = threading.main_thread().ident
-        self._retry = threading.Timer(self.RETRY_S, self._resend, (main,))
+        self._retry = threading.Timer(self.RETRY_S, self._resend, (threading.main_thread().ident,))
         self._retry.daemon = True
         try:
             self._retry.start()

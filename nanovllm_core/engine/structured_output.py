@@ -42,10 +42,10 @@ def select_structured_output_backend(registry: PluginRegistry, name: str) -> typ
 class StructuredOutputManager:
     """Validates, compiles and caches constraints for one engine's backend, and fills the step's bitmask."""
 
-    def __init__(self, backend: StructuredOutputBackend, max_workers: int | None = None) -> None:
+    def __init__(self, backend: StructuredOutputBackend) -> None:
         self.backend = backend
         self.name = getattr(type(backend), "name", type(backend).__name__)
-        workers = max_workers or min(4, max(1, (os.cpu_count() or 2) // 2))
+        workers = min(4, max(1, (os.cpu_count() or 2) // 2))
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="nanovllm-grammar")
         self._compiled: OrderedDict[tuple[str, str, bool], concurrent.futures.Future] = OrderedDict()
         self._bitmask = self._allocate(1)

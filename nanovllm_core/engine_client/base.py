@@ -187,10 +187,8 @@ class EngineClient(ABC):
     def close(self) -> None:
         """Stop and join the engines (idempotent)."""
         if self.alive:
-            try:
+            with contextlib.suppress(OSError, RuntimeError, ValueError):  # gone already, or a stop was sent
                 self.submit([(None, "stop", ())])
-            except (OSError, RuntimeError, ValueError):  # gone already, or a stop was sent
-                pass
         self.join()
 
     def shutdown(self) -> None:
@@ -351,9 +349,7 @@ class _Puller:
             commands: list[Command] = []
             for prompt, params, request_id in requests:
                 if request_id is None:
-                    request_id = str(next(self.request_counter))
-                    while request_id in self.requests:
-                        request_id = str(next(self.request_counter))
+                    request_id = next(r for r in map(str, self.request_counter) if r not in self.requests)
                 try:
                     if request_id in self.requests:
                         raise InvalidRequestError(f"request id {request_id!r} is already in use")

@@ -2,12 +2,10 @@
 process of its own (:class:`EngineProcess`, vLLM's design: the HTTP and detokenization-free front-end then never
 holds the GIL the step loop needs).
 
-The loop takes commands as plain data, ``(call id or None, kind, args)`` with kind ``add`` (request id, token ids,
-sampling params), ``abort`` (request id, and optionally the samples to abort), ``stats`` or ``stop``; between two steps
-it drains them, runs them, and hands back ``(results, outputs, now, account)``: each command's
-``(call id, result, exception)``, the outputs (those of aborts and of the step), the time, and its own account
-(steps, time inside ``step()``, CPU time of its thread). It blocks on new commands only while the engine has
-nothing to do. ``stop`` aborts every request still in the engine and ends the loop.
+Between two steps the loop drains the commands of :class:`~nanovllm_core.engine_client.base.EngineClient`, runs them
+and hands back their results with the outputs (those of aborts and of the step), the time and its own
+:class:`LoopAccount` (steps, time inside ``step()``, CPU time of its thread). It blocks on new commands only while
+the engine has nothing to do.
 """
 
 from __future__ import annotations
@@ -174,22 +172,13 @@ class InProcessClient(EngineClient):
     def __init__(self, engine: ModelEngineCore) -> None:
         self.engine = engine
         self.config: EngineConfig = engine.config
+        self.tokenizer = engine.tokenizer
+        self.hf_config = engine.hf_config
+        self.eos_token_ids = engine.eos_token_ids
         self._cond = threading.Condition()
         self._pending: list[Command] = []
         self._thread: threading.Thread | None = None
         self._driven: StepLoop | None = None  # the pull path's, in the caller's thread
-
-    @property
-    def tokenizer(self) -> Any:  # type: ignore[override]
-        return self.engine.tokenizer
-
-    @property
-    def hf_config(self) -> Any:  # type: ignore[override]
-        return self.engine.hf_config
-
-    @property
-    def eos_token_ids(self) -> set[int]:  # type: ignore[override]
-        return self.engine.eos_token_ids
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

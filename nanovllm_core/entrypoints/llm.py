@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -192,10 +193,7 @@ class LLM:
         ``generate`` call a step; turn on ``enable_prefix_caching`` so that the beams' shared prefixes are not
         computed again each step."""
         token_prompts = [tokenize_prompt(self.tokenizer, p)[1] for p in _as_prompt_list(prompts)]
-
-        def generate(batch: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
-            return self.generate(batch, step, use_tqdm=False)
-
+        generate = functools.partial(self.generate, use_tqdm=False)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         return beam_search(generate, token_prompts, params, frozenset(self.eos_token_ids), decode)
 
@@ -210,10 +208,9 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without sampling params (vLLM's): SamplingParams' defaults with those
         of the checkpoint's generation_config.json over them (``generation_config``), read once."""
-        defaults = self._sampling_defaults
-        if defaults is None:
-            defaults = self._sampling_defaults = sampling_defaults(self.config)
-        return SamplingParams(**defaults)
+        if self._sampling_defaults is None:
+            self._sampling_defaults = sampling_defaults(self.config)
+        return SamplingParams(**self._sampling_defaults)
 
     def chat(
         self,
@@ -256,15 +253,12 @@ def _as_prompt_list(prompts: Any) -> list[Any]:
     of prompts."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if (
-        isinstance(prompts, (list, tuple))
-        and prompts
-        and not any(isinstance(p, (str, list, tuple, dict)) for p in prompts)
-    ):
-        return [list(prompts)]  # token ids; a non-integer among them is reported for this prompt
     if not isinstance(prompts, (list, tuple)):
-        raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of prompts, not "
-                                  f"{type(prompts).__name__}")
+        raise InvalidRequestError(
+            f"prompts must be a string, a list of token ids or a list of prompts, not {type(prompts).__name__}"
+        )
+    if prompts and not any(isinstance(p, (str, list, tuple, dict)) for p in prompts):
+        return [list(prompts)]  # token ids; a non-integer among them is reported for this prompt
     return list(prompts)
 
 

@@ -19,8 +19,7 @@ NORMALIZER_SLACK = 4
 
 
 def default_max_request_body_bytes(max_model_len: int) -> int:
-    """``--max-request-body-bytes``' default: ``BODY_BYTES_PER_TOKEN`` bytes per token of ``max_model_len`` plus
-    ``BODY_JSON_ROOM``."""
+    """``--max-request-body-bytes``' default."""
     return BODY_BYTES_PER_TOKEN * max_model_len + BODY_JSON_ROOM
 
 
@@ -29,19 +28,14 @@ def check_max_request_body_bytes(value: int | None) -> None:
         raise ConfigError(f"--max-request-body-bytes {value}: at least 1 (leave it out for the default)")
 
 
-def longest_token_chars(tokenizer: Any) -> int | None:
-    """The characters of the vocabulary's longest token as the vocabulary writes it (byte-level BPE: one character
-    a byte, so at least the characters of the text it stands for), or None when the tokenizer lists no vocabulary."""
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
+    """More characters than any text of ``max_model_len`` tokens of this tokenizer can have (None: unknown): a
+    token's worth is the vocabulary's longest token as the vocabulary writes it (byte-level BPE: one character a
+    byte, so at least the characters of the text it stands for) times ``NORMALIZER_SLACK``. A text prompt longer
+    than this is refused without tokenizing it."""
     try:
         vocab = tokenizer.get_vocab()
     except Exception:  # noqa: BLE001 - a tokenizer without a listable vocabulary: no pre-check
         return None
-    return max((len(token) for token in vocab), default=0) or None
-
-
-def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
-    """More characters than any text of ``max_model_len`` tokens of this tokenizer can have (None: unknown).
-
-    A text prompt longer than this is refused without tokenizing it."""
-    longest = longest_token_chars(tokenizer)
-    return None if longest is None else max_model_len * longest * NORMALIZER_SLACK
+    longest = max((len(token) for token in vocab), default=0)
+    return max_model_len * longest * NORMALIZER_SLACK if longest else None

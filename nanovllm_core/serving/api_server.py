@@ -71,11 +71,13 @@ from nanovllm_core.serving.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    prompt_batch,
 )
 from nanovllm_core.serving.timeline import RequestTimelineLog
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -131,16 +133,15 @@ def reply_parser(kind: str, name: str) -> type:
 
 
 def check_reply_parsers(
-    enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None
 ) -> None:
     """A ConfigError unless the parsers are installed and auto tool choice has one (vLLM's rule for the flags)."""
     if enable_auto_tool_choice and tool_call_parser is None:
         installed = ", ".join(get_registry().names("tool_parser")) or "none"
         raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (installed: {installed})")
-    if tool_call_parser is not None:
-        reply_parser("tool_parser", tool_call_parser)
-    if reasoning_parser is not None:
-        reply_parser("reasoning_parser", reasoning_parser)
+    for kind, name in (("tool_parser", tool_call_parser), ("reasoning_parser", reasoning_parser)):
+        if name is not None:
+            reply_parser(kind, name)
 
 
 class APIError(Exception):
@@ -160,14 +161,10 @@ DRAINING = "the server is shutting down and takes no new requests"
 RETRY = {"Retry-After": "1"}
 
 
-M = TypeVar("M", bound=BaseModel)
-
-
 async def read_body(request: Request, model: type[M]) -> M:
     """The JSON body validated as ``model`` by pydantic's own parser, on the raw bytes, instead of FastAPI's body
     parameter (``json.loads``, validation, dependency bookkeeping), which costs a burst of requests time to first
-    token. Errors are FastAPI's
-    ``RequestValidationError`` (locations under ``body``), so they read the same."""
+    token. Errors are FastAPI's ``RequestValidationError`` (locations under ``body``), so they read the same."""
     raw = await request.body()
     if "json" not in request.headers.get("content-type", ""):
         raise RequestValidationError(
@@ -178,11 +175,6 @@ async def read_body(request: Request, model: type[M]) -> M:
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
-
-
-def received_time(request: Request) -> float | None:
-    """When the server got ``request`` (``time.monotonic()``, stamped by :class:`AdmissionMiddleware`)."""
-    return request.scope.get("state", {}).get("received")
 
 
 def tokenize_body_model(raw: bytes) -> type[TokenizeChatRequest] | type[TokenizeCompletionRequest]:
@@ -197,8 +189,7 @@ def tokenize_body_model(raw: bytes) -> type[TokenizeChatRequest] | type[Tokenize
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One readable message (the field, what was wrong, what is allowed) for pydantic's list of errors."""
-    errors = exc.errors()
-    first = errors[0]
+    first = exc.errors()[0]
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         error = str(first.get("ctx", {}).get("error", first["msg"]))
@@ -324,10 +315,9 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
 class OpenAIServer:
     """What the routes do, around one AsyncLLM."""
 
-    def __init__(self, engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.metrics = metrics
         self.sampling_defaults = sampling_defaults(engine.config)  # for the fields a request leaves out
         self.draining = False  # set by drain(): new requests get 503
         self.max_prompt_chars = max_prompt_chars(engine.tokenizer, engine.max_model_len)
@@ -345,11 +335,8 @@ class OpenAIServer:
                 "shutting down: %d requests in flight may finish for %g s (--shutdown-timeout); new ones get 503",
                 self.engine.num_unfinished, timeout,
             )  # fmt: skip
-        while self.engine.num_unfinished and (now is None or not now.is_set()):
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            await asyncio.sleep(min(remaining, 0.02))
+        while self.engine.num_unfinished and (now is None or not now.is_set()) and loop.time() < deadline:
+            await asyncio.sleep(min(deadline - loop.time(), 0.02))
         if self.engine.num_unfinished:
             logger.warning("shutting down: aborting %d requests still in flight", self.engine.num_unfinished)
         await self.engine.shutdown()
@@ -370,23 +357,18 @@ class OpenAIServer:
             served = " or ".join(map(repr, names))
             raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", "model")
 
-    def structured_output_backend(self) -> str | None:
-        """The engine's structured-output backend: ``[plugins] structured_output_backend``, or for ``auto`` the
-        installed one it picks (None: none is installed)."""
-        configured = self.engine.config.plugins.structured_output_backend
-        if configured != "auto":
-            return configured
-        registry = get_registry()
-        chosen = select_structured_output_backend(registry, "auto")
-        installed = registry.registrations["structured_output"].items()
-        return next((name for name, registration in installed if registration.obj is chosen), None)
-
     def check_guided_decoding_backend(self, requested: str | None) -> None:
-        """vLLM's per-request ``guided_decoding_backend``: as vLLM v1, a server runs one backend, chosen at start;
-        a request naming another one is a 400 (``auto`` or the server's own are accepted)."""
+        """vLLM's per-request ``guided_decoding_backend``: as vLLM v1, a server runs one backend, chosen at start
+        (``[plugins] structured_output_backend``); a request naming another one is a 400 (``auto`` or the server's
+        own are accepted)."""
         if requested is None or requested == "auto":
             return
-        backend = self.structured_output_backend()
+        backend = self.engine.config.plugins.structured_output_backend
+        if backend == "auto":  # the installed one it picks (None: none is installed)
+            registry = get_registry()
+            chosen = select_structured_output_backend(registry, "auto")
+            installed = registry.registrations["structured_output"].items()
+            backend = next((name for name, registration in installed if registration.obj is chosen), None)
         if backend is not None and requested != backend:
             raise APIError(
                 400,
@@ -446,11 +428,12 @@ class OpenAIServer:
             )
 
     async def prompt_ids(self, prompt: str | list[int], truncate: int | None, param: str) -> list[int]:
-        """A prompt's token ids: a text checked for length, then tokenized (off the event loop when long)."""
-        if not isinstance(prompt, str):
-            return prompt
-        self.check_prompt_chars(len(prompt), truncate, param)
-        return await self.engine.encode(prompt)
+        """A prompt's token ids: a text checked for length, then tokenized (off the event loop when long); with
+        ``truncate``, its last ``truncate`` tokens (cut before the max_model_len check, as vLLM does)."""
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), truncate, param)
+            prompt = await self.engine.encode(prompt)
+        return prompt if truncate is None else prompt[-truncate:]
 
     async def submit(
         self, body: SamplingRequest, prompts: list[list[int]], requested: int | None, prompt_param: str, prefix: str,
@@ -460,22 +443,19 @@ class OpenAIServer:
         self.check_guided_decoding_backend(body.guided_decoding_backend)
         if body.model_extra:
             logger.warning("ignoring fields this server does not know: %s", ", ".join(sorted(body.model_extra)))
-        tokens_as_ids = body.return_tokens_as_token_ids
         completion = body if isinstance(body, CompletionRequest) else None
         echo_only = completion is not None and completion.echo_only
         if echo_only:
             requested = 1  # the engine computes one token; the answer leaves it out
-        keep = body.truncate_prompt_tokens
-        if keep is not None:  # here, before the length check, so that a long prompt fits as vLLM's does
-            prompts = [ids[-keep:] for ids in prompts]
         max_tokens = min(self.max_tokens(len(ids), requested, prompt_param) for ids in prompts)
         logprobs = self.logprobs_of(body)
         prompt_logprobs = completion.engine_prompt_logprobs if completion is not None else None
         params: SamplingParams = body.sampling_params(max_tokens, logprobs, prompt_logprobs, self.sampling_defaults)
         self.check_capacity(len(prompts))
         response_id = f"{prefix}-{uuid.uuid4().hex}"
+        received = request.scope.get("state", {}).get("received")  # stamped by AdmissionMiddleware
         try:  # before any response starts: the engine's refusal (such as an invalid JSON schema) is a 400
-            streams = await self.add_requests(prompts, params, response_id, received_time(request))
+            streams = await self.add_requests(prompts, params, response_id, received)
         except InvalidRequestError as exc:
             raise body.engine_error(exc) from None
         return Job(
@@ -486,7 +466,7 @@ class OpenAIServer:
             body.n,
             logprobs,
             body.include_usage,
-            tokens_as_ids,
+            body.return_tokens_as_token_ids,
             continuous_usage=body.continuous_usage,
             echo=completion is not None and completion.echo,
             echo_only=echo_only,
@@ -531,7 +511,7 @@ class OpenAIServer:
                 400, "max_tokens: 0 needs echo=true (it returns the prompt alone, with logprobs if asked); else at "
                 "least 1", "max_tokens"
             )
-        prompts = [await self.prompt_ids(p, body.truncate_prompt_tokens, "prompt") for p in body.prompts()]
+        prompts = [await self.prompt_ids(p, body.truncate_prompt_tokens, "prompt") for p in prompt_batch(body.prompt)]
         job = await self.submit(body, prompts, body.max_tokens, "prompt", "cmpl", request)
         return await self.respond(job, body, request, completion_events, completion_response)
 
@@ -542,9 +522,7 @@ class OpenAIServer:
             raise APIError(
                 400, "dimensions is not supported: embeddings have the model's hidden size (leave it out)", "dimensions"
             )
-        prompts = [await self.prompt_ids(p, body.truncate_prompt_tokens, "input") for p in body.inputs()]
-        if body.truncate_prompt_tokens is not None:
-            prompts = [ids[-body.truncate_prompt_tokens :] for ids in prompts]
+        prompts = [await self.prompt_ids(p, body.truncate_prompt_tokens, "input") for p in prompt_batch(body.input)]
         self.check_capacity(len(prompts))
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False, embed=True,
                                 output_kind="delta")  # fmt: skip
@@ -574,12 +552,12 @@ class OpenAIServer:
         self, body: ChatPrompt, add_special_tokens: bool = False, truncate: int | None = None
     ) -> list[int]:
         """The prompt of a chat request: its messages checked for length, then rendered through the chat template
-        and tokenized (off the event loop when long)."""
+        and tokenized (off the event loop when long); ``truncate``: as :meth:`prompt_ids`'."""
         conversation = body.conversation()
         num_chars = conversation_chars(conversation)
         self.check_prompt_chars(num_chars, truncate, "messages")
         try:
-            return await self.engine.off_loop(
+            ids = await self.engine.off_loop(
                 num_chars,
                 render_chat,
                 self.engine.tokenizer,
@@ -593,17 +571,17 @@ class OpenAIServer:
             )
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), "messages") from None
+        return ids if truncate is None else ids[-truncate:]
 
     async def tokenize(self, body: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
         """vLLM's ``/tokenize``: the prompt's token ids as the completion or chat endpoint would send them."""
         self.check_model(body.model)
-        tokenizer = self.engine.tokenizer
         if isinstance(body, TokenizeChatRequest):
             ids = await self.chat_prompt(body, body.add_special_tokens)
         else:
             self.check_prompt_chars(len(body.prompt), None, "prompt")
             ids = await self.engine.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        strs = self.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
@@ -641,12 +619,11 @@ class OpenAIServer:
         return await self.respond(job, body, request, chat_events, chat_response)
 
 
-def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
-    if metrics is None:
-        log = RequestTimelineLog(settings.request_timeline) if settings.request_timeline else None
-        metrics = ServerMetrics(settings.served_model_name, log)
+def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    log = RequestTimelineLog(settings.request_timeline) if settings.request_timeline else None
+    metrics = ServerMetrics(settings.served_model_name, log)
     engine.observer = metrics
-    server = OpenAIServer(engine, settings, metrics)
+    server = OpenAIServer(engine, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -657,8 +634,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, metrics: ServerMetrics
         finally:
             lag.cancel()
             await engine.shutdown(settings.shutdown_timeout)
-            if metrics.timeline_log is not None:
-                metrics.timeline_log.close()
+            if log is not None:
+                log.close()
 
     app = FastAPI(title="nanovllm", lifespan=lifespan)
     app.state.server = server

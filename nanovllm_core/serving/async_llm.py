@@ -89,11 +89,9 @@ def merge_deltas(items: list[RequestOutput]) -> RequestOutput:
                 logprobs=[p for lp in with_logprobs for p in lp] if with_logprobs else None,
             )
         )
-    merged = dataclasses.replace(items[-1], outputs=completions)
-    first_prompt_logprobs = next((i.prompt_logprobs for i in items if i.prompt_logprobs is not None), None)
-    if first_prompt_logprobs is not None:  # sent once, with the first output
-        merged.prompt_logprobs = first_prompt_logprobs
-    return merged
+    # the prompt logprobs are sent once, with the first output
+    prompt_logprobs = next((i.prompt_logprobs for i in items if i.prompt_logprobs is not None), None)
+    return dataclasses.replace(items[-1], outputs=completions, prompt_logprobs=prompt_logprobs)
 
 
 class RequestStream:
@@ -199,7 +197,7 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         # requests a stop string ended whose engine metrics come with the abort's output: their streams
         self._awaiting_metrics: dict[str, RequestStream] = {}
-        self._num_queued = 0  # accepted requests without any output yet (waiting or in their first prefill)
+        self.num_queued = 0  # accepted requests without any output yet (waiting or in their first prefill)
         self._ids = itertools.count()
         self._call_ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}
@@ -265,11 +263,6 @@ class AsyncLLM:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    @property
-    def num_queued(self) -> int:
-        """Accepted requests that have produced no token yet (waiting for a slot, or in their first prefill)."""
-        return self._num_queued
-
     # --- requests ---------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -314,7 +307,7 @@ class AsyncLLM:
         await self.start()
         self._check_alive()
         prompt = unwrap_prompt(prompt)
-        token_ids = await self.encode(prompt) if isinstance(prompt, str) else self.tokenize(prompt)
+        token_ids = await self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -323,14 +316,14 @@ class AsyncLLM:
         state = self.output_processor.new_request(params, text, token_ids)
         stream = RequestStream(request_id, token_ids, text, self.output_processor, state)
         self._streams[request_id] = stream
-        self._num_queued += 1
+        self.num_queued += 1
         stream.stamps.update(received=validated if arrival_time is None else arrival_time, validated=validated,
                              handed=time.monotonic())  # fmt: skip
         try:
             await self._call("add", (token_ids, engine_params(params), request_id))
         except BaseException:
             if self._streams.pop(request_id, None) is stream:
-                self._num_queued -= 1
+                self.num_queued -= 1
             raise
         return stream
 
@@ -391,7 +384,15 @@ class AsyncLLM:
 
     def _fail(self, exc: BaseException) -> None:
         logger.error("the step loop failed; the engine serves no more requests: %r", exc)
-        self._fail_all(exc)
+        self._dead = exc
+        error = EngineDeadError(f"the engine's step loop failed: {exc!r}")
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
+        self.num_queued = 0
 
     def _deliver(self, results: list, outputs: list[RequestOutput], now: float, account: LoopAccount) -> None:
         """On the event loop: resolve the commands' futures, then hand each output to its stream."""
@@ -399,7 +400,7 @@ class AsyncLLM:
         if outputs and self.observer is not None:
             self.observer.delivery_lag(time.monotonic() - now)
         for call_id, result, exc in results:
-            future = self._calls.get(call_id) if call_id is not None else None
+            future = self._calls.get(call_id)  # None for a command sent without a call id
             if future is not None and not future.done():
                 if exc is not None:
                     future.set_exception(exc)
@@ -421,9 +422,9 @@ class AsyncLLM:
                     self.abort_nowait(*target)
             if out is None:
                 continue
-            if out.finished and not core_finished:  # a stop string: the engine still runs it
-                if out.metrics is None:  # (an engine process sends them with finished outputs only)
-                    self._awaiting_metrics[out.request_id] = stream
+            # a stop string: the engine still runs it (an engine process sends metrics with finished outputs only)
+            if out.finished and not core_finished and out.metrics is None:
+                self._awaiting_metrics[out.request_id] = stream
             self._observe(stream, out, now)
             stream.put(out)
             if out.finished:
@@ -432,7 +433,7 @@ class AsyncLLM:
     def _observe(self, stream: RequestStream, out: RequestOutput, now: float) -> None:
         produced = any(c.token_ids for c in out.outputs)
         if stream.last_token_time is None and (produced or out.finished):
-            self._num_queued -= 1
+            self.num_queued -= 1
         if produced and stream.stamps["first_token_delivered"] is None:
             stream.stamps["first_token_delivered"] = time.monotonic()
         if produced and self.observer is not None:
@@ -450,14 +451,3 @@ class AsyncLLM:
             self.observer.finished(now - stream.arrival, reason)
             if out.metrics is not None:
                 self.observer.timeline(RequestTimeline.of(out.request_id, stream.stamps, out.metrics))
-
-    def _fail_all(self, exc: BaseException) -> None:
-        self._dead = exc
-        error = EngineDeadError(f"the engine's step loop failed: {exc!r}")
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(error)
-        for stream in self._streams.values():
-            stream.put(error)
-        self._streams.clear()
-        self._num_queued = 0

@@ -37,15 +37,10 @@ LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 # whose meaning is vLLM's. vLLM's time_per_output_token_seconds is its older name of the inter-token latency.
 VLLM_SERIES = frozenset({"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
                          "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens"})  # fmt: skip
-VLLM_HISTOGRAMS = {
-    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
-    "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
-    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
-    "request_queue_time_seconds": ("request_queue_time_seconds",),
-    "request_prefill_time_seconds": ("request_prefill_time_seconds",),
-    "request_decode_time_seconds": ("request_decode_time_seconds",),
-    "request_inference_time_seconds": ("request_inference_time_seconds",),
-}
+VLLM_HISTOGRAMS = {name: (name,) for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                   "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                   "request_decode_time_seconds", "request_inference_time_seconds")}  # fmt: skip
+VLLM_HISTOGRAMS["inter_token_latency_seconds"] += ("time_per_output_token_seconds",)
 
 
 class EngineStatsCollector(Collector):
@@ -167,7 +162,6 @@ class ServerMetrics:
         self.engine = EngineStatsCollector(model_name)
         self.registry.register(self.engine)
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total and friends (Linux)
-        labels = ["model_name"]
 
         histograms: list[LatencyHistogram] = []  # exposed in the order they are made
 
@@ -221,15 +215,15 @@ class ServerMetrics:
             LAG_BUCKETS,
         )
         self.registry.register(HistogramCollector(model_name, histograms))
-        self.finished_requests, self.vllm_finished_requests = (
+        self.finished_requests = [
             Counter(
                 f"{prefix}:request_success",
                 "Finished requests by finish reason (stop, length, abort).",
-                [*labels, "finished_reason"],
+                ["model_name", "finished_reason"],
                 registry=self.registry,
             )
             for prefix in ("nanovllm", "vllm")
-        )
+        ]
         self.model_name = model_name
 
     # OutputObserver
@@ -241,9 +235,8 @@ class ServerMetrics:
 
     def finished(self, seconds: float, finish_reason: str | None) -> None:
         self.e2e.observe(seconds)
-        reason = finish_reason or "unknown"
-        self.finished_requests.labels(self.model_name, reason).inc()
-        self.vllm_finished_requests.labels(self.model_name, reason).inc()
+        for counter in self.finished_requests:
+            counter.labels(self.model_name, finish_reason or "unknown").inc()
 
     def timeline(self, timeline: RequestTimeline) -> None:
         t = timeline

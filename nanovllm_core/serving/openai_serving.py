@@ -106,8 +106,7 @@ class Job:
         if not self.continuous_usage:
             return None
         if index is None:  # the request's first chunk: every prompt, nothing generated yet
-            prompt = sum(s.num_prompt_tokens for s in self.streams)
-            return UsageInfo(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
+            return self.usage()
         prompt = self.streams[index // self.n].num_prompt_tokens
         completion = self.completion_tokens[index]
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
@@ -428,12 +427,9 @@ async def chat_events(job: Job) -> AsyncIterator[str]:
         roles = [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(num_choices)]  # fmt: skip
         yield job.event(ChatCompletionChunk, roles, job.chunk_usage(None))
-        parsed = job.tool_parser is not None or job.reasoning_parser is not None or job.forced_tool_calls is not None
-        replies = (
-            [ReplyStream(job.tool_parser, job.reasoning_parser, job.forced_tool_calls) for _ in range(num_choices)]
-            if parsed
-            else None
-        )
+        replies = None
+        if job.tool_parser is not None or job.reasoning_parser is not None or job.forced_tool_calls is not None:
+            replies = [ReplyStream(job) for _ in range(num_choices)]
         async with job.reading() as outputs:
             async for index, c in outputs:
                 if not (c.text or c.token_ids or c.finish_reason):
@@ -460,19 +456,14 @@ async def chat_events(job: Job) -> AsyncIterator[str]:
 
 
 class ReplyStream:
-    """One choice of a chat stream whose reply is parsed: reasoning apart (``reasoning_parser``), then the answer
-    searched for tool calls (``tool_parser``), or read as the tool calls it was constrained to (``forced``), each
-    a delta at a time."""
+    """One choice of a chat stream whose reply is parsed (the job's parsers): reasoning apart (``reasoning_parser``),
+    then the answer searched for tool calls (``tool_parser``), or read as the tool calls it was constrained to
+    (``forced_tool_calls``), each a delta at a time."""
 
-    def __init__(
-        self,
-        tool_parser: ToolParser | None,
-        reasoning_parser: ReasoningParser | None,
-        forced: ForcedToolCalls | None = None,
-    ) -> None:
-        self.tools = tool_parser.new_stream() if tool_parser is not None else None
-        self.reasoning = reasoning_parser.new_stream() if reasoning_parser is not None else None
-        self.forced = forced
+    def __init__(self, job: Job) -> None:
+        self.tools = job.tool_parser.new_stream() if job.tool_parser is not None else None
+        self.reasoning = job.reasoning_parser.new_stream() if job.reasoning_parser is not None else None
+        self.forced = job.forced_tool_calls
         self.answer: list[str] = []  # "required": the reply so far, read as calls once whole
         self.named_call_id: str | None = None  # a named function's call, once its first delta is out
 
@@ -488,18 +479,17 @@ class ReplyStream:
                 reasoning, content = reasoning + more_reasoning, content + more_content
         if self.forced is not None:
             return self.forced_delta(content or "", reasoning, c.finish_reason)
-        calls: list[ParsedToolCall] = []
-        first = 0
+        deltas: list[DeltaToolCall] = []
+        finish_reason = c.finish_reason
         if self.tools is not None:
             content, calls = self.tools.feed(content)
             first = self.tools.num_calls - len(calls)
-            if c.finish_reason is not None:
+            deltas = [whole_call_delta(first + i, call) for i, call in enumerate(calls)]
+            if finish_reason is not None:
                 rest, _ = self.tools.finish()
                 content += rest
-        deltas = [whole_call_delta(first + i, call) for i, call in enumerate(calls)]
-        finish_reason = c.finish_reason
-        if finish_reason is not None and self.tools is not None and self.tools.num_calls:
-            finish_reason = "tool_calls"
+                if self.tools.num_calls:
+                    finish_reason = "tool_calls"
         if not content and (reasoning or deltas):
             content = None  # a delta of thinking or of calls only
         return DeltaMessage(content=content, reasoning_content=reasoning or None, tool_calls=deltas), finish_reason
@@ -531,8 +521,7 @@ class ReplyStream:
                 finish_reason = self.forced.finish_reason(calls, finish_reason)
         if content is None and not (reasoning or deltas):
             content = ""  # nothing to say yet: an empty delta, as while a tool parser holds text back
-        message = DeltaMessage(content=content, reasoning_content=reasoning or None, tool_calls=deltas)
-        return message, finish_reason
+        return DeltaMessage(content=content, reasoning_content=reasoning or None, tool_calls=deltas), finish_reason
 
 
 def whole_call_delta(index: int, call: ParsedToolCall) -> DeltaToolCall:

@@ -287,10 +287,6 @@ class CompletionRequest(SamplingRequest):
         wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
         return max(wanted) if wanted else None
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompts of the batch, each a string or a list of token ids."""
-        return prompt_batch(self.prompt)
-
 
 class ContentPart(OpenAIModel):
     type: Literal["text"]
@@ -303,11 +299,9 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content or [])
 
 
 class FunctionDefinition(OpenAIModel):
@@ -695,9 +689,6 @@ class EmbeddingRequest(OpenAIModel):
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be empty")
         return self
-
-    def inputs(self) -> list[str | list[int]]:
-        return prompt_batch(self.input)
 
 
 class EmbeddingData(BaseModel):

@@ -198,9 +198,9 @@ def missing_modules(modules: list[str] | tuple[str, ...]) -> list[str]:
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
 
-def require_serve_extra(modules: tuple[str, ...] = SERVE_MODULES) -> None:
-    """A clear error when (the needed part of) the ``[serve]`` extra is not installed."""
-    missing = missing_modules(modules)
+def require_serve_extra() -> None:
+    """A clear error when the ``[serve]`` extra is not installed."""
+    missing = missing_modules(SERVE_MODULES)
     if missing:
         raise ConfigError(
             f"serving needs the [serve] extra (missing: {', '.join(missing)}): pip install 'nanovllm-core[serve]'"

@@ -55,8 +55,7 @@ class RequestTimeline:
 
     @classmethod
     def of(cls, request_id: str, frontend: dict[str, Any], metrics: RequestMetrics) -> RequestTimeline:
-        """From the front-end's stamps (``received``, ``validated``, ``handed``, ``first_token_delivered``,
-        ``delivered``) and the engine's metrics."""
+        """From the front-end's stamps (``RequestStream.stamps``) and the engine's metrics."""
         return cls(
             request_id, metrics.num_prompt_tokens, metrics.num_cached_tokens, metrics.num_generation_tokens,
             received=frontend["received"], validated=frontend["validated"], handed=frontend["handed"],
@@ -66,23 +65,19 @@ class RequestTimeline:
             delivered=frontend["delivered"],
         )  # fmt: skip
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 class RequestTimelineLog:
     """``--request-timeline FILE``: a JSON line for every finished request, written as it finishes (line
     buffered, so that a server stopped any way leaves whole lines). The first line names the clock."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._file: IO[str] | None = self.path.open("w", buffering=1)
+        self._file: IO[str] | None = open(path, "w", buffering=1)
         header = {"clock": "time.monotonic", "monotonic": time.monotonic(), "unix": time.time(), "stages": STAGES}
         self._file.write(json.dumps(header) + "\n")
 
     def write(self, timeline: RequestTimeline) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(timeline.to_json()) + "\n")
+            self._file.write(json.dumps(dataclasses.asdict(timeline)) + "\n")
 
     def close(self) -> None:
         if self._file is not None:
