@@ -88,7 +88,7 @@ class FlashInferBackend(Fp8CacheSupport, AttentionBackend):
     """
 
     name = "flashinfer"
-    priority = 10  # below triton (30) and flash_attn (20), whose speed here is measured; this backend's is not
+    priority = 10  # below triton (30) and flash_attn (20): not faster than triton (docs/performance.md)
     supports_cuda_graph = True
     fp8_kernels_on_cuda = True
 
