@@ -22,7 +22,8 @@ GEMM's fixed latency, not its bytes, can set its time: this says, layer by layer
 reading its weights at the copy rate. ``--fp8`` adds nanovllm-quant-fp8's products of the same layers with e4m3
 weights: its weight-only kernel for a few rows (``w8a16-channel``, and ``w8a16-block`` with Qwen's 128 x 128 block
 scales; ``--sweep`` times every configuration of it instead of the skinny kernel's) and, for any row count, the
-activation quantization followed by the FP8 GEMM (``w8a8-channel``: ``torch._scaled_mm``; ``w8a8-block``: the
+activation quantization followed by the FP8 GEMM (``w8a8-channel``: ``torch._scaled_mm``; ``w8a8-fastacc``: the
+same with ``use_fast_accum``; ``quantize``: the activations' quantization alone; ``w8a8-block``: the
 plugin's block-scaled Triton kernel); the weights' read rate counts their FP8 bytes. On a machine without CUDA it
 runs on the CPU with ``--rows`` as given, the FP8 kernels in Triton's interpreter (a check of the script, not a
 measurement of interest). Without ``--json`` the report goes to
@@ -271,11 +272,19 @@ def fp8_configs(m: int, n: int, k: int, block: tuple[int, int] | None, sweep: bo
     return found
 
 
-def _w8a8_channel(x, w, scale):
+def _w8a8_channel(x, w, scale, fast_accum=False):
     from nanovllm_quant_fp8 import kernels
 
     xq, x_scale = kernels.quantize_activation(x, None)
-    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+    return torch._scaled_mm(
+        xq, w.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype, use_fast_accum=fast_accum
+    )
+
+
+def _quantize_only(x, w, scale):
+    from nanovllm_quant_fp8 import kernels
+
+    return kernels.quantize_activation(x, None)[0]
 
 
 def _w8a8_block(x, w, scale):
@@ -319,14 +328,19 @@ def measure_fp8(
                         timed.append((time_linear(x, pairs, iters if cuda else 1, w8a16), config))
                     seconds, config = min(timed, key=lambda t: t[0])
                     results.append(result_row(f"w8a16-{kind}", name, m, k, n, seconds, weight_bytes, config=config))
-                product = _w8a8_channel if block is None else _w8a8_block
-                if cuda or m <= 16:  # the interpreter's block GEMM is slow
+                products = {f"w8a8-{kind}": _w8a8_channel if block is None else _w8a8_block}
+                if block is None and cuda:  # the FP8 tensor cores' faster accumulation; the quantization alone
+                    products["w8a8-fastacc"] = functools.partial(_w8a8_channel, fast_accum=True)
+                    products["quantize"] = _quantize_only
+                for label, product in products.items():
+                    if not (cuda or m <= 16):  # the interpreter's block GEMM is slow
+                        continue
 
                     def w8a8(x, pair, product=product):
                         return product(x, pair[0], pair[1])
 
                     seconds = time_linear(x, pairs, iters if cuda else 1, w8a8)
-                    results.append(result_row(f"w8a8-{kind}", name, m, k, n, seconds, weight_bytes))
+                    results.append(result_row(label, name, m, k, n, seconds, weight_bytes))
             del pairs
     return results
 

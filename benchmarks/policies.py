@@ -36,8 +36,8 @@ urgent class's time to first token.
 
 Results go to RESULTS_DIR/policies/: POLICY_WORKLOAD.json (``nanovllm bench serve``'s, one run per load),
 saturation_WORKLOAD.json, each server's log and /metrics (with ``--step-records``, steps_POLICY.json: every step's
-shape and GPU time), and summary.json with the GPU, date and commit; the script ends with table rows in
-docs/performance.md's format.
+shape and GPU time; with ``--request-timelines``, timeline_POLICY.jsonl: every request's timeline), and
+summary.json with the GPU, date and commit; the script ends with table rows in docs/performance.md's format.
 """
 
 from __future__ import annotations
@@ -234,6 +234,8 @@ def server_command(policy: str, args: argparse.Namespace, checkpoint: str, workl
         flags += ["--scheduler", policy, "--max-num-batched-tokens", str(args.step_tokens)]
     if args.step_records:
         flags += ["--step-records-file", str(Path(args.results_dir) / "policies" / f"steps_{policy}.json")]
+    if args.request_timelines:
+        flags += ["--request-timeline", str(Path(args.results_dir) / "policies" / f"timeline_{policy}.jsonl")]
     return serve_command(checkpoint, args.port, max_model_len, *flags, *shlex.split(args.engine_args))
 
 
@@ -364,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="each server times its steps on the GPU and writes them to steps_POLICY.json at exit "
         "(nanovllm simulate --calibrate reads them); refused with a held-out workload",
+    )
+    parser.add_argument(
+        "--request-timelines",
+        action="store_true",
+        help="each server writes every request's timeline to timeline_POLICY.jsonl (nanovllm serve "
+        "--request-timeline): where each request's time went, front-end and engine",
     )
     parser.add_argument("--idle-prompts", type=int, default=60, help="priority's idle run (0: none; default 60)")
     add_server_arguments(parser)
