@@ -247,7 +247,7 @@ def measure_norm(
 FP8_BLOCK = (128, 128)  # Qwen's FP8 releases
 FP8_SWEEP = [
     {"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
-    for n in (4, 8, 16, 32, 64)
+    for n in (2, 4, 8, 16, 32, 64)
     for k in (64, 128, 256, 512, 1024)
     for w in (2, 4, 8)
     for st in (4,)

@@ -401,13 +401,16 @@ def w8a16_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> dict[
     decode step's matrices spread over every SM; tensor cores from five rows on (the CUDA cores' float32
     products grow with the rows). With block scales ``BLOCK_K`` divides the scale block's ``BK``."""
     use_dot = m > 4
+    one_row = m <= 1
     m_pad = max(triton.next_power_of_2(max(m, 1)), 16 if use_dot else 1)
-    block_k = 256 if use_dot else 512
+    block_k = 256 if use_dot else 1024 if one_row else 512
     if block is not None:
         block_k = min(block_k, block[1] & -block[1])
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    return {"M_PAD": m_pad, "BLOCK_N": 16 if use_dot else 8, "BLOCK_K": block_k, "USE_DOT": use_dot,
-            "num_warps": 4, "num_stages": 4}  # fmt: skip
+    # one row: many small two-warp programs, each loading 16 bytes a thread of each weight row it owns per chunk
+    # (the fastest on every projection of ``benchmarks/decode_gemm.py --shape qwen3-8b --rows 1 --fp8 --sweep``)
+    return {"M_PAD": m_pad, "BLOCK_N": 16 if use_dot else 4 if one_row else 8, "BLOCK_K": block_k,
+            "USE_DOT": use_dot, "num_warps": 2 if one_row else 4, "num_stages": 4}  # fmt: skip
 
 
 def supports(x: torch.Tensor, wq: torch.Tensor) -> bool:
