@@ -19,8 +19,10 @@ one run each, every step's GPU time recorded), then ``nanovllm simulate --calibr
 ``--from-servers`` fits the steps servers ran instead (how the shipped 0.6B bf16 default was made):
 ``benchmarks/policies.py`` serves the long-documents workload (chat turns, every 20th a document of 8k-32k
 tokens) under ``fifo``, ``mixed`` and ``priority`` at 70% and 90% of saturation, each server recording its
-steps (``--step-records``), and the calibration is fitted on the three servers' records: decode batches of every
-size, short prompts beside decodes, 2,048-token chunks deep into documents and 16k-token prompt steps. It never
+steps (``--step-records``) and its requests' timelines (``--request-timelines``), and the calibration is fitted
+on the three servers' records: decode batches of every size, short prompts beside decodes, 2,048-token chunks deep
+into documents and 16k-token prompt steps, and the front-end's part of each request (unless ``--frontend-metrics``
+names scrapes to take it from instead). It never
 takes a held-out workload of ``policies.py`` (``held-out-agents``, fitted on nothing): it refuses one.
 
 Results go to RESULTS_DIR/calibrate/: NAME.json and NAME.log per run, and the calibration (``--out``, default
@@ -74,6 +76,7 @@ def servers_command(args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve().parent / "policies.py")]
     cmd += ["--workloads", ",".join(SERVED_WORKLOADS)]
     cmd += ["--loads", "0.7,0.9", "--policies", ",".join(SERVED_POLICIES), "--idle-prompts", "0", "--step-records"]
+    cmd += ["--request-timelines"]  # the front-end's part of each request, fitted beside the steps
     cmd += ["--shape", args.shape, "--results-dir", args.results_dir]
     return cmd + (["--engine-args", f"--kv-cache-dtype {args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else [])
 
@@ -84,9 +87,11 @@ def check_served(steps: Path) -> None:
     refuse_held_out([r["workload"] for r in summary["rows"]], f"calibrate.py --from-servers on {steps}")
 
 
-def calibrate_command(sources: list[Path], out: Path, frontend: list[str]) -> list[str]:
+def calibrate_command(sources: list[Path], out: Path, frontend: list[str], timelines: list[Path] = ()) -> list[str]:
     cmd = nanovllm("simulate", "--calibrate", *(str(p) for p in sources), "--out", str(out))
-    return cmd + (["--frontend-metrics", *frontend] if frontend else [])
+    if frontend:
+        return cmd + ["--frontend-metrics", *frontend]
+    return cmd + (["--request-timelines", *(str(p) for p in timelines)] if timelines else [])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_servers:
         commands = [("servers", servers_command(args))]
         steps = out_dir(args.results_dir, "policies", make=False)
-        final = calibrate_command([steps / f"steps_{p}.json" for p in SERVED_POLICIES], out, args.frontend_metrics)
+        final = calibrate_command(
+            [steps / f"steps_{p}.json" for p in SERVED_POLICIES],
+            out,
+            args.frontend_metrics,
+            [steps / f"timeline_{p}.jsonl" for p in SERVED_POLICIES],
+        )
     else:
         commands = [(n, bench_command(n, args, folder)) for n in names]
         final = calibrate_command([folder / f"{n}.json" for n in names], out, args.frontend_metrics)

@@ -155,10 +155,14 @@ def test_calibrate_from_servers_fits_the_steps_each_policy_served(capsys) -> Non
     script = load(BENCHMARKS / "calibrate.py")
     assert script.main(["--dry-run", "--from-servers", "--kv-cache-dtype", "fp8"]) == 0
     serve, fit = capsys.readouterr().out.splitlines()
-    assert "policies.py --workloads long-docs" in serve and "--step-records" in serve
+    assert "policies.py --workloads long-docs" in serve and "--step-records --request-timelines" in serve
     assert "--policies fifo,mixed,priority" in serve and "--engine-args '--kv-cache-dtype fp8'" in serve
     steps = [f"results/policies/steps_{p}.json" for p in ("fifo", "mixed", "priority")]
-    assert fit == f"nanovllm simulate --calibrate {' '.join(steps)} --out results/calibrate/qwen3-0.6b-fp8.json"
+    timelines = [f"results/policies/timeline_{p}.jsonl" for p in ("fifo", "mixed", "priority")]
+    assert fit == (f"nanovllm simulate --calibrate {' '.join(steps)} --out results/calibrate/qwen3-0.6b-fp8.json "
+                   f"--request-timelines {' '.join(timelines)}")  # fmt: skip
+    assert script.main(["--dry-run", "--from-servers", "--frontend-metrics", "after.txt", "before.txt"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].endswith("--frontend-metrics after.txt before.txt")
 
 
 def test_policy_map_prints_a_row_per_policy_and_load(tmp_path: Path, capsys) -> None:

@@ -366,6 +366,49 @@ def test_request_timelines_fit_the_front_end_per_request_and_per_prompt_token(tm
     assert times[5.0].admitted == pytest.approx(5.0 + 0.002 + 0.5e-6 * 400)
 
 
+def test_timelines_with_a_hand_over_count_the_front_end_and_the_pipe_not_the_wait_for_a_step(tmp_path):
+    """The front-end takes 1 ms + 0.3 ms per 1k prompt tokens to hand a request over; the pipe to the engine 0.4
+    ms, and most requests then wait up to 5 ms for the running step, which the simulated engine adds itself: the
+    intake is the front-end's line plus the pipe alone."""
+    from nanovllm_bench.simulate.cost import frontend_from_timelines
+
+    rng = random.Random(1)
+    lines = []
+    for i in range(200):
+        prompt = rng.randint(10, 20000)
+        received = 10.0 + i
+        handed = received + (1.0 + 0.3 * prompt / 1e3) / 1e3
+        wait = 0.0 if i % 5 == 0 else rng.uniform(0.5, 5.0)
+        arrival = handed + (0.4 + wait) / 1e3
+        lines.append(json.dumps({"request_id": str(i), "num_prompt_tokens": prompt, "received": received,
+                                 "validated": handed, "handed": handed, "engine_arrival": arrival}))  # fmt: skip
+    path = tmp_path / "timeline.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    frontend = frontend_from_timelines([str(path)])
+    assert frontend["hop_ms"] == pytest.approx(0.4, abs=1e-6)
+    assert frontend["intake_ms"] == pytest.approx(1.4, abs=1e-6)
+    assert frontend["intake_ms_per_1k_prompt_tokens"] == pytest.approx(0.3, abs=1e-6)
+
+
+def test_frontend_metrics_count_the_front_end_and_the_hop_between_two_scrapes(tmp_path):
+    """/metrics scrapes of one server before and after a run: the intake is the run's mean front-end time plus its
+    mean hop to the engine, the delivery its mean output lag."""
+    from nanovllm_bench.simulate.cost import frontend_from_metrics
+
+    def scrape(path, frontend, hop, delivery, count):
+        path.write_text("".join(
+            f'nanovllm:{name}_sum{{model_name="m"}} {total}\nnanovllm:{name}_count{{model_name="m"}} {count}\n'
+            for name, total in (("request_frontend_time_seconds", frontend), ("request_intake_time_seconds", hop),
+                                ("output_delivery_lag_seconds", delivery))
+        ))  # fmt: skip
+
+    scrape(tmp_path / "before.txt", 0.5, 0.5, 0.5, 100)
+    scrape(tmp_path / "after.txt", 0.5 + 0.2, 0.5 + 0.05, 0.5 + 0.03, 200)  # the run: 100 requests
+    frontend = frontend_from_metrics([str(tmp_path / "after.txt"), str(tmp_path / "before.txt")])
+    assert frontend["frontend_ms"] == pytest.approx(2.0) and frontend["hop_ms"] == pytest.approx(0.5)
+    assert frontend["intake_ms"] == pytest.approx(2.5) and frontend["delivery_ms"] == pytest.approx(0.3)
+
+
 def test_request_timelines_and_frontend_metrics_are_one_or_the_other(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"request_id": "x"}\n')

@@ -290,7 +290,11 @@ def _shape_of(model: str) -> tuple[str, dict[str, int]]:
     )
 
 
-FRONTEND_METRICS = {"intake_ms": "request_intake_time_seconds", "delivery_ms": "output_delivery_lag_seconds"}
+FRONTEND_METRICS = {  # the front-end's own part, then the hop to the engine; then the outputs' way back
+    "frontend_ms": "request_frontend_time_seconds",
+    "hop_ms": "request_intake_time_seconds",
+    "delivery_ms": "output_delivery_lag_seconds",
+}
 
 
 def _metric_totals(path: str) -> dict[str, float]:
@@ -308,8 +312,10 @@ def _metric_totals(path: str) -> dict[str, float]:
 
 def frontend_from_metrics(paths: list[str]) -> dict[str, Any]:
     """The front-end's mean time per request beside the engine's steps, from ``nanovllm serve``'s /metrics text:
-    ``request_intake_time`` (HTTP request to the engine) and ``output_delivery_lag`` (a step's output to its
-    stream). With two files, the second is the same server's earlier scrape, subtracted (one benchmark's share)."""
+    the intake is ``request_frontend_time`` (HTTP request to the hand-over: body, validation, tokenization) plus
+    ``request_intake_time`` (the hand-over to the engine's arrival), and ``output_delivery_lag`` (a step's output
+    to its stream) the delivery. With two files, the second is the same server's earlier scrape, subtracted (one
+    benchmark's share)."""
     if len(paths) not in (1, 2):
         raise ConfigError("--frontend-metrics takes one /metrics file, or two (after, then before) of one server")
     after = _metric_totals(paths[0])
@@ -325,16 +331,23 @@ def frontend_from_metrics(paths: list[str]) -> dict[str, Any]:
         if count <= 0:
             raise ConfigError(f"--frontend-metrics: no {name} observations between the two scrapes")
         frontend[key] = 1e3 * total / count
+    frontend["intake_ms"] = frontend["frontend_ms"] + frontend["hop_ms"]
     frontend["source"] = " minus ".join(Path(p).name for p in paths)
     return frontend
 
 
 def frontend_from_timelines(paths: list[str]) -> dict[str, Any]:
-    """The front-end's time per request from ``nanovllm serve --request-timeline`` files: from the HTTP request to
-    the engine's arrival fitted as a fixed part plus a part per prompt token (least squares: a long prompt's body,
-    validation and tokenization cost more), and the mean from the engine reading a first token to the front-end
-    having it (the output hand-over)."""
+    """The front-end's time per request from ``nanovllm serve --request-timeline`` files, and the mean from the
+    engine reading a first token to the front-end having it (the output hand-over).
+
+    The intake is the front-end's own part, from the HTTP request to the hand-over to the engine, fitted as a fixed
+    part plus a part per prompt token (least squares: a long prompt's body, validation and tokenization cost more),
+    plus the hop to the engine process. A hop stamped under load also holds the wait for the running step to end,
+    which the simulated engine adds itself (it admits a request at its next step): the hop counted is its lower
+    decile, the pipe's own time. Timelines without a hand-over stamp are fitted from the HTTP request to the
+    engine's arrival, as they are."""
     intake: list[tuple[float, float]] = []  # (prompt tokens / 1000, ms)
+    hops: list[float] = []
     delivery: list[float] = []
     for path in paths:
         try:
@@ -349,7 +362,11 @@ def frontend_from_timelines(paths: list[str]) -> dict[str, Any]:
             if "clock" in record:  # a server's first line: the clock the stamps are on
                 continue
             try:
-                seconds = record["engine_arrival"] - record["received"]
+                if record.get("handed") is None:
+                    seconds = record["engine_arrival"] - record["received"]
+                else:
+                    seconds = record["handed"] - record["received"]
+                    hops.append(1e3 * max(0.0, record["engine_arrival"] - record["handed"]))
                 intake.append((record["num_prompt_tokens"] / 1e3, 1e3 * seconds))
                 if record.get("first_token") is not None and record.get("first_token_delivered") is not None:
                     delivery.append(1e3 * (record["first_token_delivered"] - record["first_token"]))
@@ -365,9 +382,11 @@ def frontend_from_timelines(paths: list[str]) -> dict[str, Any]:
     spread = sum((x - mean_x) ** 2 for x, _ in intake)
     per_1k = sum((x - mean_x) * (y - mean_y) for x, y in intake) / spread if spread > 0 else 0.0
     per_1k = max(per_1k, 0.0)  # a negative slope is noise: longer prompts cost no less
+    hop = sorted(hops)[len(hops) // 10] if hops else 0.0
     return {
-        "intake_ms": max(mean_y - per_1k * mean_x, 0.0),
+        "intake_ms": max(mean_y - per_1k * mean_x, 0.0) + hop,
         "intake_ms_per_1k_prompt_tokens": per_1k,
+        "hop_ms": hop,
         "delivery_ms": sum(delivery) / len(delivery) if delivery else 0.0,
         "requests": n,
         "source": " ".join(Path(p).name for p in paths),
