@@ -28,6 +28,11 @@ Workloads:
   Written before any calibration saw it, so that the simulator's validation has one workload it was
   not tuned to: no calibration is fitted on it or chosen by it (``calibrate.py`` refuses it, and so does
   ``--step-records`` here), and its simulated-against-measured rows are reported as they come.
+- ``held-out-reasoning``: **held out: fitted on nothing**, as ``held-out-agents`` and for the same reason, written
+  after that one was read on the GPU and before any calibration refitted since (``held-out-reasoning.jsonl``, from
+  :func:`reasoning_requests`, seed 0): 300 questions of 32-768 tokens after one 256-token instruction every
+  request shares, each answered at length, 256-4,096 output tokens (uniform in their logarithm): decode steps over
+  long and growing contexts, which none of the other workloads keeps up.
 
 Loads are fractions of the workload's saturation rate: the request rate of the first policy's server with every
 request sent at once (``fifo``'s by default), so every policy sees the same arrival rates; ``inf`` sends every
@@ -110,6 +115,13 @@ WORKLOADS: dict[str, dict[str, Any]] = {  # bench serve flags, requests sent at 
         "saturation_prompts": 1000,
         "prompts": 1000,
         "trace": "held-out-agents.jsonl",
+        "held_out": True,
+    },
+    "held-out-reasoning": {  # held out: fitted on nothing (see the module's docstring)
+        "flags": ["--dataset", "TRACE"],
+        "saturation_prompts": 300,
+        "prompts": 300,
+        "trace": "held-out-reasoning.jsonl",
         "held_out": True,
     },
 }
@@ -223,7 +235,44 @@ def write_agents_trace(path: Path, num_requests: int = 1000) -> None:
     path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in agent_sessions(num_requests)))
 
 
-TRACE_WRITERS = {"long-docs": write_long_documents_trace, "held-out-agents": write_agents_trace}
+# held-out-reasoning: long answers to short questions (token counts are inclusive ranges)
+REASONING_INSTRUCTION = 256  # the instruction every request opens with
+REASONING_QUESTION = (32, 768)
+REASONING_OUTPUT = (256, 4096)  # uniform in log(tokens): a median near 1k, a tail to 4k
+
+
+def reasoning_requests(num_requests: int = 300, seed: int = 0, vocab_size: int = 10000) -> list[dict[str, Any]]:
+    """The ``held-out-reasoning`` requests, in the order sent: ``{"prompt": [ids], "max_tokens": n}``. Each prompt
+    is one shared instruction (``REASONING_INSTRUCTION`` tokens) and a question of its own; each output length is
+    drawn uniformly in its logarithm over ``REASONING_OUTPUT``. Deterministic for ``seed``, and the first ``n``
+    requests are the same whatever ``num_requests`` is."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    instruction = [rng.randrange(vocab_size) for _ in range(REASONING_INSTRUCTION)]
+    low, high = (math.log(n) for n in REASONING_OUTPUT)
+    rows = []
+    for _ in range(num_requests):
+        question = [rng.randrange(vocab_size) for _ in range(rng.randint(*REASONING_QUESTION))]
+        max_tokens = min(REASONING_OUTPUT[1], max(REASONING_OUTPUT[0], round(math.exp(rng.uniform(low, high)))))
+        rows.append({"prompt": instruction + question, "max_tokens": max_tokens})
+    return rows
+
+
+def write_reasoning_trace(path: Path, num_requests: int = 300) -> None:
+    """The ``held-out-reasoning`` trace (:func:`reasoning_requests`, seed 0) as JSON lines."""
+    import json
+
+    rows = reasoning_requests(num_requests)
+    path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
+
+
+TRACE_WRITERS = {
+    "long-docs": write_long_documents_trace,
+    "held-out-agents": write_agents_trace,
+    "held-out-reasoning": write_reasoning_trace,
+}
 IDLE_RATE = 2.0
 
 
