@@ -86,6 +86,12 @@ def installed_schedulers() -> list[str]:
     return get_registry().names("scheduler")
 
 
+def held_out_trace(name: str, prompts: int) -> dict[str, Any]:
+    """A held-out workload's spec: fitted on nothing (see the module's docstring), its trace file ``NAME.jsonl``."""
+    return {"flags": ["--dataset", "TRACE"], "saturation_prompts": prompts, "prompts": prompts,
+            "trace": f"{name}.jsonl", "held_out": True}  # fmt: skip
+
+
 WORKLOADS: dict[str, dict[str, Any]] = {  # bench serve flags, requests sent at once for saturation, requests a load
     "long-prompts": {
         "flags": [
@@ -110,20 +116,8 @@ WORKLOADS: dict[str, dict[str, Any]] = {  # bench serve flags, requests sent at 
         "max_model_len": 40960,
         "trace": "long-docs.jsonl",
     },
-    "held-out-agents": {  # held out: fitted on nothing (see the module's docstring)
-        "flags": ["--dataset", "TRACE"],
-        "saturation_prompts": 1000,
-        "prompts": 1000,
-        "trace": "held-out-agents.jsonl",
-        "held_out": True,
-    },
-    "held-out-reasoning": {  # held out: fitted on nothing (see the module's docstring)
-        "flags": ["--dataset", "TRACE"],
-        "saturation_prompts": 300,
-        "prompts": 300,
-        "trace": "held-out-reasoning.jsonl",
-        "held_out": True,
-    },
+    "held-out-agents": held_out_trace("held-out-agents", 1000),
+    "held-out-reasoning": held_out_trace("held-out-reasoning", 300),
 }
 LONG_DOCS_TRACE = WORKLOADS["long-docs"]["trace"]
 AGENTS_TRACE = WORKLOADS["held-out-agents"]["trace"]

@@ -1,14 +1,18 @@
-"""The held-out workload of benchmarks/policies.py (``held-out-agents``): a trace fitted on nothing.
+"""The held-out workloads of benchmarks/policies.py (``held-out-agents``, then ``held-out-reasoning``, written
+before the refit after the first was read): traces fitted on nothing.
 
-Its trace is deterministic and has the intended shape (multi-turn agent sessions whose prompts repeat the earlier
-turns token for token, 1-4k tokens, short outputs, bursts on one context); ``policies.py`` serves it and
-``simulate_policies.py`` simulates it with no change of theirs; no calibration can be fitted on it
-(``calibrate.py`` and ``policies.py --step-records`` refuse it). CPU only: nothing here runs a model.
+``held-out-agents``' trace is deterministic and has the intended shape (multi-turn agent sessions whose
+prompts repeat the earlier turns token for token, 1-4k tokens, short outputs, bursts on one context);
+``policies.py`` serves it and ``simulate_policies.py`` simulates it with no change of theirs; no calibration can
+be fitted on it (``calibrate.py`` and ``policies.py --step-records`` refuse it). ``held-out-reasoning``: one
+shared instruction, questions of 32-768 tokens, outputs of 256-4,096 tokens spread evenly in their logarithm.
+CPU only: nothing here runs a model.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections import defaultdict
@@ -20,6 +24,7 @@ from nanovllm_testing.scripts import load_script
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 WORKLOAD = "held-out-agents"
+REASONING = "held-out-reasoning"
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +210,69 @@ def test_simulate_policies_reports_it_apart(policies, tmp_path: Path, capsys) ->
     result = json.loads((tmp_path / "rows.json").read_text())
     assert result["held_out"][WORKLOAD]["cells"] == 10 and all(r["held_out"] for r in result["rows"])
     assert all(f"--dataset {folder}/held-out-agents.jsonl" in r["command"] for r in result["rows"])
+
+
+# held-out-reasoning
+
+
+def test_reasoning_is_a_held_out_trace_workload(policies) -> None:
+    spec = policies.WORKLOADS[REASONING]
+    assert REASONING in policies.HELD_OUT and spec["held_out"] and spec["trace"] == "held-out-reasoning.jsonl"
+    assert policies.TRACE_WRITERS[REASONING] is policies.write_reasoning_trace
+    assert spec["prompts"] == spec["saturation_prompts"] == 300
+
+
+def test_the_reasoning_trace_is_deterministic_and_has_the_intended_shape(policies, tmp_path: Path) -> None:
+    trace = policies.reasoning_requests()
+    assert policies.reasoning_requests() == trace and policies.reasoning_requests(20) == trace[:20]
+    assert policies.reasoning_requests(20, seed=1) != trace[:20]
+    shared = policies.REASONING_INSTRUCTION
+    assert len({tuple(r["prompt"][:shared]) for r in trace}) == 1  # one instruction, every request
+    questions = [len(r["prompt"]) - shared for r in trace]
+    assert min(questions) >= policies.REASONING_QUESTION[0] and max(questions) <= policies.REASONING_QUESTION[1]
+    outputs = sorted(r["max_tokens"] for r in trace)
+    low, high = policies.REASONING_OUTPUT
+    assert low <= outputs[0] and outputs[-1] <= high
+    # uniform in the logarithm: each quarter of log(tokens) holds about a quarter of the requests
+    quarters = [0] * 4
+    for n in outputs:
+        quarters[min(3, int(4 * (math.log(n) - math.log(low)) / (math.log(high) - math.log(low))))] += 1
+    assert all(50 <= q <= 100 for q in quarters), quarters
+    assert all(max(r["prompt"]) < 10000 for r in trace)  # bench serve's default vocabulary
+    assert max(len(r["prompt"]) + r["max_tokens"] for r in trace) <= policies.MAX_MODEL_LEN
+
+    from nanovllm_bench.serve import read_trace
+
+    path = tmp_path / "trace.jsonl"
+    policies.write_reasoning_trace(path)
+    assert [(r.prompt, r.max_tokens) for r in read_trace(str(path), 0, 10000)] == [
+        (r["prompt"], r["max_tokens"]) for r in trace
+    ]
+
+
+def test_policies_serves_reasoning_and_never_records_its_steps(tmp_path: Path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(BENCHMARKS / "policies.py"), "--dry-run", "--workloads", REASONING,
+                               "--results-dir", str(tmp_path / "r"), *args], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT)  # fmt: skip
+
+    served = run("--idle-prompts", "0")
+    assert served.returncode == 0, served.stderr
+    clients = [line for line in served.stdout.splitlines() if line.startswith("nanovllm bench serve")]
+    assert clients and all(f"--dataset {tmp_path}/r/policies/held-out-reasoning.jsonl" in c for c in clients)
+    assert all("--num-prompts 300" in c for c in clients)
+    refused = run("--step-records")
+    assert refused.returncode != 0 and "--step-records with held-out-reasoning" in refused.stderr
+
+
+def test_simulate_reads_a_slice_of_reasoning(policies, tmp_path: Path) -> None:
+    from nanovllm_core.cli import main as cli_main
+
+    path = tmp_path / "trace.jsonl"
+    policies.write_reasoning_trace(path, 24)
+    out = tmp_path / "simulated.json"
+    args = ["--dataset", str(path), "--num-prompts", "24", "--request-rate", "4", "--result-file", str(out)]
+    assert cli_main(["simulate", *args]) == 0
+    result = json.loads(out.read_text())
+    rows = policies.reasoning_requests(24)
+    assert result["completed"] == 24 and result["total_output_tokens"] == sum(r["max_tokens"] for r in rows)
