@@ -110,8 +110,8 @@ def test_a_policy_that_starves_a_class_shows_it_per_class():
     requests = trace(120, 7, float("inf"), priorities=(0, 1))  # overload: everything at once
     _, fair = simulate("fifo", [TraceRequest(r.arrival, r.prompt, r.max_tokens, r.priority) for r in requests])
     _, starved = simulate(ClassZeroFirst, requests)
-    fair_summary = summarize(client_results(fair, 0.0), 1.0)["by_priority"]
-    summary = summarize(client_results(starved, 0.0), 1.0)["by_priority"]
+    fair_summary = summarize(client_results(fair, {}), 1.0)["by_priority"]
+    summary = summarize(client_results(starved, {}), 1.0)["by_priority"]
     assert summary["1"]["median_ttft_ms"] > 2 * summary["0"]["median_ttft_ms"]
     assert summary["0"]["median_ttft_ms"] < fair_summary["0"]["median_ttft_ms"]
     ratio = fair_summary["1"]["median_ttft_ms"] / fair_summary["0"]["median_ttft_ms"]
@@ -388,6 +388,32 @@ def test_timelines_with_a_hand_over_count_the_front_end_and_the_pipe_not_the_wai
     assert frontend["hop_ms"] == pytest.approx(0.4, abs=1e-6)
     assert frontend["intake_ms"] == pytest.approx(1.4, abs=1e-6)
     assert frontend["intake_ms_per_1k_prompt_tokens"] == pytest.approx(0.3, abs=1e-6)
+
+
+def test_client_timings_add_the_clients_way_in_and_out_to_each_first_token_and_latency(tmp_path):
+    """request_timeline.py's figures (the client saw 1.2 ms more than the server for a 20k-token prompt, 0.8 ms for
+    a 200-token one): a line over the prompt length, added to every simulated request's TTFT and latency."""
+    from nanovllm_bench.simulate.cost import client_from_timings
+    from nanovllm_bench.simulate.run import client_results
+
+    timings = tmp_path / "idle.json"
+    timings.write_text(json.dumps({"long": {"prompt_tokens": 20000, "outside_server_ms": 1.2},
+                                   "short": {"prompt_tokens": 200, "outside_server_ms": 0.8}}))  # fmt: skip
+    client = client_from_timings([str(timings)])
+    per_1k = 0.4 / 19.8
+    assert client["client_ms_per_1k_prompt_tokens"] == pytest.approx(per_1k)
+    assert client["client_ms"] == pytest.approx(0.8 - 0.2 * per_1k)
+    times = TraceSimulator(small_calibration(), max_num_seqs=8, max_num_batched_tokens=128,
+                           max_model_len=512).replay([TraceRequest(0.0, [5] * 100, 3)])  # fmt: skip
+    plain = client_results(times, {"delivery_ms": 0.5})[0]
+    seen = client_results(times, {"delivery_ms": 0.5, **client})[0]
+    extra = (client["client_ms"] + 0.1 * per_1k) / 1e3
+    assert seen.ttft == pytest.approx(plain.ttft + extra) and seen.latency == pytest.approx(plain.latency + extra)
+    assert seen.itl == plain.itl
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ConfigError, match="no prompt's timings"):
+        client_from_timings([str(bad)])
 
 
 def test_frontend_metrics_count_the_front_end_and_the_hop_between_two_scrapes(tmp_path):

@@ -336,6 +336,17 @@ def frontend_from_metrics(paths: list[str]) -> dict[str, Any]:
     return frontend
 
 
+def _ms_per_request_and_per_1k_tokens(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """The least-squares line through ``(prompt tokens / 1000, ms)`` points: its fixed part and its slope, neither
+    below zero (a negative slope is noise: longer prompts cost no less)."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    per_1k = max(sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread > 0 else 0.0, 0.0)
+    return max(mean_y - per_1k * mean_x, 0.0), per_1k
+
+
 def frontend_from_timelines(paths: list[str]) -> dict[str, Any]:
     """The front-end's time per request from ``nanovllm serve --request-timeline`` files, and the mean from the
     engine reading a first token to the front-end having it (the output hand-over).
@@ -376,21 +387,36 @@ def frontend_from_timelines(paths: list[str]) -> dict[str, Any]:
                 ) from None
     if not intake:
         raise ConfigError(f"--request-timelines {' '.join(paths)}: no request in them")
-    n = len(intake)
-    mean_x = sum(x for x, _ in intake) / n
-    mean_y = sum(y for _, y in intake) / n
-    spread = sum((x - mean_x) ** 2 for x, _ in intake)
-    per_1k = sum((x - mean_x) * (y - mean_y) for x, y in intake) / spread if spread > 0 else 0.0
-    per_1k = max(per_1k, 0.0)  # a negative slope is noise: longer prompts cost no less
+    fixed, per_1k = _ms_per_request_and_per_1k_tokens(intake)
     hop = sorted(hops)[len(hops) // 10] if hops else 0.0
     return {
-        "intake_ms": max(mean_y - per_1k * mean_x, 0.0) + hop,
+        "intake_ms": fixed + hop,
         "intake_ms_per_1k_prompt_tokens": per_1k,
         "hop_ms": hop,
         "delivery_ms": sum(delivery) / len(delivery) if delivery else 0.0,
-        "requests": n,
+        "requests": len(intake),
         "source": " ".join(Path(p).name for p in paths),
     }
+
+
+def client_from_timings(paths: list[str]) -> dict[str, Any]:
+    """The client's part of a first token's time, outside the server (the request's way in, the reply's way out),
+    from ``benchmarks/request_timeline.py --json`` files: each prompt length's client-seen first token less the
+    server's receipt-to-hand-over, a line over the prompt lengths (a fixed part and a part per 1k prompt tokens)."""
+    points: list[tuple[float, float]] = []  # (prompt tokens / 1000, ms)
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+            for kind in ("long", "short"):
+                if kind in data:
+                    points.append((data[kind]["prompt_tokens"] / 1e3, data[kind]["outside_server_ms"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"--client-timings {path}: not a request_timeline.py --json file ({exc})") from None
+    if not points:
+        raise ConfigError(f"--client-timings {' '.join(paths)}: no prompt's timings in them")
+    fixed, per_1k = _ms_per_request_and_per_1k_tokens(points)
+    return {"client_ms": fixed, "client_ms_per_1k_prompt_tokens": per_1k,
+            "client_source": " ".join(Path(p).name for p in paths)}  # fmt: skip
 
 
 def calibrate(

@@ -27,6 +27,7 @@ from nanovllm_bench.serve import (
 from nanovllm_bench.simulate.cost import (
     Calibration,
     calibrate,
+    client_from_timings,
     frontend_from_metrics,
     frontend_from_timelines,
     load_calibration,
@@ -96,17 +97,23 @@ def build_workload(args: argparse.Namespace, rate: float) -> list[TraceRequest]:
     return reqs
 
 
-def client_results(times: list[RequestTimes], delivery_s: float) -> list[RequestResult]:
-    """What ``bench serve`` measures of each request: a token reaches the client ``delivery_s`` after its step."""
+def client_results(times: list[RequestTimes], frontend: dict[str, Any]) -> list[RequestResult]:
+    """What ``bench serve`` measures of each request: a token reaches the client the front-end's ``delivery_ms``
+    after its step, and the first and last token also the client's own way in and out (``client_ms`` plus
+    ``client_ms_per_1k_prompt_tokens``) later."""
+    delivery_s = frontend.get("delivery_ms", 0.0) / 1e3
     results = []
     for t in times:
         req, tokens = t.request, t.token_times
         result = RequestResult(prompt_tokens=len(req.prompt), priority=req.priority)
         if len(tokens) == req.max_tokens:
+            client_ms = frontend.get("client_ms", 0.0) + frontend.get("client_ms_per_1k_prompt_tokens", 0.0) * (
+                len(req.prompt) / 1e3
+            )
             result.ok = True
             result.output_tokens = len(tokens)
-            result.ttft = tokens[0] + delivery_s - req.arrival
-            result.latency = tokens[-1] + delivery_s - req.arrival
+            result.ttft = tokens[0] + delivery_s + client_ms / 1e3 - req.arrival
+            result.latency = tokens[-1] + delivery_s + client_ms / 1e3 - req.arrival
             result.itl = [b - a for a, b in zip(tokens, tokens[1:])]
         else:
             result.error = f"{len(tokens)} of {req.max_tokens} tokens"
@@ -136,7 +143,7 @@ def simulate_once(args: argparse.Namespace, calibration: Calibration, scheduler:
         engine.warm_prefix_cache([r.prompt for r in trace[: args.warm_prefix_cache]])
     times = engine.replay(trace)
     wall = time.perf_counter() - wall
-    results = client_results(times, calibration.frontend.get("delivery_ms", 0.0) / 1e3)
+    results = client_results(times, calibration.frontend)
     start = min(r.arrival for r in trace)
     end = max((r.arrival + res.latency for r, res in zip(trace, results) if res.ok), default=start)
     duration = max(end - start, 1e-9)
@@ -279,6 +286,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "(a fixed part and a part per prompt token) and its output hand-over are fitted, in place of "
         "--frontend-metrics",
     )
+    parser.add_argument(
+        "--client-timings", nargs="+", metavar="JSON",
+        help="with --calibrate: benchmarks/request_timeline.py --json files, from which the client's own part of a "
+        "first token's time (outside the server) is fitted and added to every simulated TTFT and latency",
+    )
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -296,6 +308,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         frontend = frontend_from_metrics(args.frontend_metrics) if args.frontend_metrics else None
         if args.request_timelines:
             frontend = frontend_from_timelines(args.request_timelines)
+        if args.client_timings:
+            given = frontend or {"intake_ms": 0.0, "delivery_ms": 0.0, "source": "none given"}
+            frontend = {**given, **client_from_timings(args.client_timings)}
         cal = calibrate(args.calibrate, commit=args.commit, date=args.date, frontend=frontend)
         Path(args.out).write_text(cal.to_json())
         c = cal.coefficients_ms
