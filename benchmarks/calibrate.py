@@ -23,7 +23,8 @@ steps (``--step-records``) and its requests' timelines (``--request-timelines``)
 on the three servers' records: decode batches of every size, short prompts beside decodes, 2,048-token chunks deep
 into documents and 16k-token prompt steps, and the front-end's part of each request (unless ``--frontend-metrics``
 names scrapes to take it from instead). It never
-takes a held-out workload of ``policies.py`` (``held-out-agents``, fitted on nothing): it refuses one.
+takes a held-out workload of ``policies.py`` (``held-out-agents``, ``held-out-reasoning``: fitted on nothing): it
+refuses one.
 
 Results go to RESULTS_DIR/calibrate/: NAME.json and NAME.log per run, and the calibration (``--out``, default
 RESULTS_DIR/calibrate/CALIBRATION.json), which records the GPU, commit, date and its fit per source run.
