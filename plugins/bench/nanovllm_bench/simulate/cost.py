@@ -424,12 +424,13 @@ def calibrate(
     commit: str | None = None,
     date: str | None = None,
     frontend: dict[str, Any] | None = None,
+    client: dict[str, Any] | None = None,
 ) -> Calibration:
     """Fit a calibration from ``nanovllm bench --json`` results of one GPU, model shape and KV dtype.
 
     ``commit`` and ``date`` (of the bench run) are taken from the results when they carry them, else from here;
     ``frontend`` (:func:`frontend_from_metrics` or :func:`frontend_from_timelines`): the serving front-end's time
-    per request, else none."""
+    per request, else none; ``client`` (:func:`client_from_timings`): the client's way in and out, added to it."""
     if not paths:
         raise ConfigError("--calibrate needs at least one nanovllm bench --json result")
     results = []
@@ -496,7 +497,7 @@ def calibrate(
         num_kvcache_blocks=int(first.get("num_kvcache_blocks") or 4096),
         graph_max_tokens=graph_max_tokens,
         host_gap_ms=host_gap,
-        frontend=frontend or {"intake_ms": 0.0, "delivery_ms": 0.0, "source": "none given"},
+        frontend={**(frontend or {"intake_ms": 0.0, "delivery_ms": 0.0, "source": "none given"}), **(client or {})},
         commit=str(first.get("commit") or commit or "unknown"),
         date=str(first.get("date") or date or "unknown"),
         sources=[Path(p).name for p in paths],

@@ -308,10 +308,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         frontend = frontend_from_metrics(args.frontend_metrics) if args.frontend_metrics else None
         if args.request_timelines:
             frontend = frontend_from_timelines(args.request_timelines)
-        if args.client_timings:
-            given = frontend or {"intake_ms": 0.0, "delivery_ms": 0.0, "source": "none given"}
-            frontend = {**given, **client_from_timings(args.client_timings)}
-        cal = calibrate(args.calibrate, commit=args.commit, date=args.date, frontend=frontend)
+        client = client_from_timings(args.client_timings) if args.client_timings else None
+        cal = calibrate(args.calibrate, commit=args.commit, date=args.date, frontend=frontend, client=client)
         Path(args.out).write_text(cal.to_json())
         c = cal.coefficients_ms
         print(
