@@ -390,6 +390,31 @@ def test_timelines_with_a_hand_over_count_the_front_end_and_the_pipe_not_the_wai
     assert frontend["intake_ms_per_1k_prompt_tokens"] == pytest.approx(0.3, abs=1e-6)
 
 
+def test_timelines_fit_the_typical_request_not_a_bursts_queue(tmp_path):
+    """A sixth of the requests arrive in a burst and queue 20 ms in the front-end (and 5 ms for their first token's
+    hand-over): the fit is the median line of the others' 0.8 ms + 0.2 ms per 1k prompt tokens and their 0.3 ms
+    hand-over, where a mean would add about 3 ms and 0.8 ms."""
+    from nanovllm_bench.simulate.cost import frontend_from_timelines
+
+    rng = random.Random(2)
+    lines = []
+    for i in range(240):
+        prompt = rng.randint(10, 8000)
+        queued = 20.0 if i % 6 == 0 else 0.0
+        received = 10.0 + i
+        handed = received + (0.8 + 0.2 * prompt / 1e3 + queued) / 1e3
+        first_token = handed + 0.004
+        lines.append(json.dumps({"request_id": str(i), "num_prompt_tokens": prompt, "received": received,
+                                 "handed": handed, "engine_arrival": handed + 0.0005, "first_token": first_token,
+                                 "first_token_delivered": first_token + (5.0 if queued else 0.3) / 1e3}))  # fmt: skip
+    path = tmp_path / "timeline.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    frontend = frontend_from_timelines([str(path)])
+    assert frontend["intake_ms"] == pytest.approx(0.8 + 0.5, abs=1e-3)
+    assert frontend["intake_ms_per_1k_prompt_tokens"] == pytest.approx(0.2, abs=1e-4)
+    assert frontend["delivery_ms"] == pytest.approx(0.3, abs=1e-6)
+
+
 def test_client_timings_add_the_clients_way_in_and_out_to_each_first_token_and_latency(tmp_path):
     """request_timeline.py's figures (the client saw 1.2 ms more than the server for a 20k-token prompt, 0.8 ms for
     a 200-token one): a line over the prompt length, added to every simulated request's TTFT and latency."""

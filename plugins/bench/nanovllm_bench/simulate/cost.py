@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -337,22 +338,33 @@ def frontend_from_metrics(paths: list[str]) -> dict[str, Any]:
 
 
 def _ms_per_request_and_per_1k_tokens(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """The least-squares line through ``(prompt tokens / 1000, ms)`` points: its fixed part and its slope, neither
-    below zero (a negative slope is noise: longer prompts cost no less)."""
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    per_1k = max(sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread > 0 else 0.0, 0.0)
-    return max(mean_y - per_1k * mean_x, 0.0), per_1k
+    """The median line through ``(prompt tokens / 1000, ms)`` points (least absolute deviations, by iteratively
+    reweighted least squares): its fixed part and its slope, neither below zero (a negative slope is noise: longer
+    prompts cost no less). Not the least-squares line: the requests of a burst queue in the front-end for
+    milliseconds, which would move a mean; the simulator charges each request the typical time."""
+    weights = [1.0] * len(points)
+    fixed = per_1k = 0.0
+    for _ in range(100):
+        total = sum(weights)
+        mean_x = sum(w * x for w, (x, _) in zip(weights, points)) / total
+        mean_y = sum(w * y for w, (_, y) in zip(weights, points)) / total
+        spread = sum(w * (x - mean_x) ** 2 for w, (x, _) in zip(weights, points))
+        slope = sum(w * (x - mean_x) * (y - mean_y) for w, (x, y) in zip(weights, points)) / spread if spread else 0.0
+        slope = max(slope, 0.0)
+        step = abs(slope - per_1k) + abs(mean_y - slope * mean_x - fixed)
+        fixed, per_1k = mean_y - slope * mean_x, slope
+        if step < 1e-9:
+            break
+        weights = [1.0 / max(abs(y - fixed - per_1k * x), 1e-6) for x, y in points]
+    return max(fixed, 0.0), per_1k
 
 
 def frontend_from_timelines(paths: list[str]) -> dict[str, Any]:
-    """The front-end's time per request from ``nanovllm serve --request-timeline`` files, and the mean from the
+    """The front-end's time per request from ``nanovllm serve --request-timeline`` files, and the median from the
     engine reading a first token to the front-end having it (the output hand-over).
 
     The intake is the front-end's own part, from the HTTP request to the hand-over to the engine, fitted as a fixed
-    part plus a part per prompt token (least squares: a long prompt's body, validation and tokenization cost more),
+    part plus a part per prompt token (the median line: a long prompt's body, validation and tokenization cost more),
     plus the hop to the engine process. A hop stamped under load also holds the wait for the running step to end,
     which the simulated engine adds itself (it admits a request at its next step): the hop counted is its lower
     decile, the pipe's own time. Timelines without a hand-over stamp are fitted from the HTTP request to the
@@ -393,7 +405,7 @@ def frontend_from_timelines(paths: list[str]) -> dict[str, Any]:
         "intake_ms": fixed + hop,
         "intake_ms_per_1k_prompt_tokens": per_1k,
         "hop_ms": hop,
-        "delivery_ms": sum(delivery) / len(delivery) if delivery else 0.0,
+        "delivery_ms": statistics.median(delivery) if delivery else 0.0,
         "requests": len(intake),
         "source": " ".join(Path(p).name for p in paths),
     }
