@@ -258,10 +258,12 @@ def test_calibrate_round_trip_through_the_cli(tmp_path, capsys):
 
 def test_shipped_calibrations_load_with_provenance():
     names = shipped_calibrations()
-    assert {"h200-qwen3-0.6b-bf16", "h200-qwen3-0.6b-fp8", "h200-qwen3-8b-bf16", "h200-qwen3-8b-fp8"} <= set(names)
+    assert {"h200-qwen3-0.6b-bf16", "h200-qwen3-0.6b-fp8", "h200-qwen3-8b-bf16", "h200-qwen3-8b-fp8",
+            "h100-qwen3-0.6b-bf16"} <= set(names)  # fmt: skip
     for name in names:
         cal = load_calibration(name)
-        assert cal.gpu == "NVIDIA H200" and cal.commit != "unknown" and cal.date != "unknown"
+        gpu = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200"}[name.split("-")[0]]
+        assert cal.gpu == gpu and cal.commit != "unknown" and cal.date != "unknown"
         assert cal.fit["r2"] > 0.9
         assert cal.step_ms(1, 1, 100) > 0 and cal.step_ms(1, 4096, 4096, 4096 * 2048) > cal.step_ms(1, 1, 100)
     with pytest.raises(ConfigError, match="shipped"):
