@@ -22,9 +22,8 @@ tokens) under ``fifo``, ``mixed`` and ``priority`` at 70% and 90% of saturation,
 steps (``--step-records``) and its requests' timelines (``--request-timelines``), and the calibration is fitted
 on the three servers' records: decode batches of every size, short prompts beside decodes, 2,048-token chunks deep
 into documents and 16k-token prompt steps, and the front-end's part of each request (unless ``--frontend-metrics``
-names scrapes to take it from instead). It never
-takes a held-out workload of ``policies.py`` (``held-out-agents``, ``held-out-reasoning``: fitted on nothing): it
-refuses one.
+names scrapes to take it from instead). It never takes a held-out workload of ``policies.py``
+(``held-out-agents``, ``held-out-reasoning``, ``held-out-classify``: fitted on nothing): it refuses one.
 
 Results go to RESULTS_DIR/calibrate/: NAME.json and NAME.log per run, and the calibration (``--out``, default
 RESULTS_DIR/calibrate/CALIBRATION.json), which records the GPU, commit, date and its fit per source run.

@@ -33,6 +33,12 @@ Workloads:
   :func:`reasoning_requests`, seed 0): 300 questions of 32-768 tokens after one 256-token instruction every
   request shares, each answered at length, 256-4,096 output tokens (uniform in their logarithm): decode steps over
   long and growing contexts, which none of the other workloads keeps up.
+- ``held-out-classify``: **held out: fitted on nothing**, as the two before it, written after ``held-out-reasoning``
+  was read and before the next refit (``held-out-classify.jsonl``, from :func:`classify_requests`, seed 0):
+  2,000 short requests, each one of four tasks' few-shot instructions (384-768 tokens, shared by every request of
+  its task: prefix-cache hits) and an input of 16-256 tokens of its own, answered with 1-8 tokens. Hundreds of
+  requests a second, each a short prompt step and a token or a few: the front-end's time per request and its
+  queue set the latency more than in any other workload.
 
 Loads are fractions of the workload's saturation rate: the request rate of the first policy's server with every
 request sent at once (``fifo``'s by default), so every policy sees the same arrival rates; ``inf`` sends every
@@ -118,6 +124,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {  # bench serve flags, requests sent at 
     },
     "held-out-agents": held_out_trace("held-out-agents", 1000),
     "held-out-reasoning": held_out_trace("held-out-reasoning", 300),
+    "held-out-classify": held_out_trace("held-out-classify", 2000),
 }
 LONG_DOCS_TRACE = WORKLOADS["long-docs"]["trace"]
 AGENTS_TRACE = WORKLOADS["held-out-agents"]["trace"]
@@ -262,10 +269,43 @@ def write_reasoning_trace(path: Path, num_requests: int = 300) -> None:
     path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
 
 
+# held-out-classify: many short requests of a few tasks, a token or a few each (inclusive ranges)
+CLASSIFY_TASKS = 4
+CLASSIFY_INSTRUCTION = (384, 768)  # each task's few-shot instruction, shared by its requests
+CLASSIFY_INPUT = (16, 256)
+CLASSIFY_OUTPUT = (1, 8)
+
+
+def classify_requests(num_requests: int = 2000, seed: int = 0, vocab_size: int = 10000) -> list[dict[str, Any]]:
+    """The ``held-out-classify`` requests, in the order sent: ``{"prompt": [ids], "max_tokens": n}``. Each request
+    draws one of ``CLASSIFY_TASKS`` tasks, whose instruction opens its prompt, then an input of its own.
+    Deterministic for ``seed``, and the first ``n`` requests are the same whatever ``num_requests`` is."""
+    import random
+
+    rng = random.Random(seed)
+    instructions = [[rng.randrange(vocab_size) for _ in range(rng.randint(*CLASSIFY_INSTRUCTION))]
+                    for _ in range(CLASSIFY_TASKS)]  # fmt: skip
+    rows = []
+    for _ in range(num_requests):
+        task = rng.randrange(CLASSIFY_TASKS)
+        text = [rng.randrange(vocab_size) for _ in range(rng.randint(*CLASSIFY_INPUT))]
+        rows.append({"prompt": instructions[task] + text, "max_tokens": rng.randint(*CLASSIFY_OUTPUT)})
+    return rows
+
+
+def write_classify_trace(path: Path, num_requests: int = 2000) -> None:
+    """The ``held-out-classify`` trace (:func:`classify_requests`, seed 0) as JSON lines."""
+    import json
+
+    rows = classify_requests(num_requests)
+    path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
+
+
 TRACE_WRITERS = {
     "long-docs": write_long_documents_trace,
     "held-out-agents": write_agents_trace,
     "held-out-reasoning": write_reasoning_trace,
+    "held-out-classify": write_classify_trace,
 }
 IDLE_RATE = 2.0
 

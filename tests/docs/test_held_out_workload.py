@@ -1,5 +1,6 @@
 """The held-out workloads of benchmarks/policies.py (``held-out-agents``, then ``held-out-reasoning``, written
-before the refit after the first was read): traces fitted on nothing.
+before the refit after the first was read, then ``held-out-classify``, after the second was): traces fitted on
+nothing.
 
 ``held-out-agents``' trace is deterministic and has the intended shape (multi-turn agent sessions whose
 prompts repeat the earlier turns token for token, 1-4k tokens, short outputs, bursts on one context);
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 WORKLOAD = "held-out-agents"
 REASONING = "held-out-reasoning"
+CLASSIFY = "held-out-classify"
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +139,7 @@ def test_its_steps_are_never_recorded_for_a_calibration(workloads: str | None, t
         BENCHMARKS / "policies.py", "--dry-run", "--step-records", *chosen, "--results-dir", str(tmp_path)
     )
     assert proc.returncode != 0 and proc.stdout == ""
-    held = "held-out-agents" if workloads else "held-out-agents, held-out-reasoning"
+    held = "held-out-agents" if workloads else "held-out-agents, held-out-reasoning, held-out-classify"
     assert proc.stderr.strip().splitlines() == [
         f"error: --step-records with {held}: a held-out workload is fitted on nothing; leave it out"
     ]
@@ -215,13 +217,6 @@ def test_simulate_policies_reports_it_apart(policies, tmp_path: Path, capsys) ->
 # held-out-reasoning
 
 
-def test_reasoning_is_a_held_out_trace_workload(policies) -> None:
-    spec = policies.WORKLOADS[REASONING]
-    assert REASONING in policies.HELD_OUT and spec["held_out"] and spec["trace"] == "held-out-reasoning.jsonl"
-    assert policies.TRACE_WRITERS[REASONING] is policies.write_reasoning_trace
-    assert spec["prompts"] == spec["saturation_prompts"] == 300
-
-
 def test_the_reasoning_trace_is_deterministic_and_has_the_intended_shape(policies, tmp_path: Path) -> None:
     trace = policies.reasoning_requests()
     assert policies.reasoning_requests() == trace and policies.reasoning_requests(20) == trace[:20]
@@ -250,29 +245,76 @@ def test_the_reasoning_trace_is_deterministic_and_has_the_intended_shape(policie
     ]
 
 
-def test_policies_serves_reasoning_and_never_records_its_steps(tmp_path: Path) -> None:
+# held-out-classify
+
+
+def test_the_classify_trace_is_deterministic_and_has_the_intended_shape(policies, tmp_path: Path) -> None:
+    trace = policies.classify_requests()
+    assert policies.classify_requests() == trace and policies.classify_requests(20) == trace[:20]
+    assert policies.classify_requests(20, seed=1) != trace[:20]
+    # four tasks: every prompt opens with one of four instructions, each shared by about a quarter of the requests
+    by_task: dict[tuple[int, ...], list[dict]] = defaultdict(list)
+    low, high = policies.CLASSIFY_INSTRUCTION
+    for row in trace:
+        task = next(i for i in trace if common_prefix(i["prompt"], row["prompt"]) >= low)  # the first of its task
+        by_task[tuple(task["prompt"][:low])].append(row)
+    assert len(by_task) == policies.CLASSIFY_TASKS
+    assert all(400 <= len(rows) <= 600 for rows in by_task.values()), [len(r) for r in by_task.values()]
+    for rows in by_task.values():
+        shared = min(common_prefix(rows[0]["prompt"], r["prompt"]) for r in rows[1:])
+        assert low <= shared <= high  # the instruction (an input may open with its next token by chance)
+        inputs = [len(r["prompt"]) - shared for r in rows]
+        assert min(inputs) >= policies.CLASSIFY_INPUT[0] - 2 and max(inputs) <= policies.CLASSIFY_INPUT[1]
+    outputs = [r["max_tokens"] for r in trace]
+    assert set(outputs) == set(range(policies.CLASSIFY_OUTPUT[0], policies.CLASSIFY_OUTPUT[1] + 1))
+    assert all(max(r["prompt"]) < 10000 for r in trace)
+    assert max(len(r["prompt"]) + r["max_tokens"] for r in trace) <= policies.MAX_MODEL_LEN
+
+    from nanovllm_bench.serve import read_trace
+
+    path = tmp_path / "trace.jsonl"
+    policies.write_classify_trace(path, 50)
+    assert [(r.prompt, r.max_tokens) for r in read_trace(str(path), 0, 10000)] == [
+        (r["prompt"], r["max_tokens"]) for r in trace[:50]
+    ]
+
+
+# held-out-reasoning and held-out-classify
+
+
+@pytest.mark.parametrize(("workload", "prompts"), [(REASONING, 300), (CLASSIFY, 2000)])
+def test_it_is_a_held_out_trace_workload(policies, workload: str, prompts: int) -> None:
+    spec = policies.WORKLOADS[workload]
+    assert workload in policies.HELD_OUT and spec["held_out"] and spec["trace"] == f"{workload}.jsonl"
+    assert policies.TRACE_WRITERS[workload].__name__ == f"write_{workload.removeprefix('held-out-')}_trace"
+    assert spec["prompts"] == spec["saturation_prompts"] == prompts
+
+
+@pytest.mark.parametrize(("workload", "prompts"), [(REASONING, 300), (CLASSIFY, 2000)])
+def test_policies_serves_it_and_never_records_its_steps(workload: str, prompts: int, tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(BENCHMARKS / "policies.py"), "--dry-run", "--workloads", REASONING,
+        return subprocess.run([sys.executable, str(BENCHMARKS / "policies.py"), "--dry-run", "--workloads", workload,
                                "--results-dir", str(tmp_path / "r"), *args], capture_output=True, text=True,
                               timeout=120, cwd=ROOT)  # fmt: skip
 
     served = run("--idle-prompts", "0")
     assert served.returncode == 0, served.stderr
     clients = [line for line in served.stdout.splitlines() if line.startswith("nanovllm bench serve")]
-    assert clients and all(f"--dataset {tmp_path}/r/policies/held-out-reasoning.jsonl" in c for c in clients)
-    assert all("--num-prompts 300" in c for c in clients)
+    assert clients and all(f"--dataset {tmp_path}/r/policies/{workload}.jsonl" in c for c in clients)
+    assert all(f"--num-prompts {prompts}" in c for c in clients)
     refused = run("--step-records")
-    assert refused.returncode != 0 and "--step-records with held-out-reasoning" in refused.stderr
+    assert refused.returncode != 0 and f"--step-records with {workload}" in refused.stderr
 
 
-def test_simulate_reads_a_slice_of_reasoning(policies, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("workload", "requests", "rate"), [(REASONING, 24, "4"), (CLASSIFY, 60, "50")])
+def test_simulate_reads_a_slice_of_it(policies, workload: str, requests: int, rate: str, tmp_path: Path) -> None:
     from nanovllm_core.cli import main as cli_main
 
     path = tmp_path / "trace.jsonl"
-    policies.write_reasoning_trace(path, 24)
+    policies.TRACE_WRITERS[workload](path, requests)
     out = tmp_path / "simulated.json"
-    args = ["--dataset", str(path), "--num-prompts", "24", "--request-rate", "4", "--result-file", str(out)]
+    args = ["--dataset", str(path), "--num-prompts", str(requests), "--request-rate", rate, "--result-file", str(out)]
     assert cli_main(["simulate", *args]) == 0
     result = json.loads(out.read_text())
-    rows = policies.reasoning_requests(24)
-    assert result["completed"] == 24 and result["total_output_tokens"] == sum(r["max_tokens"] for r in rows)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert result["completed"] == requests and result["total_output_tokens"] == sum(r["max_tokens"] for r in rows)
