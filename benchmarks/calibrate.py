@@ -22,7 +22,11 @@ tokens) under ``fifo``, ``mixed`` and ``priority`` at 70% and 90% of saturation,
 steps (``--step-records``) and its requests' timelines (``--request-timelines``), and the calibration is fitted
 on the three servers' records: decode batches of every size, short prompts beside decodes, 2,048-token chunks deep
 into documents and 16k-token prompt steps, and the front-end's part of each request (unless ``--frontend-metrics``
-names scrapes to take it from instead). It never takes a held-out workload of ``policies.py``
+names scrapes to take it from instead). Then one more server, idle, answers ``request_timeline.py --json``
+(prompts of 20,000 and 200 tokens, then 10,000 and 1,000, one at a time): the client's part of a first token's
+time, outside the server, and the pipe to the engine process where no step is running to wait for (under load
+the hop's stamps hold that wait, which the simulated engine adds itself). It never takes a held-out workload of
+``policies.py``
 (``held-out-agents``, ``held-out-reasoning``, ``held-out-classify``: fitted on nothing): it refuses one.
 
 Results go to RESULTS_DIR/calibrate/: NAME.json and NAME.log per run, and the calibration (``--out``, default
@@ -36,14 +40,18 @@ import sys
 from pathlib import Path
 
 from _common import (
+    Server,
     add_common_arguments,
     add_selection_argument,
+    add_server_arguments,
     check_cli,
     machine,
     nanovllm,
     out_dir,
+    random_checkpoint,
     read_json,
     run,
+    serve_command,
     shown,
     split_list,
 )
@@ -81,14 +89,47 @@ def servers_command(args: argparse.Namespace) -> list[str]:
     return cmd + (["--engine-args", f"--kv-cache-dtype {args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else [])
 
 
+IDLE_PROMPTS = ((20000, 200), (10000, 1000))  # the long and short prompts of each request_timeline.py run
+IDLE_MAX_MODEL_LEN = 32768
+
+
+def idle_commands(args: argparse.Namespace, folder: Path) -> tuple[list[str], list[tuple[Path, list[str]]]]:
+    """The idle server (its steps' and requests' timings) and the ``request_timeline.py --json`` runs against it:
+    the client's part of a first token's time and the pipe to the engine with no step to wait for."""
+    flags = ["--attention", "triton", "--request-timeline", str(folder / "idle_timeline.jsonl")]
+    if args.kv_cache_dtype != "auto":
+        flags += ["--kv-cache-dtype", args.kv_cache_dtype]
+    checkpoint = str(random_checkpoint(args.shape, args.dry_run))
+    server = serve_command(checkpoint, args.port, IDLE_MAX_MODEL_LEN, *flags)
+    script = str(Path(__file__).resolve().parent / "request_timeline.py")
+    clients = []
+    for long, short in IDLE_PROMPTS:
+        out = folder / f"idle_{long}_{short}.json"
+        clients.append((out, [sys.executable, script, "--port", str(args.port), "--timeline",
+                              str(folder / "idle_timeline.jsonl"), "--long", str(long), "--short", str(short),
+                              "--runs", "3", "--json", str(out)]))  # fmt: skip
+    return server, clients
+
+
+def measure_idle(args: argparse.Namespace, folder: Path) -> None:
+    server, clients = idle_commands(args, folder)
+    with Server(server, folder / "idle_server.log", args.port, args.start_timeout):
+        for out, cmd in clients:
+            if run(cmd, out.with_suffix(".log")) != 0:
+                raise SystemExit(f"error: {shown(cmd)} failed: see {out.with_suffix('.log')}")
+
+
 def check_served(steps: Path) -> None:
     """The steps folder's servers (its ``policies.py`` summary) served no held-out workload; a one-line error if so."""
     summary = read_json(steps / "summary.json") if (steps / "summary.json").is_file() else {"rows": []}
     refuse_held_out([r["workload"] for r in summary["rows"]], f"calibrate.py --from-servers on {steps}")
 
 
-def calibrate_command(sources: list[Path], out: Path, frontend: list[str], timelines: list[Path] = ()) -> list[str]:
+def calibrate_command(
+    sources: list[Path], out: Path, frontend: list[str], timelines: list[Path] = (), idle: list[Path] = ()
+) -> list[str]:
     cmd = nanovllm("simulate", "--calibrate", *(str(p) for p in sources), "--out", str(out))
+    cmd += ["--client-timings", *(str(p) for p in idle)] if idle else []
     if frontend:
         return cmd + ["--frontend-metrics", *frontend]
     return cmd + (["--request-timelines", *(str(p) for p in timelines)] if timelines else [])
@@ -118,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a nanovllm serve /metrics scrape (and an earlier one of the same server): the front-end constants",
     )
     add_common_arguments(parser)
+    add_server_arguments(parser)
     return parser
 
 
@@ -131,11 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_servers:
         commands = [("servers", servers_command(args))]
         steps = out_dir(args.results_dir, "policies", make=False)
+        idle_server, idle_clients = idle_commands(args, folder)
         final = calibrate_command(
             [steps / f"steps_{p}.json" for p in SERVED_POLICIES],
             out,
             args.frontend_metrics,
             [steps / f"timeline_{p}.jsonl" for p in SERVED_POLICIES],
+            [json_out for json_out, _ in idle_clients],
         )
     else:
         commands = [(n, bench_command(n, args, folder)) for n in names]
@@ -144,8 +188,14 @@ def main(argv: list[str] | None = None) -> int:
             check_cli(cmd)
     check_cli(final)
     if args.dry_run:
-        for _, cmd in [*commands, ("calibrate", final)]:
+        for _, cmd in commands:
             print(shown(cmd))
+        if args.from_servers:
+            print(f"{shown(idle_server)} &")
+            for _, cmd in idle_clients:
+                print(shown(cmd))
+            print("(stop the server: SIGTERM)")
+        print(shown(final))
         return 0
     print(f"# {machine()}")
     for name, cmd in commands:
@@ -153,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"error: the {name} run failed: see {folder / f'{name}.log'}")
     if args.from_servers:
         check_served(steps)
+        measure_idle(args, folder)
     return run(final, folder / "calibrate.log")
 
 

@@ -154,15 +154,21 @@ def test_calibrate_fits_every_run_it_benches(capsys) -> None:
 def test_calibrate_from_servers_fits_the_steps_each_policy_served(capsys) -> None:
     script = load(BENCHMARKS / "calibrate.py")
     assert script.main(["--dry-run", "--from-servers", "--kv-cache-dtype", "fp8"]) == 0
-    serve, fit = capsys.readouterr().out.splitlines()
+    serve, idle_server, *idle_clients, stop, fit = capsys.readouterr().out.splitlines()
     assert "policies.py --workloads long-docs" in serve and "--step-records --request-timelines" in serve
     assert "--policies fifo,mixed,priority" in serve and "--engine-args '--kv-cache-dtype fp8'" in serve
+    # then an idle server, timed one request at a time: the client's part and the pipe to the engine
+    assert idle_server.startswith("nanovllm serve ") and idle_server.endswith(" &") and stop.startswith("(stop")
+    assert "--request-timeline results/calibrate/idle_timeline.jsonl --kv-cache-dtype fp8" in idle_server
+    idle = ["results/calibrate/idle_20000_200.json", "results/calibrate/idle_10000_1000.json"]
+    assert len(idle_clients) == 2 and all("request_timeline.py --port 8000" in c for c in idle_clients)
+    assert [c.split("--json ")[1] for c in idle_clients] == idle
     steps = [f"results/policies/steps_{p}.json" for p in ("fifo", "mixed", "priority")]
     timelines = [f"results/policies/timeline_{p}.jsonl" for p in ("fifo", "mixed", "priority")]
     assert fit == (f"nanovllm simulate --calibrate {' '.join(steps)} --out results/calibrate/qwen3-0.6b-fp8.json "
-                   f"--request-timelines {' '.join(timelines)}")  # fmt: skip
+                   f"--client-timings {' '.join(idle)} --request-timelines {' '.join(timelines)}")  # fmt: skip
     assert script.main(["--dry-run", "--from-servers", "--frontend-metrics", "after.txt", "before.txt"]) == 0
-    assert capsys.readouterr().out.splitlines()[1].endswith("--frontend-metrics after.txt before.txt")
+    assert capsys.readouterr().out.splitlines()[-1].endswith("--frontend-metrics after.txt before.txt")
 
 
 def test_policy_map_prints_a_row_per_policy_and_load(tmp_path: Path, capsys) -> None:

@@ -255,6 +255,30 @@ def test_calibrate_round_trip_through_the_cli(tmp_path, capsys):
     assert cal.coefficients_ms["per_prompt_pair"] == pytest.approx(1e3 * 4 * 28 * 16 * 128 / 8e14)
     assert cal.host_gap_ms == pytest.approx(1e3 * 0.05 / len(records))
 
+    # the front-end from a server's timelines, its pipe to the engine and the client's part from an idle server's
+    timeline = tmp_path / "timeline.jsonl"
+    timeline.write_text("".join(
+        json.dumps({"request_id": str(i), "num_prompt_tokens": 1000 * i, "received": 10.0 + i,
+                    "handed": 10.0 + i + (0.5 + 0.1 * i) / 1e3, "engine_arrival": 10.0 + i + 0.009}) + "\n"
+        for i in range(1, 9)
+    ))  # fmt: skip
+    idle = tmp_path / "idle.json"
+    stages = lambda ms: {"stages_ms": {"handed -> engine_arrival": ms}}  # noqa: E731
+    idle.write_text(json.dumps({"long": {"prompt_tokens": 20000, "outside_server_ms": 1.0, **stages(1.9)},
+                                "short": {"prompt_tokens": 0, "outside_server_ms": 0.6, **stages(0.3)}}))  # fmt: skip
+    argv = ["simulate", "--calibrate", str(path), "--out", str(out), "--request-timelines", str(timeline)]
+    assert cli_main([*argv, "--client-timings", str(idle)]) == 0
+    frontend = load_calibration(str(out)).frontend
+    assert frontend["hop_ms"] == pytest.approx(0.3) and frontend["hop_ms_per_1k_prompt_tokens"] == pytest.approx(0.08)
+    assert frontend["intake_ms"] == pytest.approx(0.5 + 0.3)  # the front-end's line, then the idle pipe
+    assert frontend["intake_ms_per_1k_prompt_tokens"] == pytest.approx(0.1 + 0.08)
+    assert frontend["client_ms"] == pytest.approx(0.6) and frontend["client_ms_per_1k_prompt_tokens"] == 0.02
+    idle.write_text(json.dumps({"short": {"prompt_tokens": 200, "outside_server_ms": 0.6}}))  # no stages: an older file
+    assert cli_main([*argv, "--client-timings", str(idle)]) == 0
+    frontend = load_calibration(str(out)).frontend
+    assert frontend["hop_ms"] == pytest.approx(9.0 - 0.5 - 0.1 * 8, abs=1e-6)  # the timelines' lower decile
+    assert frontend["hop_source"] == "the lower decile under load"
+
 
 def test_shipped_calibrations_load_with_provenance():
     names = shipped_calibrations()

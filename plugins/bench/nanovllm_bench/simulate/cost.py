@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -359,16 +360,17 @@ def _ms_per_request_and_per_1k_tokens(points: list[tuple[float, float]]) -> tupl
     return max(fixed, 0.0), per_1k
 
 
-def frontend_from_timelines(paths: list[str]) -> dict[str, Any]:
+def frontend_from_timelines(paths: list[str], pipe: tuple[float, float] | None = None) -> dict[str, Any]:
     """The front-end's time per request from ``nanovllm serve --request-timeline`` files, and the median from the
     engine reading a first token to the front-end having it (the output hand-over).
 
     The intake is the front-end's own part, from the HTTP request to the hand-over to the engine, fitted as a fixed
     part plus a part per prompt token (the median line: a long prompt's body, validation and tokenization cost more),
     plus the hop to the engine process. A hop stamped under load also holds the wait for the running step to end,
-    which the simulated engine adds itself (it admits a request at its next step): the hop counted is its lower
-    decile, the pipe's own time. Timelines without a hand-over stamp are fitted from the HTTP request to the
-    engine's arrival, as they are."""
+    which the simulated engine adds itself (it admits a request at its next step), so the hop counted is ``pipe``
+    when given (ms and ms per 1k prompt tokens: an idle server's, :func:`pipe_from_timings`), else the lower decile
+    of the timelines' hops, the nearest they come to the pipe alone. Timelines without a hand-over stamp are fitted
+    from the HTTP request to the engine's arrival, as they are."""
     intake: list[tuple[float, float]] = []  # (prompt tokens / 1000, ms)
     hops: list[float] = []
     delivery: list[float] = []
@@ -400,35 +402,53 @@ def frontend_from_timelines(paths: list[str]) -> dict[str, Any]:
     if not intake:
         raise ConfigError(f"--request-timelines {' '.join(paths)}: no request in them")
     fixed, per_1k = _ms_per_request_and_per_1k_tokens(intake)
-    hop = sorted(hops)[len(hops) // 10] if hops else 0.0
+    hop, hop_per_1k = pipe if pipe is not None else (sorted(hops)[len(hops) // 10] if hops else 0.0, 0.0)
     return {
         "intake_ms": fixed + hop,
-        "intake_ms_per_1k_prompt_tokens": per_1k,
+        "intake_ms_per_1k_prompt_tokens": per_1k + hop_per_1k,
         "hop_ms": hop,
+        "hop_ms_per_1k_prompt_tokens": hop_per_1k,
+        "hop_source": "an idle server's" if pipe is not None else "the lower decile under load",
         "delivery_ms": statistics.median(delivery) if delivery else 0.0,
         "requests": len(intake),
         "source": " ".join(Path(p).name for p in paths),
     }
 
 
-def client_from_timings(paths: list[str]) -> dict[str, Any]:
-    """The client's part of a first token's time, outside the server (the request's way in, the reply's way out),
-    from ``benchmarks/request_timeline.py --json`` files: each prompt length's client-seen first token less the
-    server's receipt-to-hand-over, a line over the prompt lengths (a fixed part and a part per 1k prompt tokens)."""
+def _idle_line(paths: list[str], figure: Callable[[dict[str, Any]], float]) -> tuple[float, float]:
+    """A line over the prompt length (ms, ms per 1k prompt tokens) through ``figure`` of each prompt length of
+    ``benchmarks/request_timeline.py --json`` files."""
     points: list[tuple[float, float]] = []  # (prompt tokens / 1000, ms)
     for path in paths:
         try:
             data = json.loads(Path(path).read_text())
             for kind in ("long", "short"):
                 if kind in data:
-                    points.append((data[kind]["prompt_tokens"] / 1e3, data[kind]["outside_server_ms"]))
+                    points.append((data[kind]["prompt_tokens"] / 1e3, figure(data[kind])))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"--client-timings {path}: not a request_timeline.py --json file ({exc})") from None
     if not points:
         raise ConfigError(f"--client-timings {' '.join(paths)}: no prompt's timings in them")
-    fixed, per_1k = _ms_per_request_and_per_1k_tokens(points)
+    return _ms_per_request_and_per_1k_tokens(points)
+
+
+def client_from_timings(paths: list[str]) -> dict[str, Any]:
+    """The client's part of a first token's time, outside the server (the request's way in, the reply's way out),
+    from ``benchmarks/request_timeline.py --json`` files: each prompt length's client-seen first token less the
+    server's receipt-to-hand-over, a line over the prompt lengths (a fixed part and a part per 1k prompt tokens)."""
+    fixed, per_1k = _idle_line(paths, lambda figures: figures["outside_server_ms"])
     return {"client_ms": fixed, "client_ms_per_1k_prompt_tokens": per_1k,
             "client_source": " ".join(Path(p).name for p in paths)}  # fmt: skip
+
+
+def pipe_from_timings(paths: list[str]) -> tuple[float, float] | None:
+    """The hop from the front-end's hand-over to the engine's arrival on an idle server, where no step is running
+    to wait for (``request_timeline.py --json`` files' stages): ms and ms per 1k prompt tokens, the prompt's ids
+    crossing the process boundary; None if the files predate the stages."""
+    try:
+        return _idle_line(paths, lambda figures: figures["stages_ms"]["handed -> engine_arrival"])
+    except ConfigError:
+        return None
 
 
 def calibrate(

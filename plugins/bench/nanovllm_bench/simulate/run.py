@@ -31,6 +31,7 @@ from nanovllm_bench.simulate.cost import (
     frontend_from_metrics,
     frontend_from_timelines,
     load_calibration,
+    pipe_from_timings,
     shipped_calibrations,
 )
 from nanovllm_bench.simulate.engine import RequestTimes, TraceRequest, TraceSimulator
@@ -288,8 +289,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--client-timings", nargs="+", metavar="JSON",
-        help="with --calibrate: benchmarks/request_timeline.py --json files, from which the client's own part of a "
-        "first token's time (outside the server) is fitted and added to every simulated TTFT and latency",
+        help="with --calibrate: benchmarks/request_timeline.py --json files of an idle server, from which the "
+        "client's own part of a first token's time (outside the server) is fitted and added to every simulated TTFT "
+        "and latency, and, with --request-timelines, the hop to the engine process with no step to wait for",
     )
 
 
@@ -306,9 +308,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.frontend_metrics and args.request_timelines:
             raise ConfigError("--frontend-metrics or --request-timelines: the front-end is fitted from one of them")
         frontend = frontend_from_metrics(args.frontend_metrics) if args.frontend_metrics else None
-        if args.request_timelines:
-            frontend = frontend_from_timelines(args.request_timelines)
         client = client_from_timings(args.client_timings) if args.client_timings else None
+        if args.request_timelines:
+            pipe = pipe_from_timings(args.client_timings) if args.client_timings else None
+            frontend = frontend_from_timelines(args.request_timelines, pipe)
         cal = calibrate(args.calibrate, commit=args.commit, date=args.date, frontend=frontend, client=client)
         Path(args.out).write_text(cal.to_json())
         c = cal.coefficients_ms
