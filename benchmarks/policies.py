@@ -3,6 +3,7 @@
     python benchmarks/policies.py                                  # fifo, mixed, priority; every workload
     python benchmarks/policies.py --workloads long-prompts --loads 0.7
     python benchmarks/policies.py --dry-run                        # the commands, nothing run
+    python benchmarks/policies.py --policies mixed --workloads long-docs --saturation long-docs=47.2   # rerun one
 
 For each policy, one ``nanovllm serve`` on 127.0.0.1 (Qwen3-0.6B shape, random weights, ``triton``; ``mixed`` and
 ``priority`` with ``--step-tokens`` tokens a step, so that every step with prompt tokens replays a CUDA graph), and
@@ -41,8 +42,10 @@ Workloads:
   queue set the latency more than in any other workload.
 
 Loads are fractions of the workload's saturation rate: the request rate of the first policy's server with every
-request sent at once (``fifo``'s by default), so every policy sees the same arrival rates; ``inf`` sends every
-request at once. ``priority`` also gets an idle run (``--idle-prompts`` requests at 2 req/s), the baseline for its
+request sent at once (``fifo``'s by default), so every policy sees the same arrival rates, or the rate
+``--saturation WORKLOAD=REQ_PER_S`` gives (an earlier run's, so that a policy run again gets its rates); ``inf``
+sends every request at once. ``summary.json`` is written after each policy, so a run cut short keeps what it
+measured. ``priority`` also gets an idle run (``--idle-prompts`` requests at 2 req/s), the baseline for its
 urgent class's time to first token.
 
 Results go to RESULTS_DIR/policies/: POLICY_WORKLOAD.json (``nanovllm bench serve``'s, one run per load),
@@ -136,6 +139,24 @@ def trace_file(folder: Path, workload: str) -> Path | None:
     """The trace file a trace workload's commands read (``TRACE`` in its flags), in ``folder``; None for others."""
     name = WORKLOADS[workload].get("trace")
     return None if name is None else folder / name
+
+
+def parse_saturation(text: str, known: dict[str, float] | None = None) -> dict[str, float]:
+    """``WORKLOAD=REQ_PER_S,...`` over ``known``: the saturation rates given instead of measured."""
+    rates = dict(known or {})
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        try:
+            rate = float(value)
+        except ValueError:
+            rate = 0.0
+        if name not in WORKLOADS or not rate > 0:
+            raise SystemExit(
+                f"error: --saturation {item!r}: expected WORKLOAD=REQ_PER_S (a positive rate), workloads "
+                f"{', '.join(WORKLOADS)}"
+            )
+        rates[name] = rate
+    return rates
 
 
 def refuse_held_out(workloads: list[str], what: str) -> None:
@@ -457,6 +478,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--request-timeline): where each request's time went, front-end and engine",
     )
     parser.add_argument("--idle-prompts", type=int, default=60, help="priority's idle run (0: none; default 60)")
+    parser.add_argument(
+        "--saturation", default="", metavar="WORKLOAD=REQ_PER_S,...",
+        help="a workload's saturation rate as known (an earlier run's saturation_WORKLOAD.json), not measured: "
+        "policies run again get the same arrival rates",
+    )  # fmt: skip
     add_server_arguments(parser)
     add_common_arguments(parser)
     return parser
@@ -474,20 +500,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.step_records:  # a server's step records are what calibrations are fitted on
         refuse_held_out(workloads, "--step-records")
     folder = out_dir(args.results_dir, "policies", make=not args.dry_run)
+    command = user_command("benchmarks/policies.py", argv)
     checkpoint = str(random_checkpoint(args.shape, args.dry_run))
     if not args.dry_run:
         for workload in workloads:
             if workload in TRACE_WRITERS:
                 TRACE_WRITERS[workload](trace_file(folder, workload))
     needs_saturation = any(x != float("inf") for x in loads)
-    saturation: dict[str, float] = {}
+    saturation = parse_saturation(args.saturation)
     failed: list[str] = []
     for i, policy in enumerate(policies):
         server = server_command(policy, args, checkpoint, workloads)
         steps: list[tuple[str, str, list[str]]] = []  # (what, workload, command)
         for workload in workloads:
             spec = WORKLOADS[workload]
-            if i == 0 and needs_saturation:
+            if i == 0 and needs_saturation and workload not in saturation:
                 steps.append(
                     (
                         "saturation",
@@ -540,12 +567,13 @@ def main(argv: list[str] | None = None) -> int:
                 if what == "saturation" and (folder / f"saturation_{workload}.json").is_file():
                     saturation[workload] = read_json(folder / f"saturation_{workload}.json")["request_throughput"]
                 (folder / f"metrics_{name}.txt").write_text(running.metrics())
+        # after every policy: a run cut short still leaves the summary simulate_policies.py reads
+        write_json(folder / "summary.json", summarize(args, folder, policies[: i + 1], workloads, saturation, command))
     if args.dry_run:
         if needs_saturation:
             print("(RATES(...): those fractions of each workload's saturation rate, measured with the first policy)")
         return 0
-    summary = summarize(args, folder, policies, workloads, saturation, user_command("benchmarks/policies.py", argv))
-    write_json(folder / "summary.json", summary)
+    summary = read_json(folder / "summary.json")
     print_rows(summary)
     if failed:
         print(f"failed: {', '.join(failed)} (see the logs in {folder})", file=sys.stderr)

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from _common import add_common_arguments, out_dir, write_json
-from policies import LONG_DOCS_TRACE, MAX_MODEL_LEN, WORKLOADS, write_long_documents_trace
+from policies import LONG_DOCS_TRACE, MAX_MODEL_LEN, WORKLOADS, parse_saturation, write_long_documents_trace
 from simulate_policies import simulate, workload_command
 
 # fifo's all-at-once request rate on the H200, 0.6B bf16 (docs/evaluating-a-scheduler.md's validation runs;
@@ -41,18 +41,6 @@ def shown(ms: float) -> str:
     return f"{ms:,.1f}" if ms < 100 else f"{ms:,.0f}"
 
 
-def parse_saturation(text: str) -> dict[str, float]:
-    rates = dict(MEASURED_SATURATION)
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        if name not in WORKLOADS or not value:
-            raise SystemExit(
-                f"error: --saturation {item!r}: expected WORKLOAD=REQ_PER_S, workloads {', '.join(WORKLOADS)}"
-            )
-        rates[name] = float(value)
-    return rates
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Simulate the scheduler policies on the workloads where they differ.")
     parser.add_argument("--extra-policy", action="append", default=[], metavar="NAME=MODULE:CLASS",
@@ -67,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    saturation = parse_saturation(args.saturation)
+    saturation = parse_saturation(args.saturation, MEASURED_SATURATION)
     extra = dict(item.partition("=")[::2] for item in args.extra_policy)
     policies = {"fifo": "fifo", "mixed": "mixed", "priority": "priority", **{k: v or k for k, v in extra.items()}}
     rows = []
