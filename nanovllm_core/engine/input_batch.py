@@ -157,6 +157,14 @@ def prompt_pairs(host: HostBatch) -> float:
     return causal_pairs(counts, [length - n for n, length in zip(counts, host.seq_lens)])
 
 
+def one_token_rows(host: HostBatch) -> int:
+    """Rows of a flattened step with one query token: its decodes (and any prompt chunk of one token)."""
+    starts = host.query_start_loc
+    if len(host.input_ids) == len(host.seq_lens):
+        return len(host.seq_lens)
+    return sum(1 for a, b in zip(starts, starts[1:]) if b - a == 1)
+
+
 def plan_prompt_logprobs(batch: SchedulerOutput, host: HostBatch) -> PromptLogprobsPlan | None:
     """Which prompt tokens this step can score, and the flattened tokens whose logits score them (appended to
     ``host.prompt_logits_indices``); ``None`` when no row asks (the common case, found without a pass in

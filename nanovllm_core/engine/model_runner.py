@@ -21,6 +21,7 @@ from nanovllm_core.engine.input_batch import (
     InputBatch,
     ModelInputs,
     flatten_batch,
+    one_token_rows,
     plan_prompt_logprobs,
     prepare_inputs,
     prompt_pairs,
@@ -113,7 +114,7 @@ class ModelRunner:
         self.on_step: Callable[[HostBatch], None] | None = None  # tensor parallel: tell the workers
         self.track_gpu_time = False
         # with track_gpu_time, per step: its start and end events and its shape (see step_records)
-        self._step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, tuple[int, int, int, float, int]]] = []
+        self._step_events: list[tuple[torch.cuda.Event, torch.cuda.Event, tuple[int, int, int, float, int, int]]] = []
 
     kv_block_bytes = kv_block_bytes
 
@@ -189,7 +190,7 @@ class ModelRunner:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
             lens = host.seq_lens
-            shape = (len(lens), len(host.input_ids), sum(lens), prompt_pairs(host), max(lens))
+            shape = (len(lens), len(host.input_ids), sum(lens), prompt_pairs(host), max(lens), one_token_rows(host))
             self._step_events.append((*events, shape))
         logits, hidden = self._forward(inputs)
         grammar_bitmask = before_sample() if before_sample is not None else batch.grammar_bitmask
@@ -249,9 +250,9 @@ class ModelRunner:
             summary.update(gpu_busy_s=busy, gpu_idle_s=idle, gpu_idle_fraction=idle / max(busy + idle, 1e-9))
         return summary
 
-    def step_records(self) -> list[tuple[int, int, int, float, float, int]]:
+    def step_records(self) -> list[tuple[int, int, int, float, float, int, int]]:
         """With ``track_gpu_time``: each tracked step's (sequences, query tokens, KV tokens attended, GPU ms, query-key
-        pairs of its prompt chunks' causal attention, the longest sequence's KV tokens)."""
+        pairs of its prompt chunks' causal attention, the longest sequence's KV tokens, rows of one query token)."""
         if not self._step_events:
             return []
         torch.cuda.synchronize(self.device)

@@ -187,16 +187,48 @@ def test_recorded_pairs_price_chunks_deep_into_long_prompts():
     assert estimated["r2_prompt_steps"] < 0.99
 
 
+def test_prompt_steps_without_decodes_get_a_term_of_their_own_where_the_records_say_which_they_are():
+    """``fifo``'s prompt steps carry no decode; ``mixed``'s carry some. Priced 0.2 ms apart, the fit recovers the
+    difference from records with their rows of one query token, and the simulator charges it to a step of prompts
+    alone; records without that column fit no such term."""
+    rng = random.Random(5)
+    truth = {**EAGER, "per_prompt_only_step": -0.2}
+    cal = small_calibration(coefficients_ms=truth, graph_max_tokens=2048)
+    records = []
+    for _ in range(200):  # decode steps
+        seqs = rng.randint(1, 256)
+        k = seqs * rng.randint(100, 3000)
+        records.append((seqs, seqs, k, cal.step_ms(seqs, seqs, k, 0.0, seqs), 0.0, 3000, seqs))
+    for _ in range(60):  # one prompt alone, or beside decodes
+        decodes, prompt = rng.choice([0, rng.randint(1, 64)]), rng.randint(16, 1500)
+        s, q, k, pairs = decodes + 1, decodes + prompt, decodes * 1000 + prompt, prompt * (prompt + 1) / 2
+        longest = max(prompt, 1000 * (decodes > 0))
+        records.append((s, q, k, cal.step_ms(s, q, k, pairs, decodes), pairs, longest, decodes))
+    coef, quality = fit_records(records, graph_max_tokens=2048)
+    assert coef["per_prompt_only_step"] == pytest.approx(-0.2, abs=1e-6)
+    assert coef["per_prompt_step"] == pytest.approx(EAGER["per_prompt_step"], abs=1e-6)
+    assert quality["r2"] == pytest.approx(1.0)
+    assert "per_prompt_only_step" not in fit_records([r[:6] for r in records], graph_max_tokens=2048)[0]
+    fitted = small_calibration(coefficients_ms=coef, graph_max_tokens=2048)
+    alone, beside = fitted.step_ms(1, 300, 300, 45150.0, 0), fitted.step_ms(2, 301, 1300, 45150.0, 1)
+    assert beside - alone == pytest.approx(0.2 + EAGER["per_seq"] + 1000 * EAGER["per_kv_token"])
+    assert fitted.step_ms(1, 300, 300, 45150.0) == pytest.approx(alone + 0.2)  # rows not known: priced with decodes
+    # the simulated engine says how many rows of each step decode: fifo's lone prompt is priced as one
+    engine = TraceSimulator(fitted, max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096)
+    [times] = engine.replay([TraceRequest(0.0, [5] * 300, 1)])
+    assert times.token_times[0] == pytest.approx(alone / 1e3)
+
+
 def test_the_runner_records_the_pairs_the_simulator_prices():
-    from nanovllm_core.engine.input_batch import HostBatch, prompt_pairs
+    from nanovllm_core.engine.input_batch import HostBatch, one_token_rows, prompt_pairs
 
     # a decode (1 token after 99), a 3-token chunk after 10 cached, a whole 5-token prompt
     host = HostBatch(input_ids=[0] * 9, positions=[], slot_mapping=[], query_start_loc=[0, 1, 4, 9],
                      seq_lens=[100, 13, 5], max_blocks=1, max_query_len=5, logits_indices=[],
                      sample_rows=[])  # fmt: skip
-    assert prompt_pairs(host) == 3 * (10 + 4 / 2) + 5 * (0 + 6 / 2)
+    assert prompt_pairs(host) == 3 * (10 + 4 / 2) + 5 * (0 + 6 / 2) and one_token_rows(host) == 1
     host.query_start_loc, host.seq_lens, host.input_ids = [0, 1, 2], [7, 9], [0, 0]
-    assert prompt_pairs(host) == 0.0
+    assert prompt_pairs(host) == 0.0 and one_token_rows(host) == 2
 
 
 def test_too_few_graph_replayed_prompt_steps_fit_the_first_format():

@@ -37,13 +37,17 @@ class StepCost(Protocol):
 
     host_gap_ms: float  # host work per step that async scheduling does not hide
 
-    def step_ms(self, seqs: int, query_tokens: int, kv_tokens: int, prompt_pairs: float = 0.0) -> float: ...
+    def step_ms(
+        self, seqs: int, query_tokens: int, kv_tokens: int, prompt_pairs: float = 0.0, decode_rows: int | None = None
+    ) -> float: ...
 
 
 class _NoCost:
     host_gap_ms = 0.0
 
-    def step_ms(self, seqs: int, query_tokens: int, kv_tokens: int, prompt_pairs: float = 0.0) -> float:
+    def step_ms(
+        self, seqs: int, query_tokens: int, kv_tokens: int, prompt_pairs: float = 0.0, decode_rows: int | None = None
+    ) -> float:
         return 0.0
 
 
@@ -136,7 +140,8 @@ class _FakeRunner:
         pairs = 0.0
         if query > len(seqs):  # some prompt chunk: its causal attention's query-key pairs
             pairs = causal_pairs(counts, [seq.num_computed_tokens for seq in seqs])
-        duration = sim.step_cost.step_ms(len(seqs), query, kv_tokens, pairs) / 1e3
+        decode_rows = sum(1 for n in counts if n == 1)
+        duration = sim.step_cost.step_ms(len(seqs), query, kv_tokens, pairs, decode_rows) / 1e3
         begin = max(sim.now, sim.gpu_free)
         sim.gpu_free = begin + duration
         sim.gpu_busy += duration

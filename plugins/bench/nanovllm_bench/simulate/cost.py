@@ -65,7 +65,12 @@ class Calibration:
     notes: str = ""
     format: str = FORMAT
 
-    def step_ms(self, seqs: int, query_tokens: int, kv_tokens: int, prompt_pairs: float = 0.0) -> float:
+    def step_ms(
+        self, seqs: int, query_tokens: int, kv_tokens: int, prompt_pairs: float = 0.0, decode_rows: int | None = None
+    ) -> float:
+        """A step's GPU time: ``seqs`` rows, ``query_tokens`` tokens computed, ``kv_tokens`` attended, the causal
+        ``prompt_pairs`` of its prompt chunks, ``decode_rows`` of its rows with one query token (None: not known,
+        priced as a step with decodes)."""
         c = self.coefficients_ms
         ms = (
             c["fixed"]
@@ -74,6 +79,7 @@ class Calibration:
             + c["per_prompt_token"] * (query_tokens - seqs)
             + c.get("per_prompt_pair", 0.0) * prompt_pairs
             + c.get("per_prompt_step", 0.0) * (query_tokens > seqs)
+            + c.get("per_prompt_only_step", 0.0) * (query_tokens > seqs and decode_rows == 0)
         )
         if self.graph_max_tokens is not None and query_tokens > max(seqs, self.graph_max_tokens):
             ms = max(c.get("eager_floor", 0.0), ms + c.get("eager_per_prompt_token", 0.0) * (query_tokens - seqs))
@@ -123,13 +129,25 @@ def load_calibration(name_or_path: str) -> Calibration:
     return Calibration.from_dict(data, where)
 
 
+RECORD_COLUMNS = 7  # S, Q, K, ms, pairs, the longest context, rows of one query token
+
+
 def records_tensor(records: list[tuple]) -> Any:
-    """``(S, Q, K, ms[, pairs[, longest]])`` step records as a float64 tensor of their first five columns, the pairs
-    column filled in where a record lacks it (from a runner that did not record them): see :func:`record_pairs`."""
+    """``(S, Q, K, ms[, pairs[, longest[, one-token rows]]])`` step records as a float64 tensor of seven columns,
+    NaN where a record lacks a column (from a runner that did not record it): see :func:`record_pairs` and
+    :func:`prompt_only_steps`."""
     import torch
 
-    rows = [tuple(r[:5]) + (float("nan"),) * (5 - len(r[:5])) for r in records]
-    return torch.tensor(rows, dtype=torch.float64).reshape(-1, 5)
+    n = RECORD_COLUMNS
+    rows = [tuple(r[:n]) + (float("nan"),) * (n - len(r[:n])) for r in records]
+    return torch.tensor(rows, dtype=torch.float64).reshape(-1, n)
+
+
+def prompt_only_steps(records: Any) -> Any:
+    """Which :func:`records_tensor` rows are steps of prompt chunks alone, no decode beside them (``fifo``'s prompt
+    steps); False where the runner did not record its rows of one query token."""
+    s, q, decodes = records[:, 0], records[:, 1], records[:, 6]
+    return (q > s) & (decodes == 0)
 
 
 def record_pairs(records: Any) -> Any:
@@ -159,6 +177,7 @@ def predict_records(coef: dict[str, float], graph_max_tokens: int | None, record
         + coef["per_prompt_token"] * (q - s)
         + coef.get("per_prompt_pair", 0.0) * record_pairs(records)
         + coef.get("per_prompt_step", 0.0) * (q > s).double()
+        + coef.get("per_prompt_only_step", 0.0) * prompt_only_steps(records).double()
     )
     if graph_max_tokens is None:
         return ms
@@ -214,7 +233,14 @@ def fit_records(
     pairs = record_pairs(data)
     columns = [torch.ones_like(s), s, k, q - s]
     fit_pairs = graph_max_tokens is not None
-    x = torch.stack(columns + [prompt.double(), pairs] if fit_pairs else columns, dim=1)
+    alone = prompt_only_steps(data)
+    # a term of its own for prompt steps without decodes, where the records say which they are and hold enough
+    # graph-replayed steps of both kinds to tell it from the prompt-step term
+    fit_alone = fit_pairs and all(
+        int((kind & prompt & ~eager).sum()) >= MIN_GRAPH_PROMPT_STEPS for kind in (alone, ~alone)
+    )
+    step_terms = [prompt.double(), alone.double()] if fit_alone else [prompt.double()]
+    x = torch.stack(columns + [*step_terms, pairs] if fit_pairs else columns, dim=1)
     coef_t = _least_squares(x[line], y[line])
     if fit_pairs and float(coef_t[-1]) <= 0:  # no measurable attention cost: price it at the GEMM rate instead
         fit_pairs, x = False, x[:, :-1]
@@ -223,6 +249,8 @@ def fit_records(
     coef["per_prompt_pair"] = float(coef_t[-1]) if fit_pairs else pair_ms
     if graph_max_tokens is not None:
         coef["per_prompt_step"] = float(coef_t[len(FEATURES)])
+    if fit_alone:
+        coef["per_prompt_only_step"] = float(coef_t[len(FEATURES) + 1])
     if bool(eager.any()):
         coef["eager_per_prompt_token"], coef["eager_floor"] = _fit_eager(
             (x[eager] @ coef_t) + (0.0 if fit_pairs else pair_ms * pairs[eager]), (q - s)[eager], y[eager]
