@@ -25,13 +25,11 @@ SOURCES := pyproject.toml plugins/scheduler_fifo/pyproject.toml plugins/schedule
 
 install: $(STAMP)
 
-# --no-compile: modules byte-compile as they are first imported; compiling every file of torch and the other
-# dependencies at install is most of the install's time
 $(STAMP): $(SOURCES) constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
-	PIP_CONSTRAINT=$(LOCK) $(BIN)/python -m pip install -q --no-compile "$(TORCH_PIN)"
-	PIP_CONSTRAINT=$(LOCK) $(BIN)/python -m pip install -q --no-compile "$(TORCH_PIN)" $(EDITABLES)
+	PIP_CONSTRAINT=$(LOCK) $(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	PIP_CONSTRAINT=$(LOCK) $(BIN)/python -m pip install -q "$(TORCH_PIN)" $(EDITABLES)
 	touch $(STAMP)
 
 run: install
@@ -45,8 +43,8 @@ test-latest:
 	rm -rf $(LATEST)
 	$(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q --upgrade pip setuptools wheel
-	$(LATEST)/bin/python -m pip install -q --no-compile "$(TORCH_PIN)"
-	$(LATEST)/bin/python -m pip install -q --no-compile --upgrade "$(TORCH_PIN)" $(EDITABLES)
+	$(LATEST)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(LATEST)/bin/python -m pip install -q --upgrade "$(TORCH_PIN)" $(EDITABLES)
 	$(LATEST)/bin/python -m pytest -q
 
 # constraints.txt from the virtualenv `make test-latest` passed in (torch is TORCH_PIN's; our own are editable)

@@ -37,9 +37,9 @@ Workloads:
 - ``held-out-classify``: **held out: fitted on nothing**, as the two before it, written after ``held-out-reasoning``
   was read and before the next refit (``held-out-classify.jsonl``, from :func:`classify_requests`, seed 0):
   2,000 short requests, each one of four tasks' few-shot instructions (384-768 tokens, shared by every request of
-  its task: prefix-cache hits) and an input of 16-256 tokens of its own, answered with 1-8 tokens. Hundreds of
-  requests a second, each a short prompt step and a token or a few: the front-end's time per request and its
-  queue set the latency more than in any other workload.
+  its task: prefix-cache hits) and an input of 16-256 tokens of its own, answered with 1-8 tokens: each a short
+  prompt step and a token or a few, so the front-end's time per request and its queue set the latency more than
+  in any other workload.
 
 Loads are fractions of the workload's saturation rate: the request rate of the first policy's server with every
 request sent at once (``fifo``'s by default), so every policy sees the same arrival rates, or the rate

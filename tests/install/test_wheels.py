@@ -107,9 +107,7 @@ class Venv:
         assert done.returncode == 0, f"pip {' '.join(map(str, args))} failed:\n{done.stdout}\n{done.stderr}"
 
     def install(self, *requirements: str | Path) -> None:
-        # --no-compile: what a test imports compiles as it loads; byte-compiling all of torch at install is most
-        # of the install's time
-        self.pip("install", "-q", "--no-compile", "--find-links", self.find_links, TORCH_PIN, *requirements)
+        self.pip("install", "-q", "--find-links", self.find_links, TORCH_PIN, *requirements)
 
     def uninstall(self, *names: str) -> None:
         self.pip("uninstall", "-q", "-y", *names)
@@ -207,7 +205,7 @@ def test_installing_mixed_alone_brings_the_prefix_cache_block_manager(env: Venv,
     env.uninstall("nanovllm-scheduler-fifo")
     assert "nanovllm-scheduler-fifo" not in env.distributions()
     # no index: only the wheels can provide nanovllm-scheduler-fifo, and pip asks for it only if mixed declares it
-    env.pip("install", "-q", "--no-compile", "--no-index", "--find-links", env.find_links, "nanovllm-scheduler-mixed")
+    env.pip("install", "-q", "--no-index", "--find-links", env.find_links, "nanovllm-scheduler-mixed")
     assert env.distributions() == {"nanovllm-core", "nanovllm-scheduler-mixed", "nanovllm-scheduler-fifo",
                                    "nanovllm-attention-flash", "nanovllm-models-qwen3"}
     plugins = env.nanovllm("plugins", "--config", str(write_config(env.cwd, "mixed")))
