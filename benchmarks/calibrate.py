@@ -26,8 +26,8 @@ names scrapes to take it from instead). Then one more server, idle, answers ``re
 (prompts of 20,000 and 200 tokens, then 10,000 and 1,000, one at a time): the client's part of a first token's
 time, outside the server, and the pipe to the engine process where no step is running to wait for (under load
 the hop's stamps hold that wait, which the simulated engine adds itself). It never takes a held-out workload of
-``policies.py``
-(``held-out-agents``, ``held-out-reasoning``, ``held-out-classify``: fitted on nothing): it refuses one.
+``policies.py`` (``held-out-agents``, ``held-out-reasoning``, ``held-out-classify``: fitted on nothing): it refuses
+one.
 
 Results go to RESULTS_DIR/calibrate/: NAME.json and NAME.log per run, and the calibration (``--out``, default
 RESULTS_DIR/calibrate/CALIBRATION.json), which records the GPU, commit, date and its fit per source run.
@@ -94,9 +94,10 @@ IDLE_MAX_MODEL_LEN = 32768
 
 
 def idle_commands(args: argparse.Namespace, folder: Path) -> tuple[list[str], list[tuple[Path, list[str]]]]:
-    """The idle server (its steps' and requests' timings) and the ``request_timeline.py --json`` runs against it:
+    """The idle server (writing its requests' timeline) and the ``request_timeline.py --json`` runs against it:
     the client's part of a first token's time and the pipe to the engine with no step to wait for."""
-    flags = ["--attention", "triton", "--request-timeline", str(folder / "idle_timeline.jsonl")]
+    timeline = str(folder / "idle_timeline.jsonl")
+    flags = ["--attention", "triton", "--request-timeline", timeline]
     if args.kv_cache_dtype != "auto":
         flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     checkpoint = str(random_checkpoint(args.shape, args.dry_run))
@@ -105,9 +106,8 @@ def idle_commands(args: argparse.Namespace, folder: Path) -> tuple[list[str], li
     clients = []
     for long, short in IDLE_PROMPTS:
         out = folder / f"idle_{long}_{short}.json"
-        clients.append((out, [sys.executable, script, "--port", str(args.port), "--timeline",
-                              str(folder / "idle_timeline.jsonl"), "--long", str(long), "--short", str(short),
-                              "--runs", "3", "--json", str(out)]))  # fmt: skip
+        cmd = [sys.executable, script, "--port", str(args.port), "--timeline", timeline]
+        clients.append((out, [*cmd, "--long", str(long), "--short", str(short), "--runs", "3", "--json", str(out)]))
     return server, clients
 
 
