@@ -150,6 +150,7 @@ def measure(
     sweep: bool = False,
     norm: bool = False,
     fp8: bool = False,
+    fp8_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -172,7 +173,7 @@ def measure(
     if norm:
         results += measure_norm(shape_name, rows, iters, device, dtype)
     if fp8:
-        results += measure_fp8(shape_name, rows, iters, sweep, device, dtype)
+        results += measure_fp8(shape_name, rows, iters, sweep, device, dtype, fp8_config)
     return {
         "shape": shape_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -254,10 +255,12 @@ FP8_SWEEP = [
 ]
 
 
-def fp8_configs(m: int, n: int, k: int, block: tuple[int, int] | None, sweep: bool) -> list[dict[str, Any]]:
+def fp8_configs(
+    m: int, n: int, k: int, block: tuple[int, int] | None, sweep: bool, override: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     from nanovllm_quant_fp8.kernels import w8a16_config
 
-    default = w8a16_config(m, n, k, block)
+    default = dict(w8a16_config(m, n, k, block), **(override or {}))
     if not sweep:
         return [default]
     found = []
@@ -269,6 +272,8 @@ def fp8_configs(m: int, n: int, k: int, block: tuple[int, int] | None, sweep: bo
             fits = c["BLOCK_K"] >= 128 and default["M_PAD"] * c["BLOCK_N"] * c["BLOCK_K"] <= 32768
         if fits and c["BLOCK_K"] <= max(64, k) and (block is None or block[1] % c["BLOCK_K"] == 0):
             found.append(config)
+            if not default["USE_DOT"]:  # the CUDA cores' products summed per chunk, or once at the end
+                found.append(dict(config, LATE_SUM=not config.get("LATE_SUM", False)))
     return found
 
 
@@ -295,7 +300,13 @@ def _w8a8_block(x, w, scale):
 
 
 def measure_fp8(
-    shape_name: str, rows: list[int], iters: int, sweep: bool, device: torch.device, dtype: torch.dtype
+    shape_name: str,
+    rows: list[int],
+    iters: int,
+    sweep: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    override: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """nanovllm-quant-fp8's products of each projection with its e4m3 weight (per output channel, and per 128 x 128
     block): ``w8a16-*`` (rows up to the kernel's ``MAX_ROWS``; its default configuration, or with ``sweep`` the
@@ -320,7 +331,7 @@ def measure_fp8(
                 x = torch.randn(m, k, dtype=dtype, device=device)
                 timed = []
                 if m <= kernels.MAX_ROWS:
-                    for config in fp8_configs(m, n, k, block, sweep and cuda):
+                    for config in fp8_configs(m, n, k, block, sweep and cuda, override):
 
                         def w8a16(x, pair, config=config, block=block):
                             return kernels.w8a16_linear(x, pair[0], pair[1], block, config=config)
@@ -379,6 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time nanovllm-quant-fp8's products with e4m3 weights (with --sweep: every configuration of its "
         "few-row kernel)",
     )
+    parser.add_argument(
+        "--fp8-config",
+        type=json.loads,
+        metavar="JSON",
+        help='with --fp8: launch settings of the few-row kernel to change from its default, e.g. \'{"LATE_SUM": '
+        "false}' (the rest as w8a16_config gives them; with --sweep, the configurations swept start from these)",
+    )
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", help="write the report here ('-': stdout; default: in --results-dir)")
     parser.add_argument(
@@ -397,9 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     if not rows or min(rows) < 1:
         parser.error(f"--rows {args.rows!r}: comma-separated positive integers, e.g. 1,64,256")
     blas = [b.strip() for b in args.blas.split(",") if b.strip()]
+    if args.fp8_config is not None and not (args.fp8 and isinstance(args.fp8_config, dict)):
+        parser.error(f"--fp8-config {args.fp8_config!r}: a JSON object of launch settings, with --fp8")
     report = measure(
-        args.shape, rows, blas, args.iters, skinny=args.skinny, sweep=args.sweep, norm=args.norm, fp8=args.fp8
-    )
+        args.shape, rows, blas, args.iters, skinny=args.skinny, sweep=args.sweep, norm=args.norm, fp8=args.fp8,
+        fp8_config=args.fp8_config,
+    )  # fmt: skip
     print_table(report)
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)

@@ -211,3 +211,21 @@ def test_decode_gemm_benchmark_times_the_norm_in_the_skinny_kernels_prologue(tmp
     }
     assert all(r["blas"] == "skinny" and r["us"] > 0 for r in normed)
     assert "norm prologue" in capsys.readouterr().out
+
+
+def test_decode_gemm_benchmark_times_the_weight_only_kernel_with_launch_settings(tmp_path, capsys):
+    """``--fp8 --fp8-config``: the few-row FP8 kernel's rows carry the launch they ran with, the default changed by
+    the given settings; a setting that is not a JSON object is a one-line usage error."""
+    import json
+
+    pytest.importorskip("nanovllm_quant_fp8")
+    module = load_benchmark("decode_gemm")
+    out = tmp_path / "gemm.json"
+    late_sum = not module.fp8_configs(1, 64, 64, None, False)[0]["LATE_SUM"]  # the default's other way
+    argv = ["--shape", "tiny", "--rows", "1", "--iters", "1", "--blas", "default", "--fp8", "--json", str(out)]
+    assert module.main([*argv, "--fp8-config", json.dumps({"LATE_SUM": late_sum})]) == 0
+    w8a16 = [r for r in json.loads(out.read_text())["results"] if r["blas"].startswith("w8a16")]
+    assert w8a16 and all(r["config"]["LATE_SUM"] is late_sum for r in w8a16)
+    with pytest.raises(SystemExit):
+        module.main(["--shape", "tiny", "--fp8", "--fp8-config", "[1]"])
+    assert "--fp8-config [1]: a JSON object" in capsys.readouterr().err

@@ -338,14 +338,16 @@ def _w8a16_kernel(
     X, W, S, BIAS, Y, M, N, K, stride_x, stride_w, stride_y, stride_sn, stride_sk,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCKWISE: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    LATE_SUM: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program ``pid``: ``Y[:M, cols] = X[:M] @ (W[cols] * S).T`` for the ``BLOCK_N`` columns ``cols`` it owns,
     reading its ``[BLOCK_N, K]`` slice of the e4m3 weight once, in ``BLOCK_K`` chunks.
 
     The weight converts exactly to ``X``'s 16-bit dtype (e4m3's values are all 16-bit values): with ``USE_DOT``
     each chunk is a tensor-core product in float32 (rows padded to ``M_PAD``, at least 16, in registers only);
-    otherwise (a few rows) the products are summed on the CUDA cores in float32. ``BLOCKWISE``: ``S`` has one
+    otherwise (a few rows) the products are summed on the CUDA cores in float32: each chunk's sums across the
+    program's threads, or with ``LATE_SUM`` each thread's products added up elementwise over the chunks and summed
+    across the threads once, at the end (no cross-thread reduction per chunk). ``BLOCKWISE``: ``S`` has one
     scale per ``SCALE_N x SCALE_K`` tile, and ``BLOCK_K`` divides ``SCALE_K``, so each chunk's sums are scaled as
     they are added; otherwise ``S`` has one scale per column, applied once to the finished sums."""
     if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
@@ -365,24 +367,48 @@ def _w8a16_kernel(
     s_ptrs = S + (cols // SCALE_N) * stride_sn
     dtype = X.dtype.element_ty
     acc = tl.full([M_PAD, BLOCK_N], 0.0, dtype=tl.float32)
+    if LATE_SUM:  # one row: [BLOCK_N, BLOCK_K], x's chunk broadcast along the weight's rows as loaded
+        wide = tl.full([BLOCK_N, BLOCK_K] if M_PAD == 1 else [M_PAD, BLOCK_N, BLOCK_K], 0.0, dtype=tl.float32)
     for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            if LATE_SUM and M_PAD == 1:
+                x = tl.load(X + k * BLOCK_K + offs_k[None, :] + 0 * cols[:, None])
+            else:
+                x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptrs)
         else:
             k_ok = offs_k < K - k * BLOCK_K
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if LATE_SUM and M_PAD == 1:
+                x = tl.load(X + k * BLOCK_K + offs_k[None, :] + 0 * cols[:, None], mask=k_ok[None, :], other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] if USE_DOT else k_ok[None, :], other=0.0)
-        if USE_DOT:
-            part = tl.dot(x, w.to(dtype))
+        if LATE_SUM:
+            if M_PAD == 1:
+                part = w.to(tl.float32) * x.to(tl.float32)
+            else:
+                part = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            if BLOCKWISE:
+                chunk_scale = tl.load(s_ptrs + ((k * BLOCK_K) // SCALE_K) * stride_sk)
+                if M_PAD == 1:
+                    wide += part * chunk_scale[:, None]
+                else:
+                    wide += part * chunk_scale[None, :, None]
+            else:
+                wide += part
         else:
-            part = tl.reduce(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2, _sum)
-        if BLOCKWISE:
-            acc += part * tl.load(s_ptrs + ((k * BLOCK_K) // SCALE_K) * stride_sk)[None, :]
-        else:
-            acc += part
+            if USE_DOT:
+                part = tl.dot(x, w.to(dtype))
+            else:
+                part = tl.reduce(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2, _sum)
+            if BLOCKWISE:
+                acc += part * tl.load(s_ptrs + ((k * BLOCK_K) // SCALE_K) * stride_sk)[None, :]
+            else:
+                acc += part
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if LATE_SUM:
+        acc = tl.reduce(wide, 1, _sum)[None, :] if M_PAD == 1 else tl.reduce(wide, 2, _sum)
     if not BLOCKWISE:
         acc *= tl.load(s_ptrs)[None, :]
     if HAS_BIAS:
@@ -410,7 +436,7 @@ def w8a16_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> dict[
     # one row: many small two-warp programs, each loading 16 bytes a thread of each weight row it owns per chunk
     # (the fastest on every projection of ``benchmarks/decode_gemm.py --shape qwen3-8b --rows 1 --fp8 --sweep``)
     return {"M_PAD": m_pad, "BLOCK_N": 16 if use_dot else 4 if one_row else 8, "BLOCK_K": block_k,
-            "USE_DOT": use_dot, "num_warps": 2 if one_row else 4, "num_stages": 4}  # fmt: skip
+            "USE_DOT": use_dot, "LATE_SUM": False, "num_warps": 2 if one_row else 4, "num_stages": 4}  # fmt: skip
 
 
 def supports(x: torch.Tensor, wq: torch.Tensor) -> bool:
@@ -465,7 +491,9 @@ def w8a16_linear(
     m = rows.size(0)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
-        cfg = dict(config or w8a16_config(m, n, k, block))
+        cfg = {"LATE_SUM": False, **(config or w8a16_config(m, n, k, block))}
+        if cfg["LATE_SUM"] and cfg["USE_DOT"]:
+            raise ValueError("LATE_SUM sums the CUDA cores' products; it cannot go with USE_DOT")
         if block is not None and scale_k % cfg["BLOCK_K"]:
             raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} must divide the scale block {scale_k}")
         _w8a16(x.device.type != "cuda")[(triton.cdiv(n, cfg["BLOCK_N"]),)](

@@ -195,6 +195,28 @@ def test_w8a16_linear_small_chunks_and_leading_shape() -> None:
     assert_close_product(got.view(4, 50), fp8.w8a16_reference(x.view(4, 200), wq, w_scale, (32, 128)))
 
 
+@pytest.mark.parametrize("block", [None, (32, 128)], ids=["per-channel", "block"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_w8a16_linear_late_sum_matches_reference(m: int, block) -> None:
+    """The CUDA cores' products summed once at the end (``LATE_SUM``), over chunks of a K that is not a multiple of
+    ``BLOCK_K``, with and without bias."""
+    wq, w_scale = weight_case(50, 300, block)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(m, 300, generator=g).to(torch.bfloat16)
+    bias = torch.randn(50, generator=g).to(torch.bfloat16)
+    cfg = dict(qk.w8a16_config(m, 50, 300, block), BLOCK_K=64, LATE_SUM=True)
+    for b in (None, bias):
+        got = qk.w8a16_linear(x, wq, w_scale, block, b, config=cfg)
+        assert_close_product(got, fp8.w8a16_reference(x, wq, w_scale, block, b))
+
+
+def test_w8a16_late_sum_refuses_tensor_cores() -> None:
+    wq, w_scale = weight_case(64, 128, None)
+    cfg = dict(qk.w8a16_config(8, 64, 128, None), LATE_SUM=True)
+    with pytest.raises(ValueError, match="LATE_SUM"):
+        qk.w8a16_linear(torch.randn(8, 128, dtype=torch.bfloat16), wq, w_scale, config=cfg)
+
+
 def test_w8a16_supports() -> None:
     wq, _ = weight_case(64, 128, None)
     x = torch.randn(qk.MAX_ROWS, 128, dtype=torch.bfloat16)

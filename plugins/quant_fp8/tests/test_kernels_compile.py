@@ -87,11 +87,16 @@ def test_block_gemm_compiles_with_bias_and_ragged_k() -> None:
         assert count(E4M3_WGMMA, ptx) > 0
 
 
+@pytest.mark.parametrize("late_sum", [False, True], ids=["chunk-sums", "late-sum"])
 @pytest.mark.parametrize("rows", [1, 4, 16])
 @pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "block"])
-def test_weight_only_kernel_compiles(rows: int, block: tuple[int, int] | None) -> None:
-    """The few-row kernel: e4m3 weights converted in pairs; from five rows on, bfloat16 tensor-core products."""
+def test_weight_only_kernel_compiles(rows: int, block: tuple[int, int] | None, late_sum: bool) -> None:
+    """The few-row kernel: e4m3 weights converted in pairs; from five rows on, bfloat16 tensor-core products;
+    ``LATE_SUM`` (CUDA cores only) compiles too."""
     cfg = qk.w8a16_config(rows, 4096, 4096, block)
+    if cfg["USE_DOT"] and late_sum:
+        pytest.skip("LATE_SUM is the CUDA cores' path")
+    cfg["LATE_SUM"] = late_sum
     constexprs, num_warps, num_stages = launch_constexprs(cfg)
     constexprs.update(SCALE_N=1 if block is None else block[0], SCALE_K=4096 if block is None else block[1],
                       BLOCKWISE=block is not None, EVEN_K=True, HAS_BIAS=False, PDL=False)  # fmt: skip
@@ -117,3 +122,26 @@ def test_quantization_builds_its_bytes(group: int | None) -> None:
     assert count(r"cvt\S*\.e4m3", ptx) == 0
     assert count(r"div\.rn\.f32", ptx) > 0
     assert count(r"st\.global\S*\.(u8|b8|v\d\.b8)", ptx) + count(r"st\.global\S*\.b16", ptx) > 0
+
+
+def loop_body(ptx: str) -> str:
+    """The PTX of the first loop: from a block's label to the branch back to it."""
+    for label in re.finditer(r"^(\$L__BB\d+_\d+):", ptx, re.M):
+        back = re.search(rf"\bbra(\.uni)?\s+{re.escape(label.group(1))};", ptx[label.end() :])
+        if back:
+            return ptx[label.end() : label.end() + back.start()]
+    raise AssertionError("no loop in the kernel")
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "block"])
+def test_one_row_late_sum_loop_only_loads_and_multiplies(block: tuple[int, int] | None) -> None:
+    """One row with ``LATE_SUM``: the loop over K streams the weight (its loads, conversions and FMAs); no barrier
+    and no cross-thread shuffle inside it (the sums across threads come once, after it)."""
+    cfg = dict(qk.w8a16_config(1, 4096, 4096, block), LATE_SUM=True)
+    constexprs, num_warps, num_stages = launch_constexprs(cfg)
+    constexprs.update(SCALE_N=1 if block is None else block[0], SCALE_K=4096 if block is None else block[1],
+                      BLOCKWISE=block is not None, EVEN_K=True, HAS_BIAS=False, PDL=False)  # fmt: skip
+    body = loop_body(compile_ptx(qk._w8a16_kernel, constexprs, num_warps, num_stages))
+    assert count(r"ld\.global\.v4", body) > 0
+    assert count(r"bar\.sync", body) == 0
+    assert count(r"shfl\.sync", body) == 0
