@@ -367,12 +367,17 @@ def _w8a16_kernel(
     s_ptrs = S + (cols // SCALE_N) * stride_sn
     dtype = X.dtype.element_ty
     acc = tl.full([M_PAD, BLOCK_N], 0.0, dtype=tl.float32)
-    if LATE_SUM:  # one row: [BLOCK_N, BLOCK_K], x's chunk broadcast along the weight's rows as loaded
+    # with LATE_SUM x's chunk is loaded broadcast along the weight's rows, as the weight's tile is laid out, so that
+    # the loop converts no layout (one row: [BLOCK_N, BLOCK_K], more: [M_PAD, BLOCK_N, BLOCK_K]); repeats hit L1
+    x3_ptrs = X + rows[:, None, None] * stride_x + offs_k[None, None, :] + 0 * cols[None, :, None]
+    if LATE_SUM:
         wide = tl.full([BLOCK_N, BLOCK_K] if M_PAD == 1 else [M_PAD, BLOCK_N, BLOCK_K], 0.0, dtype=tl.float32)
     for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         if EVEN_K:
             if LATE_SUM and M_PAD == 1:
                 x = tl.load(X + k * BLOCK_K + offs_k[None, :] + 0 * cols[:, None])
+            elif LATE_SUM:
+                x = tl.load(x3_ptrs + k * BLOCK_K, mask=row_ok[:, None, None], other=0.0)
             else:
                 x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptrs)
@@ -380,6 +385,8 @@ def _w8a16_kernel(
             k_ok = offs_k < K - k * BLOCK_K
             if LATE_SUM and M_PAD == 1:
                 x = tl.load(X + k * BLOCK_K + offs_k[None, :] + 0 * cols[:, None], mask=k_ok[None, :], other=0.0)
+            elif LATE_SUM:
+                x = tl.load(x3_ptrs + k * BLOCK_K, mask=row_ok[:, None, None] & k_ok[None, None, :], other=0.0)
             else:
                 x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] if USE_DOT else k_ok[None, :], other=0.0)
@@ -387,7 +394,7 @@ def _w8a16_kernel(
             if M_PAD == 1:
                 part = w.to(tl.float32) * x.to(tl.float32)
             else:
-                part = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+                part = x.to(tl.float32) * w.to(tl.float32)[None, :, :]
             if BLOCKWISE:
                 chunk_scale = tl.load(s_ptrs + ((k * BLOCK_K) // SCALE_K) * stride_sk)
                 if M_PAD == 1:
