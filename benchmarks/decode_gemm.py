@@ -1,8 +1,8 @@
 """How fast the decode step's projections read their weights: each layer's GEMM at the batch sizes decode meets.
 
     python benchmarks/decode_gemm.py [--shape qwen3-0.6b] [--rows 1,16,64,128,256,512] [--blas default,cublaslt]
-                                     [--skinny] [--sweep] [--norm] [--fp8] [--iters 50] [--json PATH]
-                                     [--results-dir results]
+                                     [--skinny] [--sweep] [--norm] [--fp8 [--fp8-config JSON]] [--iters 50]
+                                     [--json PATH] [--results-dir results]
 
 A decode step multiplies ``rows`` activations (one per running sequence) by every weight matrix once: at small
 ``rows`` the step should stream the weights at the copy rate. For each projection of the shape (``qkv``, ``o``,
@@ -21,7 +21,8 @@ projections in the skinny kernel's prologue (``skinny_norm_linear``, ``norm`` = 
 GEMM's fixed latency, not its bytes, can set its time: this says, layer by layer, how far each projection is from
 reading its weights at the copy rate. ``--fp8`` adds nanovllm-quant-fp8's products of the same layers with e4m3
 weights: its weight-only kernel for a few rows (``w8a16-channel``, and ``w8a16-block`` with Qwen's 128 x 128 block
-scales; ``--sweep`` times every configuration of it instead of the skinny kernel's) and, for any row count, the
+scales; ``--sweep`` times every configuration of it instead of the skinny kernel's, ``--fp8-config`` changes its
+launch settings, e.g. ``'{"LATE_SUM": true}'``) and, for any row count, the
 activation quantization followed by the FP8 GEMM (``w8a8-channel``: ``torch._scaled_mm``; ``w8a8-fastacc``: the
 same with ``use_fast_accum``; ``quantize``: the activations' quantization alone; ``w8a8-block``: the
 plugin's block-scaled Triton kernel); the weights' read rate counts their FP8 bytes. On a machine without CUDA it
