@@ -5,7 +5,10 @@ download. The test kits build on the same writer (``nanovllm_testing``)."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -132,10 +135,34 @@ def demo_checkpoint_dir() -> Path:
     return cache / "demo-qwen3-tiny"
 
 
+def write_once(path: Path, write: Callable[[Path], object]) -> Path:
+    """``path``, a checkpoint folder made by ``write(folder)`` unless it is whole already (its ``config.json``):
+    written into a temporary sibling renamed to ``path`` when done, so that no process ever reads a half-written
+    checkpoint, and processes writing it at once all end with the one whole copy (a leftover without
+    ``config.json``, from a writer stopped midway, is replaced)."""
+    if (path / "config.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        write(tmp)
+        for _ in range(3):
+            try:
+                os.rename(tmp, path)  # atomic; fails if another process put a non-empty folder there first
+                break
+            except OSError:
+                if (path / "config.json").is_file():
+                    break
+                shutil.rmtree(path, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 def ensure_demo_checkpoint() -> Path:
     """The embedded demo: a tiny random-weight Qwen3 written on first use (no download is possible)."""
     path = demo_checkpoint_dir()
     if not (path / "config.json").is_file():
         print(f"writing the demo checkpoint (tiny random-weight Qwen3) to {path}", file=sys.stderr)
-        write_tiny_checkpoint(path, "qwen3", hidden_size=128, intermediate_size=256, num_layers=4)
-    return path
+    return write_once(path, lambda to: write_tiny_checkpoint(to, "qwen3", hidden_size=128, intermediate_size=256,
+                                                            num_layers=4))  # fmt: skip

@@ -127,12 +127,12 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[li
 def random_checkpoint(shape: str, dtype: torch.dtype, progress: bool | None = False) -> Path:
     """The random-weight checkpoint of ``shape`` in ``dtype``, written under /tmp on first use (``progress``: with a
     progress bar as :class:`Phase` shows it)."""
-    from nanovllm_core.demo import write_tiny_checkpoint
+    from nanovllm_core.demo import write_once, write_tiny_checkpoint
 
     path = Path("/tmp") / f"nanovllm-bench-{shape}-{str(dtype).split('.')[-1]}"
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file():  # benches started at once each write a copy; the first whole one stays
         with Phase(f"writing the random-weight {shape} checkpoint to {path}", enabled=progress):
-            write_tiny_checkpoint(path, "qwen3", dtype=dtype, init_std=0.02, **SHAPES[shape])
+            write_once(path, lambda to: write_tiny_checkpoint(to, "qwen3", dtype=dtype, init_std=0.02, **SHAPES[shape]))
     return path
 
 
