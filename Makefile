@@ -35,8 +35,13 @@ $(STAMP): $(SOURCES) constraints.txt Makefile
 run: install
 	$(BIN)/nanovllm generate --demo --max-tokens 32
 
+# The suite in two processes (pytest-xdist), each given whole files, so that a file's module fixtures (an engine, a
+# server, a Ray cluster, the built wheels) are made once; in the order the files are collected (xdist would otherwise
+# start the files of most tests first, which leaves the few long ones for the end). `make test XDIST=` runs it in one.
+XDIST ?= -n 2 --dist loadfile --no-loadscope-reorder
+
 test: install
-	PIP_CONSTRAINT=$(LOCK) $(BIN)/python -m pytest -q
+	PIP_CONSTRAINT=$(LOCK) $(BIN)/python -m pytest -q $(XDIST)
 
 # the suite against the newest releases, in a virtualenv of its own made anew (run it before `make lock`)
 test-latest:
