@@ -359,7 +359,20 @@ def _w8a16_kernel(
     rows = tl.arange(0, M_PAD)
     row_ok = rows < M
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = X + rows[:, None] * stride_x + offs_k[None, :]
+    # x's chunk: a [M_PAD, BLOCK_K] tile; with LATE_SUM loaded broadcast along the weight's rows, as the weight's
+    # tile is laid out, so that the loop converts no layout (repeats hit L1)
+    if LATE_SUM and M_PAD == 1:  # [BLOCK_N, BLOCK_K]
+        x_ptrs = X + offs_k[None, :] + 0 * cols[:, None]
+        x_k = offs_k[None, :]
+        x_rows_ok = tl.full([1, 1], 1, tl.int1)
+    elif LATE_SUM:  # [M_PAD, BLOCK_N, BLOCK_K]
+        x_ptrs = X + rows[:, None, None] * stride_x + offs_k[None, None, :] + 0 * cols[None, :, None]
+        x_k = offs_k[None, None, :]
+        x_rows_ok = row_ok[:, None, None]
+    else:
+        x_ptrs = X + rows[:, None] * stride_x + offs_k[None, :]
+        x_k = offs_k[None, :]
+        x_rows_ok = row_ok[:, None]
     if USE_DOT:
         w_ptrs = W + cols[None, :] * stride_w + offs_k[:, None]  # [BLOCK_K, BLOCK_N], K contiguous
     else:
@@ -367,28 +380,18 @@ def _w8a16_kernel(
     s_ptrs = S + (cols // SCALE_N) * stride_sn
     dtype = X.dtype.element_ty
     acc = tl.full([M_PAD, BLOCK_N], 0.0, dtype=tl.float32)
-    # with LATE_SUM x's chunk is loaded broadcast along the weight's rows, as the weight's tile is laid out, so that
-    # the loop converts no layout (one row: [BLOCK_N, BLOCK_K], more: [M_PAD, BLOCK_N, BLOCK_K]); repeats hit L1
-    x3_ptrs = X + rows[:, None, None] * stride_x + offs_k[None, None, :] + 0 * cols[None, :, None]
     if LATE_SUM:
         wide = tl.full([BLOCK_N, BLOCK_K] if M_PAD == 1 else [M_PAD, BLOCK_N, BLOCK_K], 0.0, dtype=tl.float32)
     for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        # LATE_SUM addresses each chunk of x from its start: a pointer tile carried through the loop in the weight's
+        # layout costs a layout conversion (shared memory and barriers) every chunk
+        x_chunk = x_ptrs + k * BLOCK_K if LATE_SUM else x_ptrs
         if EVEN_K:
-            if LATE_SUM and M_PAD == 1:
-                x = tl.load(X + k * BLOCK_K + offs_k[None, :] + 0 * cols[:, None])
-            elif LATE_SUM:
-                x = tl.load(x3_ptrs + k * BLOCK_K, mask=row_ok[:, None, None], other=0.0)
-            else:
-                x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            x = tl.load(x_chunk, mask=x_rows_ok, other=0.0)
             w = tl.load(w_ptrs)
         else:
             k_ok = offs_k < K - k * BLOCK_K
-            if LATE_SUM and M_PAD == 1:
-                x = tl.load(X + k * BLOCK_K + offs_k[None, :] + 0 * cols[:, None], mask=k_ok[None, :], other=0.0)
-            elif LATE_SUM:
-                x = tl.load(x3_ptrs + k * BLOCK_K, mask=row_ok[:, None, None] & k_ok[None, None, :], other=0.0)
-            else:
-                x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_chunk, mask=x_rows_ok & (x_k < K - k * BLOCK_K), other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] if USE_DOT else k_ok[None, :], other=0.0)
         if LATE_SUM:
             if M_PAD == 1:
@@ -412,7 +415,8 @@ def _w8a16_kernel(
                 acc += part * tl.load(s_ptrs + ((k * BLOCK_K) // SCALE_K) * stride_sk)[None, :]
             else:
                 acc += part
-        x_ptrs += BLOCK_K
+        if not LATE_SUM:
+            x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if LATE_SUM:
         acc = tl.reduce(wide, 1, _sum)[None, :] if M_PAD == 1 else tl.reduce(wide, 2, _sum)
