@@ -136,26 +136,27 @@ def demo_checkpoint_dir() -> Path:
 
 
 def write_once(path: Path, write: Callable[[Path], object]) -> Path:
-    """``path``, a checkpoint folder made by ``write(folder)`` unless it is whole already (its ``config.json``):
-    written into a temporary sibling renamed to ``path`` when done, so that no process ever reads a half-written
-    checkpoint, and processes writing it at once all end with the one whole copy (a leftover without
-    ``config.json``, from a writer stopped midway, is replaced)."""
+    """``path``, a checkpoint folder made by ``write(folder)`` unless it is whole already (its ``config.json``).
+    One process writes it, holding a lock beside it (the others wait, then find it whole), into a temporary
+    sibling renamed to ``path`` when done, so that no process ever reads a half-written checkpoint. What a writer
+    stopped midway left (its temporary folder, or a ``path`` without ``config.json``) is removed by the next."""
+    from filelock import FileLock
+
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        write(tmp)
-        for _ in range(3):
-            try:
-                os.rename(tmp, path)  # atomic; fails if another process put a non-empty folder there first
-                break
-            except OSError:
-                if (path / "config.json").is_file():
-                    break
-                shutil.rmtree(path, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with FileLock(path.parent / f".{path.name}.lock"):
+        if (path / "config.json").is_file():
+            return path
+        partial = f".{path.name}.partial-"
+        for leftover in [*path.parent.glob(partial + "*"), path]:
+            shutil.rmtree(leftover, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=partial, dir=path.parent))
+        try:
+            write(tmp)
+            os.rename(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
