@@ -130,7 +130,7 @@ def random_checkpoint(shape: str, dtype: torch.dtype, progress: bool | None = Fa
     from nanovllm_core.demo import write_once, write_tiny_checkpoint
 
     path = Path("/tmp") / f"nanovllm-bench-{shape}-{str(dtype).split('.')[-1]}"
-    if not (path / "config.json").is_file():  # benches started at once each write a copy; the first whole one stays
+    if not (path / "config.json").is_file():  # benches started at once: one writes it, the others wait for it
         with Phase(f"writing the random-weight {shape} checkpoint to {path}", enabled=progress):
             write_once(path, lambda to: write_tiny_checkpoint(to, "qwen3", dtype=dtype, init_std=0.02, **SHAPES[shape]))
     return path
