@@ -22,7 +22,7 @@ GEMM's fixed latency, not its bytes, can set its time: this says, layer by layer
 reading its weights at the copy rate. ``--fp8`` adds nanovllm-quant-fp8's products of the same layers with e4m3
 weights: its weight-only kernel for a few rows (``w8a16-channel``, and ``w8a16-block`` with Qwen's 128 x 128 block
 scales; ``--sweep`` times every configuration of it instead of the skinny kernel's, ``--fp8-config`` changes its
-launch settings, e.g. ``'{"LATE_SUM": true}'``) and, for any row count, the
+launch settings, e.g. ``'{"LATE_SUM": false}'``) and, for any row count, the
 activation quantization followed by the FP8 GEMM (``w8a8-channel``: ``torch._scaled_mm``; ``w8a8-fastacc``: the
 same with ``use_fast_accum``; ``quantize``: the activations' quantization alone; ``w8a8-block``: the
 plugin's block-scaled Triton kernel); the weights' read rate counts their FP8 bytes. On a machine without CUDA it

@@ -436,7 +436,8 @@ def _w8a16(interpret: bool) -> object:
 def w8a16_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> dict[str, int | bool]:
     """Launch of :func:`w8a16_linear` for ``m`` rows of an ``[n, k]`` weight: narrow column slices, so that a
     decode step's matrices spread over every SM; tensor cores from five rows on (the CUDA cores' float32
-    products grow with the rows). With block scales ``BLOCK_K`` divides the scale block's ``BK``."""
+    products grow with the rows), and below that ``LATE_SUM`` (the sums across threads once, after the loop).
+    With block scales ``BLOCK_K`` divides the scale block's ``BK``."""
     use_dot = m > 4
     one_row = m <= 1
     m_pad = max(triton.next_power_of_2(max(m, 1)), 16 if use_dot else 1)
@@ -445,9 +446,10 @@ def w8a16_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> dict[
         block_k = min(block_k, block[1] & -block[1])
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     # one row: many small two-warp programs, each loading 16 bytes a thread of each weight row it owns per chunk
-    # (the fastest on every projection of ``benchmarks/decode_gemm.py --shape qwen3-8b --rows 1 --fp8 --sweep``)
+    # (the fastest on every projection of ``benchmarks/decode_gemm.py --shape qwen3-8b --rows 1 --fp8 --sweep``);
+    # LATE_SUM: faster than the sums of every chunk on all but one projection of one row, at one to four rows
     return {"M_PAD": m_pad, "BLOCK_N": 16 if use_dot else 4 if one_row else 8, "BLOCK_K": block_k,
-            "USE_DOT": use_dot, "LATE_SUM": False, "num_warps": 2 if one_row else 4, "num_stages": 4}  # fmt: skip
+            "USE_DOT": use_dot, "LATE_SUM": not use_dot, "num_warps": 2 if one_row else 4, "num_stages": 4}  # fmt: skip
 
 
 def supports(x: torch.Tensor, wq: torch.Tensor) -> bool:
