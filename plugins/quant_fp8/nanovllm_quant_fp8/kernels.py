@@ -151,6 +151,8 @@ def quantize_activation(x: torch.Tensor, group_size: int | None = None) -> tuple
             cfg = {"GROUP": group_size, "BLOCK_G": block_g, "BLOCK_C": block_c, "PER_TOKEN": False}
             grid = (m, triton.cdiv(groups, block_g))
         num_warps = 4 if cfg["BLOCK_G"] * block_c >= 1024 else 1
+        if group_size is None and block_c >= 2048:  # one program a row: its warps, not the rows, set the pace
+            num_warps = 8
         _quantize(x.device.type != "cuda")[grid](
             rows, xq.view(torch.uint8), scale, m, k, rows.stride(0), xq.stride(0), scale.stride(0),
             RECIPROCAL=x.device.type == "cuda", **cfg, num_warps=num_warps, **launch_options(x),
