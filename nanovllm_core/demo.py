@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from filelock import FileLock
+
 if TYPE_CHECKING:
     import torch
 
@@ -140,8 +142,6 @@ def write_once(path: Path, write: Callable[[Path], object]) -> Path:
     One process writes it, holding a lock beside it (the others wait, then find it whole), into a temporary
     sibling renamed to ``path`` when done, so that no process ever reads a half-written checkpoint. What a writer
     stopped midway left (its temporary folder, or a ``path`` without ``config.json``) is removed by the next."""
-    from filelock import FileLock
-
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

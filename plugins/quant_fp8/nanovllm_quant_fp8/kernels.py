@@ -392,8 +392,9 @@ def _w8a16_kernel(
             x = tl.load(x_chunk, mask=x_rows_ok, other=0.0)
             w = tl.load(w_ptrs)
         else:
-            k_ok = offs_k < K - k * BLOCK_K
-            x = tl.load(x_chunk, mask=x_rows_ok & (x_k < K - k * BLOCK_K), other=0.0)
+            k_left = K - k * BLOCK_K
+            k_ok = offs_k < k_left
+            x = tl.load(x_chunk, mask=x_rows_ok & (x_k < k_left), other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] if USE_DOT else k_ok[None, :], other=0.0)
         if LATE_SUM:
             if M_PAD == 1:
