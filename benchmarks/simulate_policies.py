@@ -9,7 +9,9 @@ priority classes), step size and ``--max-model-len``, with the prefix cache as t
 run after the first of a workload on a server, and for the first policy's loads, which follow its all-at-once
 run. Prints a table row per run, **simulated / measured (difference)** for request throughput and TTFT and ITL
 at p50 and p99, and how many cells are within the goal (throughput and p50s within 10%, p99s within 20%): over
-all runs, and apart for a held-out workload (``held-out-agents``: fitted on nothing), reported as it comes.
+all runs, and apart for a held-out workload (``held-out-agents``: fitted on nothing), reported as it comes. Then
+the policies' order on each p99: for every two policies run at one workload and rate whose measured p99s differ
+by more than 10%, whether the simulated ones are in the same order (a simulated tie is not).
 """
 
 from __future__ import annotations
@@ -97,6 +99,29 @@ def simulate(cmd: list[str]) -> dict[str, Any]:
         return read_json(result)
 
 
+ORDERED = ("p99_ttft_ms", "p99_itl_ms")  # the tails whose order among the policies the simulator must keep
+ORDER_MARGIN = 1.10  # two measured figures further apart than this are an order to keep
+
+
+def policy_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per pair of policies run at one workload and rate, per :data:`ORDERED` tail, where the measured
+    figures differ by more than :data:`ORDER_MARGIN`: the two policies, the lower measured first, and whether the
+    simulated figures put them in the same strict order."""
+    pairs = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 :]:
+            if (a["workload"], a["request_rate"]) != (b["workload"], b["request_rate"]) or a["policy"] == b["policy"]:
+                continue
+            for metric in ORDERED:
+                low, high = sorted((a, b), key=lambda r: r["measured"][metric])
+                if high["measured"][metric] <= ORDER_MARGIN * low["measured"][metric]:
+                    continue
+                pairs.append({"workload": a["workload"], "request_rate": a["request_rate"], "metric": metric,
+                              "lower": low["policy"], "higher": high["policy"],
+                              "same": low["simulated"][metric] < high["simulated"][metric]})  # fmt: skip
+    return pairs
+
+
 def cell(simulated: float, measured: float, goal: float) -> tuple[str, bool]:
     def shown(v: float) -> str:
         return f"{v:,.1f}" if v < 100 else f"{v:,.0f}"
@@ -153,9 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{within} of {total} cells within the goal (throughput and p50s within 10%, p99s within 20%)")
     for workload, (ok, cells) in held.items():
         print(f"held out (fitted on nothing): {workload}, {ok} of {cells} cells within the goal")
+    order = policy_order(rows)
+    print(f"the policies' order on each p99 (measured figures more than 10% apart): the same in "
+          f"{sum(p['same'] for p in order)} of {len(order)} pairs")  # fmt: skip
+    for p in order:
+        if not p["same"]:
+            print(f"  not kept: {p['workload']} at {p['request_rate']:g} req/s, {p['metric']}: "
+                  f"`{p['lower']}` below `{p['higher']}` measured, not simulated")  # fmt: skip
     if args.json:
         held_out = {w: {"within": ok, "cells": n} for w, (ok, n) in held.items()}
-        write_json(Path(args.json), {"rows": rows, "within": within, "cells": total, "held_out": held_out})
+        write_json(Path(args.json), {"rows": rows, "within": within, "cells": total, "held_out": held_out,
+                                     "order": order})  # fmt: skip
     return 0
 
 

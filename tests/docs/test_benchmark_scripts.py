@@ -131,10 +131,36 @@ def test_simulate_policies_simulates_each_measured_run(tmp_path: Path, capsys) -
     out = capsys.readouterr().out
     assert "| nano, 30%, 3 req/s | `fifo` |" in out and "| nano, 60%, 6 req/s | `fifo` |" in out
     assert "of 10 cells within the goal" in out
+    assert "the policies' order on each p99 (measured figures more than 10% apart): the same in 0 of 0 pairs" in out
     rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
     assert [r["request_rate"] for r in rows] == [3.0, 6.0]
     assert all("--warm-prefix-cache 6" in r["command"] for r in rows)  # fifo's loads follow its all-at-once run
     assert rows[0]["simulated"]["request_throughput"] > 0
+
+
+def test_simulate_policies_checks_the_policies_order_on_each_tail() -> None:
+    """Two policies at one workload and rate whose measured p99s differ by more than 10% are an order the simulator
+    must keep (a simulated tie does not); closer figures, other rates and other workloads are not compared."""
+    script = load(BENCHMARKS / "simulate_policies.py")
+
+    def row(policy: str, rate: float, measured: tuple[float, float], simulated: tuple[float, float], w: str = "nano"):
+        figures = {"measured": dict(zip(script.ORDERED, measured)), "simulated": dict(zip(script.ORDERED, simulated))}
+        return {"policy": policy, "workload": w, "request_rate": rate, **figures}
+
+    rows = [
+        row("fifo", 3.0, (20.0, 4.0), (12.0, 3.0)),
+        row("mixed", 3.0, (10.0, 4.2), (11.0, 9.0)),  # TTFT p99 kept (10 < 20, 11 < 12); ITL p99 within 10%
+        row("fifo", 6.0, (30.0, 9.0), (15.0, 5.0)),
+        row("mixed", 6.0, (15.0, 5.0), (15.0, 6.0)),  # TTFT p99: a simulated tie; ITL p99: the wrong way round
+        row("priority", 7.0, (1.0, 1.0), (50.0, 50.0)),  # another rate: compared with nothing
+        row("mixed", 3.0, (99.0, 99.0), (1.0, 1.0), w="long-docs"),  # another workload
+    ]
+    order = script.policy_order(rows)
+    assert [(p["request_rate"], p["metric"], p["lower"], p["higher"], p["same"]) for p in order] == [
+        (3.0, "p99_ttft_ms", "mixed", "fifo", True),
+        (6.0, "p99_ttft_ms", "mixed", "fifo", False),
+        (6.0, "p99_itl_ms", "mixed", "fifo", False),
+    ]
 
 
 def test_calibrate_fits_every_run_it_benches(capsys) -> None:
