@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from nanovllm_core.errors import ConfigError
+from nanovllm_core.gc_heap import GCPauses, freeze_startup_heap
 
 SYNTH_PROMPT = (math.log(120), 1.1)
 SYNTH_OUTPUT = (math.log(140), 0.8)
@@ -368,12 +369,15 @@ async def watch_loop_lag(samples: list[float], interval: float = LAG_INTERVAL) -
 @dataclass
 class ClientShare:
     """What one client process measured: its requests' results, its first arrival and last completion
-    (``time.monotonic()``, one clock for every process of the machine), and its event loop's lag samples."""
+    (``time.monotonic()``, one clock for every process of the machine), its event loop's lag samples, and its
+    longest garbage collection during the run (seconds): a collection stops the event loop, and every stream it
+    reads meanwhile looks that much slower."""
 
     results: list[RequestResult]
     start: float
     end: float
     loop_lags: list[float]
+    longest_gc_pause: float = 0.0
 
 
 async def send_share(
@@ -394,31 +398,32 @@ async def send_share(
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     rng = random.Random(seed)
-    async with client_session() as session:
+    with GCPauses() as pauses:
+        async with client_session() as session:
 
-        async def one(body: dict[str, Any]) -> RequestResult:
-            async with gate or contextlib.nullcontext():
-                return await send(session, url, body, headers)
+            async def one(body: dict[str, Any]) -> RequestResult:
+                async with gate or contextlib.nullcontext():
+                    return await send(session, url, body, headers)
 
-        tasks = []
-        start = time.monotonic()
-        for i, body in enumerate(bodies):
-            if arrivals is not None:
-                await asyncio.sleep(max(0.0, start + arrivals[i] - time.monotonic()))
-            elif i and math.isfinite(request_rate):
-                await asyncio.sleep(rng.expovariate(request_rate))
-            tasks.append(asyncio.ensure_future(one(body)))
-        results = list(await asyncio.gather(*tasks))
-        end = time.monotonic()
+            tasks = []
+            start = time.monotonic()
+            for i, body in enumerate(bodies):
+                if arrivals is not None:
+                    await asyncio.sleep(max(0.0, start + arrivals[i] - time.monotonic()))
+                elif i and math.isfinite(request_rate):
+                    await asyncio.sleep(rng.expovariate(request_rate))
+                tasks.append(asyncio.ensure_future(one(body)))
+            results = list(await asyncio.gather(*tasks))
+            end = time.monotonic()
     watcher.cancel()
-    return ClientShare(results, start, end, lags)
+    return ClientShare(results, start, end, lags, pauses.longest_s)
 
 
 def combined_summary(
     shares: list[ClientShare], order: list[list[int]], extra: Percentiles | None = None
 ) -> dict[str, Any]:
-    """vLLM's metrics over every share's results (request ``order[k][j]`` is share ``k``'s ``j``-th), and the
-    client event loops' lag: mean, p99 and largest, in ms."""
+    """vLLM's metrics over every share's results (request ``order[k][j]`` is share ``k``'s ``j``-th), the client
+    event loops' lag (mean, p99 and largest, in ms) and their longest garbage collection."""
     results: list[RequestResult | None] = [None] * sum(len(o) for o in order)
     for share, indices in zip(shares, order):
         for index, result in zip(indices, share.results):
@@ -430,6 +435,7 @@ def combined_summary(
     summary["mean_client_loop_lag_ms"] = statistics.fmean(lags) if lags else 0.0
     summary["p99_client_loop_lag_ms"] = percentile(lags, 99)
     summary["max_client_loop_lag_ms"] = max(lags, default=0.0)
+    summary["max_client_gc_pause_ms"] = 1000 * max(s.longest_gc_pause for s in shares)
     return summary
 
 
@@ -446,6 +452,9 @@ def _client_process(connection: Any, job: tuple) -> None:
     """A client process: say it is ready, wait for the common start time, send its share, return what it
     measured (or the exception that ended it)."""
     try:
+        # a forked client holds its parent's heap (torch's modules, every request of the workload): out of the
+        # collector's way, a full collection during the run walks the run's own objects only
+        freeze_startup_heap()
         connection.send("ready")
         start_at = connection.recv()
         connection.send(event_loop_runner()(send_share(*job, start_at=start_at)))
@@ -915,7 +924,8 @@ def print_summary(s: dict[str, Any], metrics: Sequence[str] = METRICS, percentil
         lines.append(
             f"client event loop lag ms ({s['client_processes']} process{'es' if s['client_processes'] > 1 else ''}): "
             f"mean {s['mean_client_loop_lag_ms']:.2f}  p99 {s['p99_client_loop_lag_ms']:.2f}  "
-            f"max {s['max_client_loop_lag_ms']:.2f}"
+            f"max {s['max_client_loop_lag_ms']:.2f}; "
+            f"longest garbage collection {s.get('max_client_gc_pause_ms', 0.0):.2f}"
         )
     for priority, c in s.get("by_priority", {}).items():
         lines.append(
