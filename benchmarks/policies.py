@@ -57,6 +57,7 @@ summary.json with the GPU, date and commit; the script ends with table rows in d
 from __future__ import annotations
 
 import argparse
+import inspect
 import shlex
 import sys
 from pathlib import Path
@@ -157,6 +158,24 @@ def parse_saturation(text: str, known: dict[str, float] | None = None) -> dict[s
             )
         rates[name] = rate
     return rates
+
+
+def parse_prompts(text: str) -> dict[str, int]:
+    """``WORKLOAD=N,...``: how many requests each load of a workload sends, in place of its spec's ``prompts``. A
+    trace workload's trace is written that long (its first requests are the same whatever the length), except
+    ``long-docs``, whose trace is fixed: it takes no more than that."""
+    counts = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        count = int(value) if value.isdigit() else 0
+        if name not in WORKLOADS or count < 1:
+            raise SystemExit(
+                f"error: --prompts {item!r}: expected WORKLOAD=N (a positive count), workloads {', '.join(WORKLOADS)}"
+            )
+        if name in TRACE_WRITERS and not trace_grows(name) and count > WORKLOADS[name]["prompts"]:
+            raise SystemExit(f"error: --prompts {item!r}: {name}'s trace holds {WORKLOADS[name]['prompts']} requests")
+        counts[name] = count
+    return counts
 
 
 def refuse_held_out(workloads: list[str], what: str) -> None:
@@ -331,6 +350,11 @@ TRACE_WRITERS = {
 IDLE_RATE = 2.0
 
 
+def trace_grows(workload: str) -> bool:
+    """Whether ``workload``'s trace writer takes a length (``num_requests``)."""
+    return "num_requests" in inspect.signature(TRACE_WRITERS[workload]).parameters
+
+
 def server_command(policy: str, args: argparse.Namespace, checkpoint: str, workloads: list[str]) -> list[str]:
     flags = ["--attention", args.attention]
     max_model_len = max(WORKLOADS[w].get("max_model_len", MAX_MODEL_LEN) for w in workloads)
@@ -483,6 +507,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a workload's saturation rate as known (an earlier run's saturation_WORKLOAD.json), not measured: "
         "policies run again get the same arrival rates",
     )  # fmt: skip
+    parser.add_argument(
+        "--prompts", default="", metavar="WORKLOAD=N,...",
+        help="requests each load of a workload sends, in place of its own count (a longer run steadies its tails)",
+    )  # fmt: skip
     add_server_arguments(parser)
     add_common_arguments(parser)
     return parser
@@ -502,10 +530,13 @@ def main(argv: list[str] | None = None) -> int:
     folder = out_dir(args.results_dir, "policies", make=not args.dry_run)
     command = user_command("benchmarks/policies.py", argv)
     checkpoint = str(random_checkpoint(args.shape, args.dry_run))
+    counts = {w: WORKLOADS[w]["prompts"] for w in workloads} | parse_prompts(args.prompts)
     if not args.dry_run:
         for workload in workloads:
             if workload in TRACE_WRITERS:
-                TRACE_WRITERS[workload](trace_file(folder, workload))
+                longest = max(counts[workload], WORKLOADS[workload]["saturation_prompts"])
+                sized = {"num_requests": longest} if trace_grows(workload) else {}
+                TRACE_WRITERS[workload](trace_file(folder, workload), **sized)
     needs_saturation = any(x != float("inf") for x in loads)
     saturation = parse_saturation(args.saturation)
     failed: list[str] = []
@@ -542,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                 (
                     "loads",
                     workload,
-                    client(args, workload, folder / f"{policy}_{workload}.json", spec["prompts"], "LOADS"),
+                    client(args, workload, folder / f"{policy}_{workload}.json", counts[workload], "LOADS"),
                 )
             )
         for cmd in (server, *(c for _, _, c in steps)):

@@ -295,3 +295,49 @@ def test_policies_takes_a_known_saturation_and_leaves_a_summary_after_every_poli
     assert [(r["policy"], r["load"]) for r in summary["rows"]] == [("fifo", "0.50"), ("fifo", "0.90")]
     with pytest.raises(SystemExit, match="--saturation 'nano=0': expected WORKLOAD=REQ_PER_S"):
         policies.main([*argv[:-4], "--saturation", "nano=0", "--dry-run"])
+
+
+def test_policies_sends_more_requests_a_load_where_asked_and_writes_the_trace_that_long(tmp_path: Path, monkeypatch):
+    """``--prompts WORKLOAD=N``: each load sends N requests, and a trace workload's trace is written N long (its
+    first requests as before); a fixed trace takes no more than it holds; bad counts are one-line errors."""
+    policies = load(BENCHMARKS / "policies.py")
+    sent: list[list[str]] = []
+
+    class Running:
+        def __init__(self, cmd: list[str], *args: object) -> None:
+            pass
+
+        def __enter__(self) -> Running:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def metrics(self) -> str:
+            return ""
+
+    def answer(cmd: list[str], log: Path) -> int:
+        sent.append(cmd)
+        rates = cmd[cmd.index("--rates") + 1].split(",")
+        figures = {"request_throughput": 1.0, "median_ttft_ms": 5.0, "p99_ttft_ms": 9.0, "p99_itl_ms": 2.0}
+        runs = [{"request_rate": float(r), **figures} for r in rates]
+        Path(cmd[cmd.index("--result-file") + 1]).write_text(json.dumps({"runs": runs}))
+        return 0
+
+    monkeypatch.setattr(policies, "Server", Running)
+    monkeypatch.setattr(policies, "run", answer)
+    monkeypatch.setattr(policies, "random_checkpoint", lambda shape, dry_run=False: Path("/checkpoint"))
+    argv = ["--workloads", "held-out-classify", "--loads", "0.5", "--policies", "fifo", "--idle-prompts", "0",
+            "--saturation", "held-out-classify=800", "--results-dir", str(tmp_path)]  # fmt: skip
+    assert policies.main([*argv, "--prompts", "held-out-classify=2500"]) == 0
+    assert [cmd[cmd.index("--num-prompts") + 1] for cmd in sent] == ["2500"]
+    trace = (tmp_path / "policies" / "held-out-classify.jsonl").read_text().splitlines()
+    assert len(trace) == 2500
+    assert [json.loads(line) for line in trace[:2000]] == policies.classify_requests(2000)
+    for bad, message in (
+        ("held-out-classify=0", "expected WORKLOAD=N"),
+        ("chat=10", "expected WORKLOAD=N"),
+        ("long-docs=5000", "long-docs's trace holds 1000 requests"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            policies.main([*argv, "--prompts", bad, "--dry-run"])
