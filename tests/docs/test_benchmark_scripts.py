@@ -254,60 +254,19 @@ def test_the_outside_harness_runs_nano_vllms_workload_through_the_public_api(tmp
     assert result["output_tok_per_s"] == pytest.approx(200 / result["seconds"])
 
 
-def test_policies_takes_a_known_saturation_and_leaves_a_summary_after_every_policy(tmp_path: Path, monkeypatch):
-    """A run cut short during its second policy (a time limit) still leaves the first policy's summary; with
-    ``--saturation`` no all-at-once run is sent and the loads are fractions of the rate given."""
-    policies = load(BENCHMARKS / "policies.py")
+def served_without_a_server(policies, monkeypatch, stop_at: str | None = None) -> list[list[str]]:
+    """``policies.py`` with its servers and clients stood in for: every client command it would run (returned,
+    as sent), each answered with a result file of its rates; the server of policy ``stop_at`` stops the run, as a
+    time limit would."""
     sent: list[list[str]] = []
 
-    class CutShort:
+    class Server:
         def __init__(self, cmd: list[str], *args: object) -> None:
             self.cmd = cmd
 
-        def __enter__(self) -> CutShort:
-            if "mixed" in self.cmd:
+        def __enter__(self) -> Server:
+            if stop_at is not None and stop_at in self.cmd:
                 raise SystemExit("the time limit")
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            pass
-
-        def metrics(self) -> str:
-            return ""
-
-    def answer(cmd: list[str], log: Path) -> int:
-        sent.append(cmd)
-        rates = cmd[cmd.index("--rates") + 1].split(",")
-        runs = [{"request_rate": float(r), "request_throughput": 1.0, "median_ttft_ms": 5.0} for r in rates]
-        Path(cmd[cmd.index("--result-file") + 1]).write_text(json.dumps({"runs": runs}))
-        return 0
-
-    monkeypatch.setattr(policies, "Server", CutShort)
-    monkeypatch.setattr(policies, "run", answer)
-    monkeypatch.setattr(policies, "random_checkpoint", lambda shape, dry_run=False: Path("/checkpoint"))
-    argv = ["--workloads", "nano", "--loads", "0.5,0.9", "--policies", "fifo,mixed", "--idle-prompts", "0",
-            "--saturation", "nano=40", "--results-dir", str(tmp_path)]  # fmt: skip
-    with pytest.raises(SystemExit, match="the time limit"):
-        policies.main(argv)
-    assert [cmd[cmd.index("--rates") + 1] for cmd in sent] == ["20.0,36.0"]  # no all-at-once run
-    summary = json.loads((tmp_path / "policies" / "summary.json").read_text())
-    assert summary["saturation_req_per_s"] == {"nano": 40.0} and "--saturation nano=40" in summary["command"]
-    assert [(r["policy"], r["load"]) for r in summary["rows"]] == [("fifo", "0.50"), ("fifo", "0.90")]
-    with pytest.raises(SystemExit, match="--saturation 'nano=0': expected WORKLOAD=REQ_PER_S"):
-        policies.main([*argv[:-4], "--saturation", "nano=0", "--dry-run"])
-
-
-def test_policies_sends_more_requests_a_load_where_asked_and_writes_the_trace_that_long(tmp_path: Path, monkeypatch):
-    """``--prompts WORKLOAD=N``: each load sends N requests, and a trace workload's trace is written N long (its
-    first requests as before); a fixed trace takes no more than it holds; bad counts are one-line errors."""
-    policies = load(BENCHMARKS / "policies.py")
-    sent: list[list[str]] = []
-
-    class Running:
-        def __init__(self, cmd: list[str], *args: object) -> None:
-            pass
-
-        def __enter__(self) -> Running:
             return self
 
         def __exit__(self, *exc: object) -> None:
@@ -324,9 +283,34 @@ def test_policies_sends_more_requests_a_load_where_asked_and_writes_the_trace_th
         Path(cmd[cmd.index("--result-file") + 1]).write_text(json.dumps({"runs": runs}))
         return 0
 
-    monkeypatch.setattr(policies, "Server", Running)
+    monkeypatch.setattr(policies, "Server", Server)
     monkeypatch.setattr(policies, "run", answer)
     monkeypatch.setattr(policies, "random_checkpoint", lambda shape, dry_run=False: Path("/checkpoint"))
+    return sent
+
+
+def test_policies_takes_a_known_saturation_and_leaves_a_summary_after_every_policy(tmp_path: Path, monkeypatch):
+    """A run cut short during its second policy (a time limit) still leaves the first policy's summary; with
+    ``--saturation`` no all-at-once run is sent and the loads are fractions of the rate given."""
+    policies = load(BENCHMARKS / "policies.py")
+    sent = served_without_a_server(policies, monkeypatch, stop_at="mixed")
+    argv = ["--workloads", "nano", "--loads", "0.5,0.9", "--policies", "fifo,mixed", "--idle-prompts", "0",
+            "--saturation", "nano=40", "--results-dir", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit, match="the time limit"):
+        policies.main(argv)
+    assert [cmd[cmd.index("--rates") + 1] for cmd in sent] == ["20.0,36.0"]  # no all-at-once run
+    summary = json.loads((tmp_path / "policies" / "summary.json").read_text())
+    assert summary["saturation_req_per_s"] == {"nano": 40.0} and "--saturation nano=40" in summary["command"]
+    assert [(r["policy"], r["load"]) for r in summary["rows"]] == [("fifo", "0.50"), ("fifo", "0.90")]
+    with pytest.raises(SystemExit, match="--saturation 'nano=0': expected WORKLOAD=REQ_PER_S"):
+        policies.main([*argv[:-4], "--saturation", "nano=0", "--dry-run"])
+
+
+def test_policies_sends_more_requests_a_load_where_asked_and_writes_the_trace_that_long(tmp_path: Path, monkeypatch):
+    """``--prompts WORKLOAD=N``: each load sends N requests, and a trace workload's trace is written N long (its
+    first requests as before); a fixed trace takes no more than it holds; bad counts are one-line errors."""
+    policies = load(BENCHMARKS / "policies.py")
+    sent = served_without_a_server(policies, monkeypatch)
     argv = ["--workloads", "held-out-classify", "--loads", "0.5", "--policies", "fifo", "--idle-prompts", "0",
             "--saturation", "held-out-classify=800", "--results-dir", str(tmp_path)]  # fmt: skip
     assert policies.main([*argv, "--prompts", "held-out-classify=2500"]) == 0
