@@ -210,6 +210,37 @@ def test_w8a16_linear_late_sum_matches_reference(m: int, block) -> None:
         assert_close_product(got, fp8.w8a16_reference(x, wq, w_scale, block, b))
 
 
+def test_w8a16_sums_late_wherever_the_cuda_cores_sum() -> None:
+    """The default launch: ``LATE_SUM`` from one to four rows (the CUDA cores' path), tensor cores after."""
+    for m in (1, 2, 3, 4, 5, 8, 16):
+        cfg = qk.w8a16_config(m, 4096, 4096, None)
+        assert cfg["LATE_SUM"] is (m <= 4) and cfg["USE_DOT"] is (m > 4)
+        assert qk.w8a16_config(m, 4096, 4096, (128, 128))["LATE_SUM"] is (m <= 4)
+
+
+def test_per_token_quantization_of_wide_rows_runs_eight_warps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One program a row: from 2,048 columns its launch has eight warps (four below, and for 1 x 128 groups)."""
+    warps = []
+    real = qk._quantize
+
+    class Recorder:
+        def __init__(self, kernel) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                warps.append(kwargs["num_warps"])
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(qk, "_quantize", lambda interpret: Recorder(real(interpret)))
+    x = torch.randn(2, 4096, dtype=torch.bfloat16)
+    for k, group in ((4096, None), (2048, None), (1024, None), (4096, 128)):
+        qk.quantize_activation(x[:, :k], group)
+    assert warps == [8, 8, 4, 4]
+
+
 def test_w8a16_late_sum_refuses_tensor_cores() -> None:
     wq, w_scale = weight_case(64, 128, None)
     cfg = dict(qk.w8a16_config(8, 64, 128, None), LATE_SUM=True)
