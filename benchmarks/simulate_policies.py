@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     for workload, (ok, cells) in held.items():
         print(f"held out (fitted on nothing): {workload}, {ok} of {cells} cells within the goal")
     order = policy_order(rows)
-    print(f"the policies' order on each p99 (measured figures more than 10% apart): the same in "
+    apart = f"{100 * (ORDER_MARGIN - 1):.0f}%"
+    print(f"the policies' order on each p99 (measured figures more than {apart} apart): the same in "
           f"{sum(p['same'] for p in order)} of {len(order)} pairs")  # fmt: skip
     for p in order:
         if not p["same"]:

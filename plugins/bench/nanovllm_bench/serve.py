@@ -925,7 +925,7 @@ def print_summary(s: dict[str, Any], metrics: Sequence[str] = METRICS, percentil
             f"client event loop lag ms ({s['client_processes']} process{'es' if s['client_processes'] > 1 else ''}): "
             f"mean {s['mean_client_loop_lag_ms']:.2f}  p99 {s['p99_client_loop_lag_ms']:.2f}  "
             f"max {s['max_client_loop_lag_ms']:.2f}; "
-            f"longest garbage collection {s.get('max_client_gc_pause_ms', 0.0):.2f}"
+            f"longest garbage collection {s['max_client_gc_pause_ms']:.2f}"
         )
     for priority, c in s.get("by_priority", {}).items():
         lines.append(
