@@ -90,12 +90,14 @@ def servers_command(args: argparse.Namespace) -> list[str]:
 
 
 IDLE_PROMPTS = ((20000, 200), (10000, 1000))  # the long and short prompts of each request_timeline.py run
+CPU_PROBE = ["--cpu-requests", "256"]  # the first run also measures the front-end's CPU a request and a token
 IDLE_MAX_MODEL_LEN = 32768
 
 
 def idle_commands(args: argparse.Namespace, folder: Path) -> tuple[list[str], list[tuple[Path, list[str]]]]:
     """The idle server (writing its requests' timeline) and the ``request_timeline.py --json`` runs against it:
-    the client's part of a first token's time and the pipe to the engine with no step to wait for."""
+    the client's part of a first token's time, the pipe to the engine with no step to wait for, and the front-end's
+    CPU a request and a streamed token."""
     timeline = str(folder / "idle_timeline.jsonl")
     flags = ["--attention", "triton", "--request-timeline", timeline]
     if args.kv_cache_dtype != "auto":
@@ -104,9 +106,9 @@ def idle_commands(args: argparse.Namespace, folder: Path) -> tuple[list[str], li
     server = serve_command(checkpoint, args.port, IDLE_MAX_MODEL_LEN, *flags)
     script = str(Path(__file__).resolve().parent / "request_timeline.py")
     clients = []
-    for long, short in IDLE_PROMPTS:
+    for i, (long, short) in enumerate(IDLE_PROMPTS):
         out = folder / f"idle_{long}_{short}.json"
-        cmd = [sys.executable, script, "--port", str(args.port), "--timeline", timeline]
+        cmd = [sys.executable, script, "--port", str(args.port), "--timeline", timeline, *(CPU_PROBE if i == 0 else [])]
         clients.append((out, [*cmd, "--long", str(long), "--short", str(short), "--runs", "3", "--json", str(out)]))
     return server, clients
 

@@ -13,6 +13,11 @@ the wait for the running step), ``engine_arrival -> first_scheduled`` (the engin
 first_token`` (the last chunk's step and the read of its token), ``first_token -> first_token_delivered`` (the
 hand-over back) and what the client saw beyond ``received -> first_token_delivered`` (the HTTP reply's way out
 and the request's way in). Standard library only: it runs beside any server.
+
+``--cpu-requests N`` then measures the front-end's CPU (the server process's ``process_cpu_seconds_total``, read
+from ``/metrics`` before and after): N short-prompt requests of one output token, then N of ``--cpu-output-tokens``
+each, ``--cpu-concurrency`` at a time. The first burst gives the CPU a request takes, the difference the CPU each
+further streamed token takes: what ``nanovllm simulate`` charges the front-end per request and per token.
 """
 
 from __future__ import annotations
@@ -29,15 +34,19 @@ STAGES = ("received", "validated", "handed", "engine_arrival", "first_scheduled"
           "first_token_delivered")  # fmt: skip
 
 
-def first_token_seconds(host: str, port: int, model: str, prompt: list[int], api_key: str | None) -> float:
-    """Send one streamed completion of ``prompt``; seconds from the request's first byte to its first token."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "stream": True, "ignore_eos": True})
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+
+
+def first_token_seconds(
+    host: str, port: int, model: str, prompt: list[int], api_key: str | None, max_tokens: int = 1
+) -> float:
+    """Send one streamed completion of ``prompt``; seconds from the request's first byte to its first token (the
+    rest of the stream is read to its end)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True})
     conn = http.client.HTTPConnection(host, port, timeout=600)
     start = time.perf_counter()
-    conn.request("POST", "/v1/completions", body=body, headers=headers)
+    conn.request("POST", "/v1/completions", body=body, headers=_headers(api_key))
     response = conn.getresponse()
     if response.status != 200:
         raise SystemExit(f"error: the server answered {response.status}: {response.read()[:300]!r}")
@@ -53,6 +62,40 @@ def first_token_seconds(host: str, port: int, model: str, prompt: list[int], api
     return seconds
 
 
+def process_cpu_seconds(host: str, port: int, api_key: str | None) -> float:
+    """The server process's CPU seconds so far (``process_cpu_seconds_total`` on ``/metrics``)."""
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    conn.request("GET", "/metrics", headers=_headers(api_key))
+    text = conn.getresponse().read().decode()
+    conn.close()
+    for line in text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    raise SystemExit("error: the server's /metrics has no process_cpu_seconds_total (a Linux nanovllm serve has it)")
+
+
+def frontend_cpu(args: argparse.Namespace, model: str, rng: random.Random) -> dict:
+    """The front-end's CPU a request takes and each further streamed token: two bursts of short prompts, one output
+    token each and then ``--cpu-output-tokens``, the server's CPU read before and after each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def burst(max_tokens: int) -> float:
+        prompts = [[rng.randrange(10, args.max_token_id) for _ in range(args.short)] for _ in range(args.cpu_requests)]
+        before = process_cpu_seconds(args.host, args.port, args.api_key)
+        with ThreadPoolExecutor(args.cpu_concurrency) as pool:
+            list(pool.map(lambda p: first_token_seconds(args.host, args.port, model, p, args.api_key, max_tokens),
+                          prompts))  # fmt: skip
+        return process_cpu_seconds(args.host, args.port, args.api_key) - before
+
+    one, many = burst(1), burst(args.cpu_output_tokens)
+    per_token = (many - one) / (args.cpu_requests * (args.cpu_output_tokens - 1))
+    return {
+        "requests": args.cpu_requests, "prompt_tokens": args.short, "output_tokens": args.cpu_output_tokens,
+        "concurrency": args.cpu_concurrency, "ms_per_request": 1e3 * one / args.cpu_requests,
+        "ms_per_output_token": 1e3 * max(per_token, 0.0),
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--timeline", type=Path, required=True, help="the server's --request-timeline file")
@@ -65,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="prompts of each length, one at a time")
     parser.add_argument("--max-token-id", type=int, default=10000, help="prompts draw ids from 10 to this")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--cpu-requests", type=int, default=0, help="then measure the front-end's CPU over N requests")
+    parser.add_argument("--cpu-output-tokens", type=int, default=32, help="output tokens of the second burst")
+    parser.add_argument("--cpu-concurrency", type=int, default=16, help="requests in flight in each burst")
     args = parser.parse_args(argv)
+    if args.cpu_requests < 0 or args.cpu_output_tokens < 2 or args.cpu_concurrency < 1:
+        parser.error("--cpu-requests is 0 or more, --cpu-output-tokens 2 or more, --cpu-concurrency 1 or more")
     model = args.model
     if model is None:
         conn = http.client.HTTPConnection(args.host, args.port, timeout=30)
@@ -96,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, ms in stages.items():
             print(f"  {name:<44} {ms:9.2f} ms")
         print(f"  {'the way in and out (client minus server)':<44} {seen - server:9.2f} ms")
+    if args.cpu_requests:
+        cpu = result["frontend_cpu"] = frontend_cpu(args, model, rng)
+        print(f"front-end CPU: {cpu['ms_per_request']:.3f} ms a request of {args.short} prompt tokens and one output "
+              f"token, {cpu['ms_per_output_token']:.4f} ms each further streamed token ({args.cpu_requests} requests "
+              f"a burst, {args.cpu_concurrency} at a time)")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0

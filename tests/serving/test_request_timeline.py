@@ -5,9 +5,11 @@ On the CPU demo's tiny model the front-end's own part of a short request is smal
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
+from nanovllm_testing.scripts import load_script
 from serving_helpers import API_KEY, MODEL, start_server
 from test_vllm_metrics import by_name, scrape
 
@@ -86,11 +88,23 @@ def test_nanovllm_serve_writes_it_with_the_engine_in_its_own_process(tiny_path, 
         for i in range(2):
             body = {"prompt": f"process {i}", "max_tokens": 4, "ignore_eos": True}
             assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).status_code == 200
+        # the benchmark that times an idle server's stages and its front-end's CPU, on the real command
+        script = load_script(Path(__file__).parents[2] / "benchmarks" / "request_timeline.py")
+        out = tmp_path / "idle.json"
+        assert script.main(["--port", str(port), "--timeline", str(path), "--long", "48", "--short", "8", "--runs",
+                            "1", "--max-token-id", "300", "--cpu-requests", "8", "--cpu-output-tokens", "3",
+                            "--cpu-concurrency", "4", "--json", str(out)]) == 0  # fmt: skip
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, proc.communicate()[0]
+    figures = json.loads(out.read_text())
+    assert figures["short"]["prompt_tokens"] == 8 and figures["long"]["server_ttft_ms"] > 0
+    cpu = figures["frontend_cpu"]
+    assert cpu["requests"] == 8 and cpu["output_tokens"] == 3 and cpu["ms_per_request"] > 0
+    assert cpu["ms_per_output_token"] >= 0
     records = [json.loads(line) for line in path.read_text().splitlines()[1:]]
-    assert len(records) == 2
+    assert len(records) == 2 + 2 + 16  # this test's, the timed pair, the two bursts
+    records = records[:2]
     for record in records:
         assert record["handed"] <= record["engine_arrival"] <= record["first_scheduled"] <= record["first_token"]
         assert record["first_token"] <= record["first_token_delivered"] <= record["delivered"]

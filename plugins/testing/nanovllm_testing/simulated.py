@@ -16,6 +16,7 @@ drops the fake model and the per-token checks (every token is :data:`EMITTED_TOK
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
 from nanovllm_core.config import EngineConfig
@@ -93,11 +94,13 @@ class _FakeStep:
         self.batch, self.sampled, self.end, self.sim, self.receivers = batch, sampled, end, sim, receivers
 
     def tokens(self) -> list[int | None]:
-        end = self.end
+        end, sim = self.end, self.sim
         for token_times in self.receivers:
             token_times.append(end)
-        if end > self.sim.read_until:
-            self.sim.read_until = end
+        if end > sim.read_until:
+            sim.read_until = end
+        if sim.on_read is not None:
+            sim.on_read(end, self.receivers)
         return self.sampled
 
 
@@ -279,6 +282,8 @@ class SimulatedEngine:
         self.read_until = 0.0  # the end of the latest step whose tokens the host read
         # request id -> where its tokens' times land (the host's reading of the step that sampled each)
         self.token_times: dict[str, list[float]] = {}
+        # called as the host reads each step's tokens: (the step's end, the token-times lists it appended to)
+        self.on_read: Callable[[float, list[list[float]]], None] | None = None
 
     @property
     def num_preemptions(self) -> int:

@@ -463,10 +463,19 @@ def _idle_line(paths: list[str], figure: Callable[[dict[str, Any]], float]) -> t
 def client_from_timings(paths: list[str]) -> dict[str, Any]:
     """The client's part of a first token's time, outside the server (the request's way in, the reply's way out),
     from ``benchmarks/request_timeline.py --json`` files: each prompt length's client-seen first token less the
-    server's receipt-to-hand-over, a line over the prompt lengths (a fixed part and a part per 1k prompt tokens)."""
+    server's receipt-to-hand-over, a line over the prompt lengths (a fixed part and a part per 1k prompt tokens).
+    Where a file also measured the front-end's CPU (``--cpu-requests``), its CPU a request and a streamed token too:
+    the simulator then queues every request's and token's work on the front-end (``simulate.frontend``)."""
     fixed, per_1k = _idle_line(paths, lambda figures: figures["outside_server_ms"])
-    return {"client_ms": fixed, "client_ms_per_1k_prompt_tokens": per_1k,
-            "client_source": " ".join(Path(p).name for p in paths)}  # fmt: skip
+    client = {"client_ms": fixed, "client_ms_per_1k_prompt_tokens": per_1k,
+              "client_source": " ".join(Path(p).name for p in paths)}  # fmt: skip
+    for path in paths:
+        cpu = json.loads(Path(path).read_text()).get("frontend_cpu")
+        if cpu:
+            client.update(cpu_ms_per_request=cpu["ms_per_request"], cpu_prompt_tokens=cpu["prompt_tokens"],
+                          output_cpu_ms_per_token=cpu["ms_per_output_token"], cpu_source=Path(path).name)  # fmt: skip
+            break
+    return client
 
 
 def pipe_from_timings(paths: list[str]) -> tuple[float, float] | None:

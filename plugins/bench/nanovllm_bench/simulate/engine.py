@@ -16,6 +16,7 @@ from typing import Any
 from nanovllm_testing.simulated import SimulatedEngine
 
 from nanovllm_bench.simulate.cost import Calibration
+from nanovllm_bench.simulate.frontend import FixedFrontEnd, FrontEndQueue, front_end_for
 from nanovllm_core.errors import ConfigError
 from nanovllm_core.interfaces import Scheduler
 from nanovllm_core.sampling_params import SamplingParams
@@ -39,7 +40,8 @@ class RequestTimes:
     request: TraceRequest
     admitted: float = 0.0  # reached the engine (arrival + the front-end's intake)
     admitted_step: int = 0  # the step before which it was added
-    token_times: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # the engine read each token
+    delivered: list[float] = field(default_factory=list)  # each token left the front-end for the client
 
 
 def _import_class(spec: str) -> type[Scheduler]:
@@ -117,6 +119,7 @@ class TraceSimulator(SimulatedEngine):
             **{**ENGINE_LIMITS, **options},
         )
         self.calibration = calibration
+        self.front_end: FixedFrontEnd = front_end_for(calibration.frontend)  # replay's, once it ran
         self.times: dict[str, RequestTimes] = {}
         # (time, KV-cache use, running, waiting, preemptions so far) after each step
         self.timeline: list[tuple[float, float, int, int, int]] = []
@@ -152,33 +155,50 @@ class TraceSimulator(SimulatedEngine):
         self.scheduler.num_preemptions = 0
 
     def replay(self, trace: list[TraceRequest], max_steps: int = 10_000_000) -> list[RequestTimes]:
-        """Every request of ``trace`` (sorted by arrival) through the engine; their token times."""
-        cal = self.calibration
-        intake = cal.frontend.get("intake_ms", 0.0) / 1e3
-        intake_per_token = cal.frontend.get("intake_ms_per_1k_prompt_tokens", 0.0) / 1e6
+        """Every request of ``trace`` (sorted by arrival) through the front-end and the engine; their token times."""
+        front = self.front_end = front_end_for(self.calibration.frontend)
+        queued = isinstance(front, FrontEndQueue)
         pending = sorted(trace, key=lambda r: r.arrival)
         for i, req in enumerate(pending):
             if not req.request_id:
                 req.request_id = str(i)
         if len({r.request_id for r in pending}) != len(pending):
             raise ConfigError("the trace repeats a request id")
-        timed = [RequestTimes(req, admitted=req.arrival + intake + intake_per_token * len(req.prompt))
-                 for req in pending]  # fmt: skip
+        timed = [RequestTimes(req) for req in pending]
         for t in timed:
             self.times[t.request.request_id] = t
             self.token_times[t.request.request_id] = t.token_times
+            front.expect(t.token_times, t.request.max_tokens)
+        # the fixed front-end admits each request independently of the engine: all at once; the queue needs the
+        # outputs that came back before a request's arrival, known once the engine has stepped past it
+        known = 0
+        if not queued:
+            for t in timed:
+                t.admitted = front.admit(t.request.arrival, len(t.request.prompt))
+            known = len(timed)
+        self.on_read = front.on_read if queued else None
         core, bm, scheduler = self.core, self.block_manager, self.scheduler
         with _cyclic_gc_paused():
             nxt = 0
             while True:
-                if not core.has_unfinished_requests():
-                    if nxt == len(timed):
-                        break
-                    self.now = max(self.now, timed[nxt].admitted)
-                while nxt < len(timed) and timed[nxt].admitted <= self.now:
-                    self._add(timed[nxt].request)
-                    timed[nxt].admitted_step = self.steps
+                idle = not core.has_unfinished_requests()
+                if idle and nxt == len(timed):
+                    break
+                while nxt < len(timed):
+                    t = timed[nxt]
+                    if nxt == known:
+                        if t.request.arrival > self.now and not idle:
+                            break
+                        t.admitted = front.admit(t.request.arrival, len(t.request.prompt))
+                        known += 1
+                    if t.admitted > self.now:
+                        if not idle:
+                            break
+                        self.now = t.admitted  # nothing runs: the clock jumps to the next admission
+                    self._add(t.request)
+                    t.admitted_step = self.steps
                     nxt += 1
+                    idle = False
                 self.step()
                 if self.steps > max_steps:
                     raise RuntimeError(f"{self.name}: more than {max_steps} steps (starvation or a livelock)")
@@ -191,4 +211,7 @@ class TraceSimulator(SimulatedEngine):
                         scheduler.num_preemptions,
                     )
                 )
+        self.on_read = None
+        for t in timed:
+            t.delivered = front.delivered(t.token_times)
         return timed

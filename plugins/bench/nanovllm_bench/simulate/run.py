@@ -35,6 +35,7 @@ from nanovllm_bench.simulate.cost import (
     shipped_calibrations,
 )
 from nanovllm_bench.simulate.engine import RequestTimes, TraceRequest, TraceSimulator
+from nanovllm_bench.simulate.frontend import FrontEndQueue
 from nanovllm_core.errors import ConfigError
 
 DEFAULT_CALIBRATION = "h200-qwen3-0.6b-bf16"
@@ -99,13 +100,14 @@ def build_workload(args: argparse.Namespace, rate: float) -> list[TraceRequest]:
 
 
 def client_results(times: list[RequestTimes], frontend: dict[str, Any]) -> list[RequestResult]:
-    """What ``bench serve`` measures of each request: a token reaches the client the front-end's ``delivery_ms``
-    after its step, and the first and last token also the client's own way in and out (``client_ms`` plus
-    ``client_ms_per_1k_prompt_tokens``) later."""
+    """What ``bench serve`` measures of each request: a token reaches the client when the front-end delivered it
+    (without delivery times, the front-end's ``delivery_ms`` after its step), and the first and last token also the
+    client's own way in and out (``client_ms`` plus ``client_ms_per_1k_prompt_tokens``) later."""
     delivery_s = frontend.get("delivery_ms", 0.0) / 1e3
     results = []
     for t in times:
-        req, tokens = t.request, t.token_times
+        req = t.request
+        tokens = t.delivered or [x + delivery_s for x in t.token_times]
         result = RequestResult(prompt_tokens=len(req.prompt), priority=req.priority)
         if len(tokens) == req.max_tokens:
             client_ms = frontend.get("client_ms", 0.0) + frontend.get("client_ms_per_1k_prompt_tokens", 0.0) * (
@@ -113,8 +115,8 @@ def client_results(times: list[RequestTimes], frontend: dict[str, Any]) -> list[
             )
             result.ok = True
             result.output_tokens = len(tokens)
-            result.ttft = tokens[0] + delivery_s + client_ms / 1e3 - req.arrival
-            result.latency = tokens[-1] + delivery_s + client_ms / 1e3 - req.arrival
+            result.ttft = tokens[0] + client_ms / 1e3 - req.arrival
+            result.latency = tokens[-1] + client_ms / 1e3 - req.arrival
             result.itl = [b - a for a, b in zip(tokens, tokens[1:])]
         else:
             result.error = f"{len(tokens)} of {req.max_tokens} tokens"
@@ -165,6 +167,11 @@ def simulate_once(args: argparse.Namespace, calibration: Calibration, scheduler:
             "wall_s": wall,
             "simulated_s_per_wall_s": engine.now / wall if wall else None,
             "gpu_busy_fraction": engine.gpu_busy / engine.now if engine.now else 0.0,
+            # the front-end's CPU, where the calibration queues its work (None: fixed times)
+            "frontend_busy_fraction": (
+                engine.front_end.busy / engine.now if isinstance(engine.front_end, FrontEndQueue) and engine.now
+                else None
+            ),
             "num_preemptions": engine.scheduler.num_preemptions,
             "mean_kv_cache_usage": sum(usage) / len(usage) if usage else 0.0,
             "max_kv_cache_usage": max(usage, default=0.0),
@@ -187,12 +194,18 @@ def _json_option(flag: str, text: str | None) -> dict[str, Any]:
     return value
 
 
+def _frontend_busy(sim: dict[str, Any]) -> str:
+    front = sim.get("frontend_busy_fraction")
+    return "" if front is None else f"front-end CPU busy {100 * front:.0f}%, "
+
+
 def print_simulated(s: dict[str, Any]) -> None:
     sim = s["simulated"]
     print(
         f"{s['scheduler']}: {sim['steps']:,} steps, {sim['simulated_s']:.2f} simulated s in {sim['wall_s']:.2f} "
         f"wall s ({sim['simulated_s_per_wall_s']:.0f} simulated s per wall-clock s); "
         f"GPU busy {100 * sim['gpu_busy_fraction']:.0f}%, "
+        f"{_frontend_busy(sim)}"
         f"KV cache use mean {100 * sim['mean_kv_cache_usage']:.0f}% max {100 * sim['max_kv_cache_usage']:.0f}%, "
         f"{sim['num_preemptions']} preemptions",
         flush=True,
@@ -331,6 +344,11 @@ def run_simulate(args: argparse.Namespace) -> int:
             errors = {kind: q[f"{kind}_steps_mean_abs_error_pct"] for kind in ("decode", "prompt")}
             shown = ", ".join(f"{e:.1f}% of {kind} steps" for kind, e in errors.items() if e is not None)
             print(f"  {source}: mean abs error {shown}")
+        f = cal.frontend
+        if "output_cpu_ms_per_token" in f:
+            print(f"  front-end, queued on one CPU: {f['cpu_ms_per_request']:.3f} ms a request of "
+                  f"{f['cpu_prompt_tokens']} prompt tokens and one output token, {f['output_cpu_ms_per_token']:.4f} ms "
+                  f"each further token ({f['cpu_source']})")  # fmt: skip
         return 0
     calibration = load_calibration(args.calibration)
     schedulers = args.scheduler or ["fifo"]
