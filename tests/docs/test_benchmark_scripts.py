@@ -325,3 +325,22 @@ def test_policies_sends_more_requests_a_load_where_asked_and_writes_the_trace_th
     ):
         with pytest.raises(SystemExit, match=message):
             policies.main([*argv, "--prompts", bad, "--dry-run"])
+
+
+def test_frontend_queue_measures_a_real_front_end_and_simulates_it_both_ways(tmp_path: Path) -> None:
+    """The front-end against the scripted engine: its idle CPU figures make the calibrations, the load is measured,
+    then simulated with the fixed and the queued front-end (small: the figures are docs/evaluating-a-scheduler.md's)."""
+    out = run_script(BENCHMARKS / "frontend_queue.py", "--loads", "0.5", "--num-prompts", "80", "--probe-requests",
+                     "32", "--results-dir", str(tmp_path))  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads((tmp_path / "frontend_queue" / "summary.json").read_text())
+    cpu = summary["idle"]["frontend_cpu"]
+    assert cpu["requests"] == 32 and cpu["ms_per_request"] > 0
+    (row,) = summary["rows"]
+    assert row["load"] == 0.5 and row["rate"] > 0
+    for kind in ("measured", "fixed", "queued"):
+        assert row[kind]["request_throughput"] > 0 and row[kind]["p99_ttft_ms"] > 0, kind
+    queued = json.loads((tmp_path / "frontend_queue" / "calibration_queued.json").read_text())["frontend"]
+    fixed = json.loads((tmp_path / "frontend_queue" / "calibration_fixed.json").read_text())["frontend"]
+    assert queued["output_cpu_ms_per_token"] >= 0 and "output_cpu_ms_per_token" not in fixed
+    assert "front-end busy" in out.stdout

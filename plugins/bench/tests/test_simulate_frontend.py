@@ -98,3 +98,25 @@ def test_the_cpu_probe_of_an_idle_server_becomes_the_calibrations_front_end_cost
     client = client_from_timings([str(timings)])
     assert {k: client[k] for k in CPU} == CPU and client["cpu_source"] == "idle.json"
     assert isinstance(front_end_for({**FIXED, **client}), FrontEndQueue)
+
+
+def test_an_idle_servers_stages_alone_fit_the_whole_front_end(tmp_path) -> None:
+    """Without request timelines under load: the intake is a line through the idle stages up to the hand-over, plus
+    the pipe's line; the hand-over back is the mean of the idle first tokens'."""
+    from nanovllm_bench.simulate.cost import frontend_from_idle
+
+    def stages(validated: float, handed: float, pipe: float, back: float) -> dict:
+        return {"received -> validated": validated, "validated -> handed": handed, "handed -> engine_arrival": pipe,
+                "first_token -> first_token_delivered": back}  # fmt: skip
+
+    timings = tmp_path / "idle.json"
+    timings.write_text(json.dumps({
+        "long": {"prompt_tokens": 10200, "outside_server_ms": 1.0, "stages_ms": stages(2.3, 0.1, 0.5, 0.4)},
+        "short": {"prompt_tokens": 200, "outside_server_ms": 0.8, "stages_ms": stages(0.3, 0.1, 0.3, 0.2)},
+    }))  # fmt: skip
+    frontend = frontend_from_idle([str(timings)])
+    assert frontend["hop_ms_per_1k_prompt_tokens"] == pytest.approx(0.02)
+    assert frontend["hop_ms"] == pytest.approx(0.3 - 0.2 * 0.02)
+    assert frontend["intake_ms_per_1k_prompt_tokens"] == pytest.approx(0.2 + 0.02)
+    assert frontend["intake_ms"] == pytest.approx(0.4 - 0.2 * 0.2 + frontend["hop_ms"])
+    assert frontend["delivery_ms"] == pytest.approx(0.3) and frontend["hop_source"] == "an idle server's"

@@ -16,7 +16,8 @@ __all__ = ["ScriptedEngine", "build_scripted_engine"]
 
 
 class ScriptedEngine:
-    """The step loop's view of an engine, with steps of a fixed duration and one token per running request."""
+    """The step loop's view of an engine, with steps of a fixed duration and one token per running request (the
+    ones that joined a step too)."""
 
     def __init__(self, model: str, step_s: float, max_num_seqs: int) -> None:
         self.config = EngineConfig(model=model, max_model_len=4096, max_num_seqs=max_num_seqs)
@@ -25,11 +26,12 @@ class ScriptedEngine:
         self.waiting: list[str] = []
         self.running: dict[str, list] = {}  # request id -> [tokens left, generated, metrics]
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.arrivals: dict[str, float] = {}  # request id -> when it reached the engine
         self.generated = 0
-        self.next_step = 0.0
 
     def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str) -> None:
         self.requests[request_id] = (token_ids, params)
+        self.arrivals[request_id] = time.monotonic()
         self.waiting.append(request_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -37,6 +39,7 @@ class ScriptedEngine:
             return None
         token_ids, _ = self.requests.pop(request_id)
         self.running.pop(request_id, None)
+        self.arrivals.pop(request_id, None)
         if request_id in self.waiting:
             self.waiting.remove(request_id)
         return RequestOutput(request_id, None, token_ids, [CompletionOutput(0, "", [], "abort")], True)
@@ -48,19 +51,22 @@ class ScriptedEngine:
         return EngineStats(len(self.running), len(self.waiting), 1, 1, 0, 0, 0, 0, self.generated, 0)
 
     def step(self) -> list[RequestOutput]:
+        """As a GPU step without async scheduling: the batch is fixed as the step starts (the waiting requests that
+        fit join it), the step takes ``step_s``, then every request in it gets a token."""
         now = time.monotonic()
-        if self.next_step > now:
-            time.sleep(self.next_step - now)
-        self.next_step = max(now, self.next_step) + self.step_s
+        end = now + self.step_s
         while self.waiting and len(self.running) < self.max_num_seqs:
             request_id = self.waiting.pop(0)
             token_ids, params = self.requests[request_id]
+            arrival = self.arrivals.pop(request_id)
             self.running[request_id] = [
                 params.max_tokens,
                 0,
-                RequestMetrics(now, now, num_prompt_tokens=len(token_ids)),
+                RequestMetrics(arrival, now, num_prompt_tokens=len(token_ids), prompt_scheduled_time=now),
             ]
         outputs = []
+        if end > time.monotonic():
+            time.sleep(end - time.monotonic())
         now = time.monotonic()
         for request_id, state in list(self.running.items()):
             state[0] -= 1
@@ -84,6 +90,7 @@ class ScriptedEngine:
                 )
             )
             if finish:
+                metrics.finished_time = now
                 del self.running[request_id]
                 del self.requests[request_id]
         self.generated += len(outputs)

@@ -478,6 +478,28 @@ def client_from_timings(paths: list[str]) -> dict[str, Any]:
     return client
 
 
+def frontend_from_idle(paths: list[str]) -> dict[str, Any]:
+    """The front-end's time per request from an idle server alone (``request_timeline.py --json`` files' stages):
+    a line over the prompt length through the HTTP request to the hand-over, plus the pipe to the engine, and the
+    mean hand-over of a first token back. With nothing queued the medians are the work itself, so a calibration
+    fitted this way holds no load of any workload."""
+    fixed, per_1k = _idle_line(
+        paths, lambda f: f["stages_ms"]["received -> validated"] + f["stages_ms"]["validated -> handed"]
+    )
+    hop, hop_per_1k = _idle_line(paths, lambda f: f["stages_ms"]["handed -> engine_arrival"])
+    back = [
+        figures["stages_ms"]["first_token -> first_token_delivered"]
+        for path in paths
+        for kind, figures in json.loads(Path(path).read_text()).items()
+        if kind in ("long", "short")
+    ]
+    return {
+        "intake_ms": fixed + hop, "intake_ms_per_1k_prompt_tokens": per_1k + hop_per_1k, "hop_ms": hop,
+        "hop_ms_per_1k_prompt_tokens": hop_per_1k, "hop_source": "an idle server's",
+        "delivery_ms": statistics.fmean(back), "source": " ".join(Path(p).name for p in paths),
+    }  # fmt: skip
+
+
 def pipe_from_timings(paths: list[str]) -> tuple[float, float] | None:
     """The hop from the front-end's hand-over to the engine's arrival on an idle server, where no step is running
     to wait for (``request_timeline.py --json`` files' stages): ms and ms per 1k prompt tokens, the prompt's ids

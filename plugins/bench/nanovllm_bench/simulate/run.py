@@ -28,6 +28,7 @@ from nanovllm_bench.simulate.cost import (
     Calibration,
     calibrate,
     client_from_timings,
+    frontend_from_idle,
     frontend_from_metrics,
     frontend_from_timelines,
     load_calibration,
@@ -304,7 +305,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--client-timings", nargs="+", metavar="JSON",
         help="with --calibrate: benchmarks/request_timeline.py --json files of an idle server, from which the "
         "client's own part of a first token's time (outside the server) is fitted and added to every simulated TTFT "
-        "and latency, and, with --request-timelines, the hop to the engine process with no step to wait for",
+        "and latency, and, with --request-timelines, the hop to the engine process with no step to wait for; "
+        "without --request-timelines or --frontend-metrics, the whole front-end (its stages on the idle server)",
     )
 
 
@@ -325,6 +327,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.request_timelines:
             pipe = pipe_from_timings(args.client_timings) if args.client_timings else None
             frontend = frontend_from_timelines(args.request_timelines, pipe)
+        elif frontend is None and args.client_timings:
+            frontend = frontend_from_idle(args.client_timings)
         cal = calibrate(args.calibrate, commit=args.commit, date=args.date, frontend=frontend, client=client)
         Path(args.out).write_text(cal.to_json())
         c = cal.coefficients_ms
