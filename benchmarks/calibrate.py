@@ -25,9 +25,10 @@ into documents and 16k-token prompt steps, and the front-end's part of each requ
 names scrapes to take it from instead). Then one more server, idle, answers ``request_timeline.py --json``
 (prompts of 20,000 and 200 tokens, then 10,000 and 1,000, one at a time): the client's part of a first token's
 time, outside the server, and the pipe to the engine process where no step is running to wait for (under load
-the hop's stamps hold that wait, which the simulated engine adds itself). It never takes a held-out workload of
-``policies.py`` (``held-out-agents``, ``held-out-reasoning``, ``held-out-classify``: fitted on nothing): it refuses
-one.
+the hop's stamps hold that wait, which the simulated engine adds itself); the first of them also measures the
+front-end's CPU a request and a streamed token (``--cpu-requests``), which the simulator queues. It never takes a
+held-out workload of ``policies.py`` (``held-out-agents``, ``held-out-reasoning``, ``held-out-classify``,
+``held-out-extract``: fitted on nothing): it refuses one.
 
 Results go to RESULTS_DIR/calibrate/: NAME.json and NAME.log per run, and the calibration (``--out``, default
 RESULTS_DIR/calibrate/CALIBRATION.json), which records the GPU, commit, date and its fit per source run.

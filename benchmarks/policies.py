@@ -40,6 +40,12 @@ Workloads:
   its task: prefix-cache hits) and an input of 16-256 tokens of its own, answered with 1-8 tokens: each a short
   prompt step and a token or a few, so the front-end's time per request and its queue set the latency more than
   in any other workload.
+- ``held-out-extract``: **held out: fitted on nothing**, as the three before it, written after
+  ``held-out-classify`` was read and before the front-end's CPU was first measured for a calibration
+  (``held-out-extract.jsonl``, from :func:`extract_requests`, seed 0): 1,500 requests, each one of three
+  extraction schemas (an instruction of 256-512 tokens, shared by every request of its schema) and a document of
+  128-1,024 tokens, answered with 24-160 tokens: many requests a second, each streaming tens of tokens, so the
+  front-end's time per streamed token weighs as its time per request does.
 
 Loads are fractions of the workload's saturation rate: the request rate of the first policy's server with every
 request sent at once (``fifo``'s by default), so every policy sees the same arrival rates, or the rate
@@ -129,6 +135,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {  # bench serve flags, requests sent at 
     "held-out-agents": held_out_trace("held-out-agents", 1000),
     "held-out-reasoning": held_out_trace("held-out-reasoning", 300),
     "held-out-classify": held_out_trace("held-out-classify", 2000),
+    "held-out-extract": held_out_trace("held-out-extract", 1500),
 }
 LONG_DOCS_TRACE = WORKLOADS["long-docs"]["trace"]
 AGENTS_TRACE = WORKLOADS["held-out-agents"]["trace"]
@@ -341,11 +348,44 @@ def write_classify_trace(path: Path, num_requests: int = 2000) -> None:
     path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
 
 
+# held-out-extract: documents read into one of a few schemas, tens of tokens each (inclusive ranges)
+EXTRACT_SCHEMAS = 3
+EXTRACT_INSTRUCTION = (256, 512)  # each schema's instruction, shared by its requests
+EXTRACT_DOCUMENT = (128, 1024)
+EXTRACT_OUTPUT = (24, 160)
+
+
+def extract_requests(num_requests: int = 1500, seed: int = 0, vocab_size: int = 10000) -> list[dict[str, Any]]:
+    """The ``held-out-extract`` requests, in the order sent: ``{"prompt": [ids], "max_tokens": n}``. Each request
+    draws one of ``EXTRACT_SCHEMAS`` schemas, whose instruction opens its prompt, then a document of its own.
+    Deterministic for ``seed``, and the first ``n`` requests are the same whatever ``num_requests`` is."""
+    import random
+
+    rng = random.Random(seed)
+    instructions = [[rng.randrange(vocab_size) for _ in range(rng.randint(*EXTRACT_INSTRUCTION))]
+                    for _ in range(EXTRACT_SCHEMAS)]  # fmt: skip
+    rows = []
+    for _ in range(num_requests):
+        schema = rng.randrange(EXTRACT_SCHEMAS)
+        document = [rng.randrange(vocab_size) for _ in range(rng.randint(*EXTRACT_DOCUMENT))]
+        rows.append({"prompt": instructions[schema] + document, "max_tokens": rng.randint(*EXTRACT_OUTPUT)})
+    return rows
+
+
+def write_extract_trace(path: Path, num_requests: int = 1500) -> None:
+    """The ``held-out-extract`` trace (:func:`extract_requests`, seed 0) as JSON lines."""
+    import json
+
+    rows = extract_requests(num_requests)
+    path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
+
+
 TRACE_WRITERS = {
     "long-docs": write_long_documents_trace,
     "held-out-agents": write_agents_trace,
     "held-out-reasoning": write_reasoning_trace,
     "held-out-classify": write_classify_trace,
+    "held-out-extract": write_extract_trace,
 }
 IDLE_RATE = 2.0
 

@@ -27,6 +27,7 @@ BENCHMARKS = ROOT / "benchmarks"
 WORKLOAD = "held-out-agents"
 REASONING = "held-out-reasoning"
 CLASSIFY = "held-out-classify"
+EXTRACT = "held-out-extract"
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,8 @@ def test_its_steps_are_never_recorded_for_a_calibration(workloads: str | None, t
         BENCHMARKS / "policies.py", "--dry-run", "--step-records", *chosen, "--results-dir", str(tmp_path)
     )
     assert proc.returncode != 0 and proc.stdout == ""
-    held = "held-out-agents" if workloads else "held-out-agents, held-out-reasoning, held-out-classify"
+    every = "held-out-agents, held-out-reasoning, held-out-classify, held-out-extract"
+    held = "held-out-agents" if workloads else every
     assert proc.stderr.strip().splitlines() == [
         f"error: --step-records with {held}: a held-out workload is fitted on nothing; leave it out"
     ]
@@ -279,10 +281,44 @@ def test_the_classify_trace_is_deterministic_and_has_the_intended_shape(policies
     ]
 
 
-# held-out-reasoning and held-out-classify
+# held-out-extract
 
 
-@pytest.mark.parametrize(("workload", "prompts"), [(REASONING, 300), (CLASSIFY, 2000)])
+def test_the_extract_trace_is_deterministic_and_has_the_intended_shape(policies, tmp_path: Path) -> None:
+    trace = policies.extract_requests()
+    assert len(trace) == 1500 and policies.extract_requests(20) == trace[:20]
+    assert policies.extract_requests(20, seed=1) != trace[:20]
+    # three schemas: every prompt opens with one of three instructions, each shared by about a third of the requests
+    low, high = policies.EXTRACT_INSTRUCTION
+    by_schema: dict[tuple[int, ...], list[dict]] = defaultdict(list)
+    for row in trace:
+        by_schema[tuple(row["prompt"][:low])].append(row)
+    assert len(by_schema) == policies.EXTRACT_SCHEMAS
+    assert all(400 <= len(rows) <= 600 for rows in by_schema.values()), [len(r) for r in by_schema.values()]
+    for rows in by_schema.values():
+        shared = min(common_prefix(rows[0]["prompt"], r["prompt"]) for r in rows[1:])
+        assert low <= shared <= high
+        documents = [len(r["prompt"]) - shared for r in rows]
+        assert min(documents) >= policies.EXTRACT_DOCUMENT[0] - 2 and max(documents) <= policies.EXTRACT_DOCUMENT[1]
+    outputs = [r["max_tokens"] for r in trace]
+    assert min(outputs) == policies.EXTRACT_OUTPUT[0] and max(outputs) == policies.EXTRACT_OUTPUT[1]
+    assert 80 <= sum(outputs) / len(outputs) <= 104  # uniform over 24-160
+    assert all(max(r["prompt"]) < 10000 for r in trace)
+    assert max(len(r["prompt"]) + r["max_tokens"] for r in trace) <= policies.MAX_MODEL_LEN
+
+    from nanovllm_bench.serve import read_trace
+
+    path = tmp_path / "trace.jsonl"
+    policies.write_extract_trace(path, 50)
+    assert [(r.prompt, r.max_tokens) for r in read_trace(str(path), 0, 10000)] == [
+        (r["prompt"], r["max_tokens"]) for r in trace[:50]
+    ]
+
+
+# held-out-reasoning, held-out-classify and held-out-extract
+
+
+@pytest.mark.parametrize(("workload", "prompts"), [(REASONING, 300), (CLASSIFY, 2000), (EXTRACT, 1500)])
 def test_it_is_a_held_out_trace_workload(policies, workload: str, prompts: int) -> None:
     spec = policies.WORKLOADS[workload]
     assert workload in policies.HELD_OUT and spec["held_out"] and spec["trace"] == f"{workload}.jsonl"
@@ -290,7 +326,7 @@ def test_it_is_a_held_out_trace_workload(policies, workload: str, prompts: int) 
     assert spec["prompts"] == spec["saturation_prompts"] == prompts
 
 
-@pytest.mark.parametrize(("workload", "prompts"), [(REASONING, 300), (CLASSIFY, 2000)])
+@pytest.mark.parametrize(("workload", "prompts"), [(REASONING, 300), (CLASSIFY, 2000), (EXTRACT, 1500)])
 def test_policies_serves_it_and_never_records_its_steps(workload: str, prompts: int, tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, str(BENCHMARKS / "policies.py"), "--dry-run", "--workloads", workload,
