@@ -275,12 +275,18 @@ def agent_sessions(num_requests: int = 1000, seed: int = 0, vocab_size: int = 10
     return rows[:num_requests]
 
 
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """A held-out workload's requests as JSON lines, the trace ``nanovllm bench serve`` and ``nanovllm simulate``
+    read."""
+    import json
+
+    path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
+
+
 def write_agents_trace(path: Path, num_requests: int = 1000) -> None:
     """The ``held-out-agents`` trace (:func:`agent_sessions`, seed 0) as JSON lines, which ``nanovllm bench serve``
     and ``nanovllm simulate --dataset`` read."""
-    import json
-
-    path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in agent_sessions(num_requests)))
+    write_rows(path, agent_sessions(num_requests))
 
 
 # held-out-reasoning: long answers to short questions (token counts are inclusive ranges)
@@ -310,10 +316,27 @@ def reasoning_requests(num_requests: int = 300, seed: int = 0, vocab_size: int =
 
 def write_reasoning_trace(path: Path, num_requests: int = 300) -> None:
     """The ``held-out-reasoning`` trace (:func:`reasoning_requests`, seed 0) as JSON lines."""
-    import json
+    write_rows(path, reasoning_requests(num_requests))
 
-    rows = reasoning_requests(num_requests)
-    path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
+
+def task_requests(
+    num_requests: int, seed: int, vocab_size: int, tasks: int, instruction: tuple[int, int],
+    own: tuple[int, int], output: tuple[int, int],
+) -> list[dict[str, Any]]:
+    """Requests of ``tasks`` tasks, in the order sent: ``{"prompt": [ids], "max_tokens": n}``. Each task has an
+    instruction (its length drawn from ``instruction``) that opens the prompt of every request of the task; each
+    request draws its task, then its own tokens (``own``) and its output length (``output``), all inclusive ranges.
+    Deterministic for ``seed``, and the first ``n`` requests are the same whatever ``num_requests`` is."""
+    import random
+
+    rng = random.Random(seed)
+    instructions = [[rng.randrange(vocab_size) for _ in range(rng.randint(*instruction))] for _ in range(tasks)]
+    rows = []
+    for _ in range(num_requests):
+        task = rng.randrange(tasks)
+        text = [rng.randrange(vocab_size) for _ in range(rng.randint(*own))]
+        rows.append({"prompt": instructions[task] + text, "max_tokens": rng.randint(*output)})
+    return rows
 
 
 # held-out-classify: many short requests of a few tasks, a token or a few each (inclusive ranges)
@@ -324,28 +347,15 @@ CLASSIFY_OUTPUT = (1, 8)
 
 
 def classify_requests(num_requests: int = 2000, seed: int = 0, vocab_size: int = 10000) -> list[dict[str, Any]]:
-    """The ``held-out-classify`` requests, in the order sent: ``{"prompt": [ids], "max_tokens": n}``. Each request
-    draws one of ``CLASSIFY_TASKS`` tasks, whose instruction opens its prompt, then an input of its own.
-    Deterministic for ``seed``, and the first ``n`` requests are the same whatever ``num_requests`` is."""
-    import random
-
-    rng = random.Random(seed)
-    instructions = [[rng.randrange(vocab_size) for _ in range(rng.randint(*CLASSIFY_INSTRUCTION))]
-                    for _ in range(CLASSIFY_TASKS)]  # fmt: skip
-    rows = []
-    for _ in range(num_requests):
-        task = rng.randrange(CLASSIFY_TASKS)
-        text = [rng.randrange(vocab_size) for _ in range(rng.randint(*CLASSIFY_INPUT))]
-        rows.append({"prompt": instructions[task] + text, "max_tokens": rng.randint(*CLASSIFY_OUTPUT)})
-    return rows
+    """The ``held-out-classify`` requests (:func:`task_requests`): ``CLASSIFY_TASKS`` tasks' instructions, each
+    request an input of its own after one, answered in a token or a few."""
+    return task_requests(num_requests, seed, vocab_size, CLASSIFY_TASKS, CLASSIFY_INSTRUCTION, CLASSIFY_INPUT,
+                         CLASSIFY_OUTPUT)  # fmt: skip
 
 
 def write_classify_trace(path: Path, num_requests: int = 2000) -> None:
     """The ``held-out-classify`` trace (:func:`classify_requests`, seed 0) as JSON lines."""
-    import json
-
-    rows = classify_requests(num_requests)
-    path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
+    write_rows(path, classify_requests(num_requests))
 
 
 # held-out-extract: documents read into one of a few schemas, tens of tokens each (inclusive ranges)
@@ -356,28 +366,15 @@ EXTRACT_OUTPUT = (24, 160)
 
 
 def extract_requests(num_requests: int = 1500, seed: int = 0, vocab_size: int = 10000) -> list[dict[str, Any]]:
-    """The ``held-out-extract`` requests, in the order sent: ``{"prompt": [ids], "max_tokens": n}``. Each request
-    draws one of ``EXTRACT_SCHEMAS`` schemas, whose instruction opens its prompt, then a document of its own.
-    Deterministic for ``seed``, and the first ``n`` requests are the same whatever ``num_requests`` is."""
-    import random
-
-    rng = random.Random(seed)
-    instructions = [[rng.randrange(vocab_size) for _ in range(rng.randint(*EXTRACT_INSTRUCTION))]
-                    for _ in range(EXTRACT_SCHEMAS)]  # fmt: skip
-    rows = []
-    for _ in range(num_requests):
-        schema = rng.randrange(EXTRACT_SCHEMAS)
-        document = [rng.randrange(vocab_size) for _ in range(rng.randint(*EXTRACT_DOCUMENT))]
-        rows.append({"prompt": instructions[schema] + document, "max_tokens": rng.randint(*EXTRACT_OUTPUT)})
-    return rows
+    """The ``held-out-extract`` requests (:func:`task_requests`): ``EXTRACT_SCHEMAS`` schemas' instructions, each
+    request a document of its own after one, answered in tens of tokens."""
+    return task_requests(num_requests, seed, vocab_size, EXTRACT_SCHEMAS, EXTRACT_INSTRUCTION, EXTRACT_DOCUMENT,
+                         EXTRACT_OUTPUT)  # fmt: skip
 
 
 def write_extract_trace(path: Path, num_requests: int = 1500) -> None:
     """The ``held-out-extract`` trace (:func:`extract_requests`, seed 0) as JSON lines."""
-    import json
-
-    rows = extract_requests(num_requests)
-    path.write_text("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
+    write_rows(path, extract_requests(num_requests))
 
 
 TRACE_WRITERS = {

@@ -49,6 +49,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def assert_written_as_read(writer, rows: list[dict], tmp_path: Path, num_requests: int | None = None) -> None:
+    """The trace file ``writer`` writes is ``rows``, as ``nanovllm bench serve`` reads it."""
+    from nanovllm_bench.serve import read_trace
+
+    path = tmp_path / "trace.jsonl"
+    writer(path) if num_requests is None else writer(path, num_requests)
+    assert [(r.prompt, r.max_tokens) for r in read_trace(str(path), 0, 10000)] == [
+        (r["prompt"], r["max_tokens"]) for r in rows
+    ]
+
+
 def run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
 
@@ -238,13 +249,7 @@ def test_the_reasoning_trace_is_deterministic_and_has_the_intended_shape(policie
     assert all(max(r["prompt"]) < 10000 for r in trace)  # bench serve's default vocabulary
     assert max(len(r["prompt"]) + r["max_tokens"] for r in trace) <= policies.MAX_MODEL_LEN
 
-    from nanovllm_bench.serve import read_trace
-
-    path = tmp_path / "trace.jsonl"
-    policies.write_reasoning_trace(path)
-    assert [(r.prompt, r.max_tokens) for r in read_trace(str(path), 0, 10000)] == [
-        (r["prompt"], r["max_tokens"]) for r in trace
-    ]
+    assert_written_as_read(policies.write_reasoning_trace, trace, tmp_path)
 
 
 # held-out-classify
@@ -272,13 +277,7 @@ def test_the_classify_trace_is_deterministic_and_has_the_intended_shape(policies
     assert all(max(r["prompt"]) < 10000 for r in trace)
     assert max(len(r["prompt"]) + r["max_tokens"] for r in trace) <= policies.MAX_MODEL_LEN
 
-    from nanovllm_bench.serve import read_trace
-
-    path = tmp_path / "trace.jsonl"
-    policies.write_classify_trace(path, 50)
-    assert [(r.prompt, r.max_tokens) for r in read_trace(str(path), 0, 10000)] == [
-        (r["prompt"], r["max_tokens"]) for r in trace[:50]
-    ]
+    assert_written_as_read(policies.write_classify_trace, trace[:50], tmp_path, 50)
 
 
 # held-out-extract
@@ -306,13 +305,7 @@ def test_the_extract_trace_is_deterministic_and_has_the_intended_shape(policies,
     assert all(max(r["prompt"]) < 10000 for r in trace)
     assert max(len(r["prompt"]) + r["max_tokens"] for r in trace) <= policies.MAX_MODEL_LEN
 
-    from nanovllm_bench.serve import read_trace
-
-    path = tmp_path / "trace.jsonl"
-    policies.write_extract_trace(path, 50)
-    assert [(r.prompt, r.max_tokens) for r in read_trace(str(path), 0, 10000)] == [
-        (r["prompt"], r["max_tokens"]) for r in trace[:50]
-    ]
+    assert_written_as_read(policies.write_extract_trace, trace[:50], tmp_path, 50)
 
 
 # held-out-reasoning, held-out-classify and held-out-extract
