@@ -107,7 +107,8 @@ def calibrations(args: argparse.Namespace, idle: Path, folder: Path) -> dict[str
     from nanovllm_bench.simulate.cost import FEATURES, client_from_timings, frontend_from_idle
 
     frontend = {**frontend_from_idle([str(idle)]), **client_from_timings([str(idle)])}
-    cpu_keys = ("cpu_ms_per_request", "cpu_prompt_tokens", "output_cpu_ms_per_token", "cpu_source")
+    cpu_keys = ("cpu_ms_per_request", "cpu_prompt_tokens", "output_cpu_ms_per_token", "output_cpu_ms_per_step",
+                "cpu_source")  # fmt: skip
     paths = {}
     for name, front in (("fixed", {k: v for k, v in frontend.items() if k not in cpu_keys}), ("queued", frontend)):
         cal = Calibration(
@@ -160,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     cpu = idle["frontend_cpu"]
     print(f"front-end CPU, idle: {cpu['ms_per_request']:.3f} ms a request, {cpu['ms_per_output_token']:.4f} ms each "
-          f"further token; steps every {args.step_ms} ms; measured / simulated fixed / simulated queued:")  # fmt: skip
+          f"further token, {cpu.get('ms_per_step', 0.0):.4f} ms a step's outputs; steps every {args.step_ms} ms; "
+          "measured / simulated fixed / simulated queued:")  # fmt: skip
     for row in rows:
         cells = ", ".join(
             f"{m} {row['measured'][m]:.1f} / {row['fixed'][m]:.1f} / {row['queued'][m]:.1f}" for m in METRICS

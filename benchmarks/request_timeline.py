@@ -14,10 +14,11 @@ first_token`` (the last chunk's step and the read of its token), ``first_token -
 hand-over back) and what the client saw beyond ``received -> first_token_delivered`` (the HTTP reply's way out
 and the request's way in). Standard library only: it runs beside any server.
 
-``--cpu-requests N`` then measures the front-end's CPU (the server process's ``process_cpu_seconds_total``, read
-from ``/metrics`` before and after): N short-prompt requests of one output token, then N of ``--cpu-output-tokens``
-each, ``--cpu-concurrency`` at a time. The first burst gives the CPU a request takes, the difference the CPU each
-further streamed token takes: what ``nanovllm simulate`` charges the front-end per request and per token.
+``--cpu-requests N`` then measures the front-end's CPU (the server process's ``process_cpu_seconds_total`` and
+the engine's steps, read from ``/metrics`` before and after each burst): N short-prompt requests of one output
+token, then N of ``--cpu-output-tokens`` each, ``--cpu-concurrency`` at a time, then a few longer ones one at a
+time. Solved for the CPU a request takes, each streamed token and each engine step's outputs: what ``nanovllm
+simulate`` charges the front-end.
 """
 
 from __future__ import annotations
@@ -62,37 +63,65 @@ def first_token_seconds(
     return seconds
 
 
-def process_cpu_seconds(host: str, port: int, api_key: str | None) -> float:
-    """The server process's CPU seconds so far (``process_cpu_seconds_total`` on ``/metrics``)."""
+def server_counters(host: str, port: int, api_key: str | None) -> tuple[float, float]:
+    """The server process's CPU seconds and the engine's steps so far (``process_cpu_seconds_total`` and
+    ``nanovllm:step_loop_steps_total`` on ``/metrics``)."""
     conn = http.client.HTTPConnection(host, port, timeout=30)
     conn.request("GET", "/metrics", headers=_headers(api_key))
     text = conn.getresponse().read().decode()
     conn.close()
+    cpu = steps = None
     for line in text.splitlines():
         if line.startswith("process_cpu_seconds_total "):
-            return float(line.split()[1])
-    raise SystemExit("error: the server's /metrics has no process_cpu_seconds_total (a Linux nanovllm serve has it)")
+            cpu = float(line.split()[1])
+        elif line.startswith("nanovllm:step_loop_steps_total"):
+            steps = (steps or 0.0) + float(line.rsplit(" ", 1)[1])
+    if cpu is None or steps is None:
+        raise SystemExit("error: the server's /metrics lacks process_cpu_seconds_total or "
+                         "nanovllm:step_loop_steps_total (a nanovllm serve on Linux has both)")  # fmt: skip
+    return cpu, steps
+
+
+def solve(rows: list[list[float]], values: list[float]) -> list[float]:
+    """``x`` with ``rows @ x == values`` (a square system, Gaussian elimination with partial pivoting)."""
+    a = [row[:] + [v] for row, v in zip(rows, values)]
+    n = len(a)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            factor = a[r][col] / a[col][col]
+            a[r] = [x - factor * y for x, y in zip(a[r], a[col])]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (a[r][n] - sum(a[r][c] * x[c] for c in range(r + 1, n))) / a[r][r]
+    return x
 
 
 def frontend_cpu(args: argparse.Namespace, model: str, rng: random.Random) -> dict:
-    """The front-end's CPU a request takes and each further streamed token: two bursts of short prompts, one output
-    token each and then ``--cpu-output-tokens``, the server's CPU read before and after each."""
+    """The front-end's CPU a request, a streamed token and an engine step (whose outputs it takes in as one
+    message): three bursts of short prompts, the server's CPU and the engine's steps read before and after each,
+    solved for the three. N requests of one output token ``--cpu-concurrency`` at a time, N of
+    ``--cpu-output-tokens``, then a few longer ones one at a time, whose every step carries one token."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def burst(max_tokens: int) -> float:
-        prompts = [[rng.randrange(10, args.max_token_id) for _ in range(args.short)] for _ in range(args.cpu_requests)]
-        before = process_cpu_seconds(args.host, args.port, args.api_key)
-        with ThreadPoolExecutor(args.cpu_concurrency) as pool:
+    def burst(count: int, max_tokens: int, concurrency: int) -> list[float]:
+        prompts = [[rng.randrange(10, args.max_token_id) for _ in range(args.short)] for _ in range(count)]
+        cpu, steps = server_counters(args.host, args.port, args.api_key)
+        with ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(lambda p: first_token_seconds(args.host, args.port, model, p, args.api_key, max_tokens),
                           prompts))  # fmt: skip
-        return process_cpu_seconds(args.host, args.port, args.api_key) - before
+        cpu_after, steps_after = server_counters(args.host, args.port, args.api_key)
+        return [count, count * max_tokens, steps_after - steps, cpu_after - cpu]
 
-    one, many = burst(1), burst(args.cpu_output_tokens)
-    per_token = (many - one) / (args.cpu_requests * (args.cpu_output_tokens - 1))
+    n, k = args.cpu_requests, args.cpu_output_tokens
+    bursts = [burst(n, 1, args.cpu_concurrency), burst(n, k, args.cpu_concurrency), burst(max(4, n // 32), 4 * k, 1)]
+    per_request, per_token, per_step = solve([b[:3] for b in bursts], [b[3] for b in bursts])
     return {
-        "requests": args.cpu_requests, "prompt_tokens": args.short, "output_tokens": args.cpu_output_tokens,
-        "concurrency": args.cpu_concurrency, "ms_per_request": 1e3 * one / args.cpu_requests,
-        "ms_per_output_token": 1e3 * max(per_token, 0.0),
+        "requests": n, "prompt_tokens": args.short, "output_tokens": k, "concurrency": args.cpu_concurrency,
+        "bursts": [dict(zip(("requests", "output_tokens", "steps", "cpu_s"), b)) for b in bursts],
+        "ms_per_request": 1e3 * (per_request + per_token), "ms_per_output_token": 1e3 * per_token,
+        "ms_per_step": 1e3 * per_step,
     }  # fmt: skip
 
 
@@ -147,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_requests:
         cpu = result["frontend_cpu"] = frontend_cpu(args, model, rng)
         print(f"front-end CPU: {cpu['ms_per_request']:.3f} ms a request of {args.short} prompt tokens and one output "
-              f"token, {cpu['ms_per_output_token']:.4f} ms each further streamed token ({args.cpu_requests} requests "
-              f"a burst, {args.cpu_concurrency} at a time)")  # fmt: skip
+              f"token, {cpu['ms_per_output_token']:.4f} ms each further streamed token, {cpu['ms_per_step']:.4f} ms "
+              f"each engine step's outputs ({args.cpu_requests} requests a burst, {args.cpu_concurrency} at a "
+              "time)")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -334,13 +334,13 @@ def test_frontend_queue_measures_a_real_front_end_and_simulates_it_both_ways(tmp
                      "32", "--results-dir", str(tmp_path))  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads((tmp_path / "frontend_queue" / "summary.json").read_text())
-    cpu = summary["idle"]["frontend_cpu"]
-    assert cpu["requests"] == 32 and cpu["ms_per_request"] > 0
+    cpu = summary["idle"]["frontend_cpu"]  # from so few requests its figures are noise, not checked
+    assert cpu["requests"] == 32 and len(cpu["bursts"]) == 3
     (row,) = summary["rows"]
     assert row["load"] == 0.5 and row["rate"] > 0
     for kind in ("measured", "fixed", "queued"):
         assert row[kind]["request_throughput"] > 0 and row[kind]["p99_ttft_ms"] > 0, kind
     queued = json.loads((tmp_path / "frontend_queue" / "calibration_queued.json").read_text())["frontend"]
     fixed = json.loads((tmp_path / "frontend_queue" / "calibration_fixed.json").read_text())["frontend"]
-    assert queued["output_cpu_ms_per_token"] >= 0 and "output_cpu_ms_per_token" not in fixed
+    assert "output_cpu_ms_per_step" in queued and "output_cpu_ms_per_token" not in fixed
     assert "front-end busy" in out.stdout

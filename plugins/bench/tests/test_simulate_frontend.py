@@ -120,3 +120,17 @@ def test_an_idle_servers_stages_alone_fit_the_whole_front_end(tmp_path) -> None:
     assert frontend["intake_ms_per_1k_prompt_tokens"] == pytest.approx(0.2 + 0.02)
     assert frontend["intake_ms"] == pytest.approx(0.4 - 0.2 * 0.2 + frontend["hop_ms"])
     assert frontend["delivery_ms"] == pytest.approx(0.3) and frontend["hop_source"] == "an idle server's"
+
+
+def test_a_steps_message_takes_its_cpu_before_its_tokens() -> None:
+    queue = FrontEndQueue({**FIXED, **CPU, "output_cpu_ms_per_step": 0.2})
+    one, two = [], []
+    queue.expect(one, 3)
+    queue.expect(two, 3)
+    queue.on_read(0.010, [one, two])
+    queue.on_read(0.0101, [one])  # back before the first message is served: it waits for it
+    back, step, token = queue.back_s, 0.2e-3, queue.token_s
+    first = 0.010 + back + step
+    assert queue.delivered(one) == pytest.approx([first + token, first + 2 * token + step + token])
+    assert queue.delivered(two) == pytest.approx([first + 2 * token])
+    assert FrontEndQueue({**FIXED, **CPU, "output_cpu_ms_per_step": -0.1}).step_s == 0.0  # a noisy probe's negative

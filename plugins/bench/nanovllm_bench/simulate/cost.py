@@ -474,6 +474,8 @@ def client_from_timings(paths: list[str]) -> dict[str, Any]:
         if cpu:
             client.update(cpu_ms_per_request=cpu["ms_per_request"], cpu_prompt_tokens=cpu["prompt_tokens"],
                           output_cpu_ms_per_token=cpu["ms_per_output_token"], cpu_source=Path(path).name)  # fmt: skip
+            if "ms_per_step" in cpu:
+                client["output_cpu_ms_per_step"] = cpu["ms_per_step"]
             break
     return client
 

@@ -39,13 +39,15 @@ class FixedFrontEnd:
 
 class FrontEndQueue(FixedFrontEnd):
     """One CPU serving, first come first served: each request's intake at its arrival (then the pipe to the engine,
-    which takes no front-end CPU), and each step's outputs once they are back from the engine, a streamed token's
-    CPU each and a request's remaining CPU (its HTTP request and response around the intake) as it finishes.
+    which takes no front-end CPU), and each step's outputs once they are back from the engine: the step's message,
+    a streamed token's CPU each, and a request's remaining CPU (its HTTP request and response around the intake)
+    as it finishes.
 
     The costs: the intake's front-end part is the calibration's intake less its pipe hop; a token's CPU is
-    ``output_cpu_ms_per_token``; a request's rest is ``cpu_ms_per_request`` (the CPU of a request of
-    ``cpu_prompt_tokens`` prompt tokens and one output token, measured on an idle server) less its intake and its
-    token; the way back from the engine is the calibration's hand-over less a token's CPU."""
+    ``output_cpu_ms_per_token``, a step's message ``output_cpu_ms_per_step`` (none if absent); a request's rest is
+    ``cpu_ms_per_request`` (the CPU of a request of ``cpu_prompt_tokens`` prompt tokens and one output token,
+    measured on an idle server) less its intake and its token; the way back from the engine is the calibration's
+    hand-over less a token's CPU."""
 
     def __init__(self, frontend: dict[str, Any]) -> None:
         super().__init__(frontend)
@@ -55,6 +57,7 @@ class FrontEndQueue(FixedFrontEnd):
         self.cpu_intake_s = max(self.intake_s - hop_s, 0.0)
         self.cpu_intake_s_per_token = max(self.intake_s_per_token - hop_s_per_token, 0.0)
         self.token_s = frontend["output_cpu_ms_per_token"] / 1e3
+        self.step_s = max(frontend.get("output_cpu_ms_per_step", 0.0), 0.0) / 1e3  # a step's outputs as one message
         probe = frontend["cpu_ms_per_request"] / 1e3
         probe_intake = self.cpu_intake_s + self.cpu_intake_s_per_token * frontend.get("cpu_prompt_tokens", 0)
         self.request_s = max(probe - probe_intake - self.token_s, 0.0)
@@ -85,7 +88,8 @@ class FrontEndQueue(FixedFrontEnd):
         outputs, token_s, request_s = self.outputs, self.token_s, self.request_s
         while outputs and outputs[0][0] <= until:
             back, receivers = outputs.popleft()
-            now = start = max(back, self.free)
+            start = max(back, self.free)
+            now = start + self.step_s
             for times in receivers:
                 delivered, max_tokens = self.receivers[id(times)]
                 now += token_s
