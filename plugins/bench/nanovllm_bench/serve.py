@@ -378,6 +378,7 @@ class ClientShare:
     end: float
     loop_lags: list[float]
     longest_gc_pause: float = 0.0
+    send_lateness: list[float] = field(default_factory=list)  # each request sent this long after it was due
 
 
 async def send_share(
@@ -406,17 +407,23 @@ async def send_share(
                     return await send(session, url, body, headers)
 
             tasks = []
+            late: list[float] = []
             start = time.monotonic()
+            due = 0.0
             for i, body in enumerate(bodies):
+                # each send is due at its time from the start, so a busy event loop delays a request without
+                # delaying every request after it (the arrivals stay the Poisson process the rate names)
                 if arrivals is not None:
-                    await asyncio.sleep(max(0.0, start + arrivals[i] - time.monotonic()))
+                    due = arrivals[i]
                 elif i and math.isfinite(request_rate):
-                    await asyncio.sleep(rng.expovariate(request_rate))
+                    due += rng.expovariate(request_rate)
+                await asyncio.sleep(max(0.0, start + due - time.monotonic()))
+                late.append(max(0.0, time.monotonic() - start - due))
                 tasks.append(asyncio.ensure_future(one(body)))
             results = list(await asyncio.gather(*tasks))
             end = time.monotonic()
     watcher.cancel()
-    return ClientShare(results, start, end, lags, pauses.longest_s)
+    return ClientShare(results, start, end, lags, pauses.longest_s, late)
 
 
 def combined_summary(
@@ -436,6 +443,9 @@ def combined_summary(
     summary["p99_client_loop_lag_ms"] = percentile(lags, 99)
     summary["max_client_loop_lag_ms"] = max(lags, default=0.0)
     summary["max_client_gc_pause_ms"] = 1000 * max(s.longest_gc_pause for s in shares)
+    late = [1000 * x for s in shares for x in s.send_lateness]
+    summary["mean_send_lateness_ms"] = statistics.fmean(late) if late else 0.0
+    summary["max_send_lateness_ms"] = max(late, default=0.0)
     return summary
 
 
@@ -925,7 +935,8 @@ def print_summary(s: dict[str, Any], metrics: Sequence[str] = METRICS, percentil
             f"client event loop lag ms ({s['client_processes']} process{'es' if s['client_processes'] > 1 else ''}): "
             f"mean {s['mean_client_loop_lag_ms']:.2f}  p99 {s['p99_client_loop_lag_ms']:.2f}  "
             f"max {s['max_client_loop_lag_ms']:.2f}; "
-            f"longest garbage collection {s['max_client_gc_pause_ms']:.2f}"
+            f"longest garbage collection {s['max_client_gc_pause_ms']:.2f}; "
+            f"sends late by mean {s['mean_send_lateness_ms']:.2f}  max {s['max_send_lateness_ms']:.2f}"
         )
     for priority, c in s.get("by_priority", {}).items():
         lines.append(
