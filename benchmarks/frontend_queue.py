@@ -32,7 +32,7 @@ from typing import Any
 
 from nanovllm_testing.scripted import build_scripted_engine
 
-from nanovllm_core.gc_heap import freeze_startup_heap
+from nanovllm_core.gc_heap import GCPauses, freeze_startup_heap
 
 HERE = Path(__file__).resolve().parent
 METRICS = ("request_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
@@ -59,10 +59,10 @@ def workload_args(args: argparse.Namespace, rate: float) -> list[str]:
 
 
 async def measure(
-    args: argparse.Namespace, model: str, vocab: int, folder: Path
+    args: argparse.Namespace, model: str, vocab: int, folder: Path, gc_pauses: dict[float, dict[str, float]]
 ) -> tuple[dict, list[float], float]:
     """The idle figures, then bench serve at each load; returns the idle figures, the rates and this process's
-    CPU seconds (the front-end's) as the loads began."""
+    CPU seconds (the front-end's) as the loads began; each load's front-end collections go into ``gc_pauses``."""
     import uvicorn
 
     from nanovllm_core.engine_client.step_loop import EngineProcess
@@ -92,9 +92,13 @@ async def measure(
         cpu_start = time.process_time()
         for load, rate in zip(args.loads, rates):
             result = folder / f"measured_{load}.json"
-            await run([sys.executable, "-m", "nanovllm_core.cli", "bench", "serve", "--base-url",
-                       f"http://127.0.0.1:{port}", *workload_args(args, rate), "--warmup", "0", "--temperature", "0",
-                       "--server-metrics", "--result-file", str(result)], result.with_suffix(".log"))  # fmt: skip
+            client = [sys.executable, "-m", "nanovllm_core.cli", "bench", "serve", "--base-url",
+                      f"http://127.0.0.1:{port}", *workload_args(args, rate), "--warmup", "0", "--temperature", "0",
+                      "--server-metrics", "--result-file", str(result)]  # fmt: skip
+            with GCPauses() as pauses:  # the front-end's collections (it runs in this process): its loop stands
+                await run(client, result.with_suffix(".log"))
+            gc_pauses[load] = {"collections": sum(pauses.collections), "longest_ms": 1e3 * pauses.longest_s,
+                               "total_ms": 1e3 * sum(pauses.seconds)}  # fmt: skip
     finally:
         server.should_exit = True
         await serving
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     folder = out_dir(args.results_dir, "frontend_queue")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    idle, rates, cpu_before = asyncio.run(measure(args, str(model), vocab, folder))
+    gc_pauses: dict[float, dict[str, float]] = {}
+    idle, rates, cpu_before = asyncio.run(measure(args, str(model), vocab, folder, gc_pauses))
     cals = calibrations(args, folder / "idle.json", folder)
     rows: list[dict[str, Any]] = []
     for load, rate in zip(args.loads, rates):
@@ -151,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_after = row["measured"]["server_metrics"]["process_cpu_seconds_total"]
         row["cpu_ms_per_request_under_load"] = 1e3 * (cpu_after - cpu_before) / row["measured"]["completed"]
         cpu_before = cpu_after
+        row["frontend_gc"] = gc_pauses[load]
         for name, cal in cals.items():
             out = folder / f"simulated_{name}_{load}.json"
             sim = [sys.executable, "-m", "nanovllm_core.cli", "simulate", "--calibration", str(cal),
@@ -168,10 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{m} {row['measured'][m]:.1f} / {row['fixed'][m]:.1f} / {row['queued'][m]:.1f}" for m in METRICS
         )
         busy = row["queued"]["simulated"].get("frontend_busy_fraction") or 0.0
+        gc = row["frontend_gc"]
         print(f"{row['load']:.0%} ({row['rate']:.0f} req/s, simulated front-end busy {busy:.0%}, measured front-end "
-              f"CPU {row['cpu_ms_per_request_under_load']:.3f} ms a request): {cells}")  # fmt: skip
+              f"CPU {row['cpu_ms_per_request_under_load']:.3f} ms a request, {gc['collections']} collections of "
+              f"{gc['total_ms']:.1f} ms in all): {cells}")  # fmt: skip
     write_json(folder / "summary.json", {"args": vars(args), "idle": idle, "rows": [
         {"load": r["load"], "rate": r["rate"], "cpu_ms_per_request_under_load": r["cpu_ms_per_request_under_load"],
+         "frontend_gc": r["frontend_gc"],
          **{k: {m: r[k][m] for m in METRICS} for k in ("measured", *cals)}}
         for r in rows
     ]})  # fmt: skip

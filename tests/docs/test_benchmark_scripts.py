@@ -337,7 +337,7 @@ def test_frontend_queue_measures_a_real_front_end_and_simulates_it_both_ways(tmp
     cpu = summary["idle"]["frontend_cpu"]  # from so few requests its figures are noise, not checked
     assert cpu["requests"] == 32 and len(cpu["bursts"]) == 3
     (row,) = summary["rows"]
-    assert row["load"] == 0.5 and row["rate"] > 0
+    assert row["load"] == 0.5 and row["rate"] > 0 and row["frontend_gc"]["collections"] >= 0
     for kind in ("measured", "fixed", "queued"):
         assert row[kind]["request_throughput"] > 0 and row[kind]["p99_ttft_ms"] > 0, kind
     queued = json.loads((tmp_path / "frontend_queue" / "calibration_queued.json").read_text())["frontend"]
