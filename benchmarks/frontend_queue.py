@@ -24,24 +24,18 @@ import asyncio
 import functools
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from frontend_capacity import free_port
 from nanovllm_testing.scripted import build_scripted_engine
 
 from nanovllm_core.gc_heap import GCPauses, freeze_startup_heap
 
 HERE = Path(__file__).resolve().parent
 METRICS = ("request_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def run(cmd: list[str], log: Path) -> None:
@@ -108,13 +102,12 @@ async def measure(
 def calibrations(args: argparse.Namespace, idle: Path, folder: Path) -> dict[str, Path]:
     """The scripted engine's steps and the idle front-end: with its CPU costs (queued) and without (fixed)."""
     from nanovllm_bench.simulate import Calibration
-    from nanovllm_bench.simulate.cost import FEATURES, client_from_timings, frontend_from_idle
+    from nanovllm_bench.simulate.cost import FEATURES, FRONTEND_CPU_KEYS, client_from_timings, frontend_from_idle
 
     frontend = {**frontend_from_idle([str(idle)]), **client_from_timings([str(idle)])}
-    cpu_keys = ("cpu_ms_per_request", "cpu_prompt_tokens", "output_cpu_ms_per_token", "output_cpu_ms_per_step",
-                "cpu_source")  # fmt: skip
+    fixed = {k: v for k, v in frontend.items() if k not in FRONTEND_CPU_KEYS}
     paths = {}
-    for name, front in (("fixed", {k: v for k, v in frontend.items() if k not in cpu_keys}), ("queued", frontend)):
+    for name, front in (("fixed", fixed), ("queued", frontend)):
         cal = Calibration(
             coefficients_ms={**dict.fromkeys(FEATURES, 0.0), "fixed": args.step_ms, "per_prompt_pair": 0.0},
             gpu="none (scripted engine)", model="scripted", num_kvcache_blocks=65536,

@@ -65,8 +65,7 @@ class ScriptedEngine:
                 RequestMetrics(arrival, now, num_prompt_tokens=len(token_ids), prompt_scheduled_time=now),
             ]
         outputs = []
-        if end > time.monotonic():
-            time.sleep(end - time.monotonic())
+        time.sleep(max(0.0, end - time.monotonic()))
         now = time.monotonic()
         for request_id, state in list(self.running.items()):
             state[0] -= 1

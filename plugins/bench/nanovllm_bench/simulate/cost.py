@@ -460,6 +460,11 @@ def _idle_line(paths: list[str], figure: Callable[[dict[str, Any]], float]) -> t
     return _ms_per_request_and_per_1k_tokens(points)
 
 
+# what client_from_timings adds from a file's front-end CPU probe: with them the simulator queues the front-end
+FRONTEND_CPU_KEYS = ("cpu_ms_per_request", "cpu_prompt_tokens", "output_cpu_ms_per_token", "output_cpu_ms_per_step",
+                     "cpu_source")  # fmt: skip
+
+
 def client_from_timings(paths: list[str]) -> dict[str, Any]:
     """The client's part of a first token's time, outside the server (the request's way in, the reply's way out),
     from ``benchmarks/request_timeline.py --json`` files: each prompt length's client-seen first token less the

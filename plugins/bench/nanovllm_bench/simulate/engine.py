@@ -119,7 +119,7 @@ class TraceSimulator(SimulatedEngine):
             **{**ENGINE_LIMITS, **options},
         )
         self.calibration = calibration
-        self.front_end: FixedFrontEnd = front_end_for(calibration.frontend)  # replay's, once it ran
+        self.front_end: FixedFrontEnd | None = None  # the last replay's
         self.times: dict[str, RequestTimes] = {}
         # (time, KV-cache use, running, waiting, preemptions so far) after each step
         self.timeline: list[tuple[float, float, int, int, int]] = []
@@ -157,7 +157,6 @@ class TraceSimulator(SimulatedEngine):
     def replay(self, trace: list[TraceRequest], max_steps: int = 10_000_000) -> list[RequestTimes]:
         """Every request of ``trace`` (sorted by arrival) through the front-end and the engine; their token times."""
         front = self.front_end = front_end_for(self.calibration.frontend)
-        queued = isinstance(front, FrontEndQueue)
         pending = sorted(trace, key=lambda r: r.arrival)
         for i, req in enumerate(pending):
             if not req.request_id:
@@ -169,14 +168,10 @@ class TraceSimulator(SimulatedEngine):
             self.times[t.request.request_id] = t
             self.token_times[t.request.request_id] = t.token_times
             front.expect(t.token_times, t.request.max_tokens)
-        # the fixed front-end admits each request independently of the engine: all at once; the queue needs the
-        # outputs that came back before a request's arrival, known once the engine has stepped past it
-        known = 0
-        if not queued:
-            for t in timed:
-                t.admitted = front.admit(t.request.arrival, len(t.request.prompt))
-            known = len(timed)
-        self.on_read = front.on_read if queued else None
+        # requests are admitted in arrival order, each once the engine has stepped past its arrival (or is idle):
+        # a queued front-end needs the outputs that came back before it, known only then
+        known = 0  # requests whose admission time is computed
+        self.on_read = front.on_read if isinstance(front, FrontEndQueue) else None
         core, bm, scheduler = self.core, self.block_manager, self.scheduler
         with _cyclic_gc_paused():
             nxt = 0
