@@ -4,11 +4,12 @@ The real front-end (AsyncLLM, the FastAPI app, uvicorn) serves, in this process,
 ``frontend_capacity.py`` in its own process (steps every ``--step-ms``, one token per running request, no model).
 First, idle, ``request_timeline.py`` times its stages one request at a time and measures its CPU a request and a
 streamed token (``--cpu-requests``); from those alone comes a calibration: the scripted engine's steps (each
-``--step-ms`` whatever its batch, scheduled after the last ends, prompts and decodes together as ``mixed`` does) and
-the idle front-end. Then ``nanovllm bench serve`` sends the random workload at
-each load (a share of the front-end's capacity by the idle CPU figures), and ``nanovllm simulate`` replays the same
-requests and arrivals twice: with the fixed front-end (the idle times whatever the load) and with the queued one.
-Nothing measured under load goes into either calibration.
+``--step-ms`` whatever its batch, scheduled after the last ends, prompts and decodes together as ``mixed`` does), the
+engine process's time between two steps (a request alone's time a token, less the step) and the idle front-end.
+Then ``nanovllm bench serve`` sends the random workload at each load (a share of the front-end's capacity by the
+idle CPU figures), and ``nanovllm simulate`` replays the same requests and arrivals twice: with the fixed front-end
+(the idle times whatever the load) and with the queued one. Nothing measured under load goes into either
+calibration.
 
     python benchmarks/frontend_queue.py [--loads 0.3,0.6,0.8] [--num-prompts 2000] [--step-ms 2]
         [--input-len 256 --output-len 4] [--results-dir results]
@@ -106,12 +107,17 @@ def calibrations(args: argparse.Namespace, idle: Path, folder: Path) -> dict[str
 
     frontend = {**frontend_from_idle([str(idle)]), **client_from_timings([str(idle)])}
     fixed = {k: v for k, v in frontend.items() if k not in FRONTEND_CPU_KEYS}
+    # the engine process's own time between two steps (its loop, the outputs' message), on top of the scripted
+    # step: a request alone's time from one token to the next, less the step
+    cycle = json.loads(idle.read_text())["frontend_cpu"]["alone"]["ms_per_step"]
+    host_gap = max(0.0, cycle - args.step_ms) if cycle is not None else 0.0
     paths = {}
     for name, front in (("fixed", fixed), ("queued", frontend)):
         cal = Calibration(
             coefficients_ms={**dict.fromkeys(FEATURES, 0.0), "fixed": args.step_ms, "per_prompt_pair": 0.0},
-            gpu="none (scripted engine)", model="scripted", num_kvcache_blocks=65536,
-            frontend=front, notes=f"frontend_queue.py: steps every {args.step_ms} ms, the front-end of {idle.name}",
+            gpu="none (scripted engine)", model="scripted", num_kvcache_blocks=65536, host_gap_ms=host_gap,
+            frontend=front, notes=f"frontend_queue.py: steps of {args.step_ms} ms and the engine's gap between two "
+            f"steps, the front-end, both from {idle.name}",
         )  # fmt: skip
         paths[name] = folder / f"calibration_{name}.json"
         paths[name].write_text(cal.to_json())
@@ -159,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             row[name] = json.loads(out.read_text())
         rows.append(row)
     cpu = idle["frontend_cpu"]
+    gap = json.loads(cals["queued"].read_text())["host_gap_ms"]
     print(f"front-end CPU, idle: {cpu['ms_per_request']:.3f} ms a request, {cpu['ms_per_output_token']:.4f} ms each "
-          f"further token, {cpu.get('ms_per_step', 0.0):.4f} ms a step's outputs; steps every {args.step_ms} ms; "
-          "measured / simulated fixed / simulated queued:")  # fmt: skip
+          f"further token, {cpu.get('ms_per_step', 0.0):.4f} ms a step's outputs; steps of {args.step_ms} ms and "
+          f"{gap:.3f} ms between two; measured / simulated fixed / simulated queued:")  # fmt: skip
     for row in rows:
         cells = ", ".join(
             f"{m} {row['measured'][m]:.1f} / {row['fixed'][m]:.1f} / {row['queued'][m]:.1f}" for m in METRICS

@@ -115,14 +115,28 @@ def frontend_cpu(args: argparse.Namespace, model: str, rng: random.Random) -> di
         return [count, count * max_tokens, steps_after - steps, cpu_after - cpu]
 
     n, k = args.cpu_requests, args.cpu_output_tokens
-    bursts = [burst(n, 1, args.cpu_concurrency), burst(n, k, args.cpu_concurrency), burst(max(4, n // 32), 4 * k, 1)]
+    bursts = [burst(n, 1, args.cpu_concurrency), burst(n, k, args.cpu_concurrency)]
+    before = len(args.timeline.read_text().splitlines())
+    bursts.append(burst(max(4, n // 32), 4 * k, 1))
+    time.sleep(0.5)  # the last request's line is written as it finishes
+    alone = [json.loads(line) for line in args.timeline.read_text().splitlines()[before:]]
     per_request, per_token, per_step = solve([b[:3] for b in bursts], [b[3] for b in bursts])
     return {
         "requests": n, "prompt_tokens": args.short, "output_tokens": k, "concurrency": args.cpu_concurrency,
         "bursts": [dict(zip(("requests", "output_tokens", "steps", "cpu_s"), b)) for b in bursts],
         "ms_per_request": 1e3 * (per_request + per_token), "ms_per_output_token": 1e3 * per_token,
-        "ms_per_step": 1e3 * per_step,
+        "ms_per_step": 1e3 * per_step, "alone": step_cycle_alone(alone, args.short, 4 * k),
     }  # fmt: skip
+
+
+def step_cycle_alone(records: list[dict], prompt_tokens: int, output_tokens: int) -> dict:
+    """The engine's time from one step's tokens to the next's for a request alone (the last burst's, one at a time):
+    its decode span as the engine stamped it over its steps. Beyond the step itself this holds the engine's host
+    work between steps, which a server's step records do not."""
+    spans = [(r["finished"] - r["first_token"]) / (output_tokens - 1) for r in records
+             if r.get("num_output_tokens") == output_tokens and r.get("finished") and r.get("first_token")]  # fmt: skip
+    return {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+            "requests": len(spans), "ms_per_step": 1e3 * statistics.median(spans) if spans else None}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
               f"token, {cpu['ms_per_output_token']:.4f} ms each further streamed token, {cpu['ms_per_step']:.4f} ms "
               f"each engine step's outputs ({args.cpu_requests} requests a burst, {args.cpu_concurrency} at a "
               "time)")  # fmt: skip
+        if cpu["alone"]["ms_per_step"] is not None:
+            print(f"a request alone: {cpu['alone']['ms_per_step']:.3f} ms from one step's token to the next's "
+                  f"(median of {cpu['alone']['requests']})")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0

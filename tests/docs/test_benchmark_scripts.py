@@ -343,4 +343,8 @@ def test_frontend_queue_measures_a_real_front_end_and_simulates_it_both_ways(tmp
     queued = json.loads((tmp_path / "frontend_queue" / "calibration_queued.json").read_text())["frontend"]
     fixed = json.loads((tmp_path / "frontend_queue" / "calibration_fixed.json").read_text())["frontend"]
     assert "output_cpu_ms_per_step" in queued and "output_cpu_ms_per_token" not in fixed
+    # the engine's gap between two steps, from the requests alone: the same in both, never below nothing
+    gaps = {json.loads((tmp_path / "frontend_queue" / f"calibration_{k}.json").read_text())["host_gap_ms"]
+            for k in ("fixed", "queued")}  # fmt: skip
+    assert len(gaps) == 1 and cpu["alone"]["ms_per_step"] > 2.0 and gaps == {cpu["alone"]["ms_per_step"] - 2.0}
     assert "front-end busy" in out.stdout

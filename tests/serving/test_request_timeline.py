@@ -106,6 +106,9 @@ def test_nanovllm_serve_writes_it_with_the_engine_in_its_own_process(tiny_path, 
     assert all(b["steps"] > 0 and b["cpu_s"] >= 0 for b in cpu["bursts"])
     assert cpu["bursts"][2]["steps"] >= 48  # one at a time: a step for every token
     assert all(isinstance(cpu[k], float) for k in ("ms_per_request", "ms_per_output_token", "ms_per_step"))
+    # the last burst's requests alone: the engine's time from one token to the next, a step and more
+    assert cpu["alone"]["requests"] == 4 and cpu["alone"]["output_tokens"] == 12
+    assert cpu["alone"]["ms_per_step"] > 0
     records = [json.loads(line) for line in path.read_text().splitlines()[1:]]
     assert len(records) == 2 + 2 + 8 + 8 + 4  # this test's, the timed pair, the three bursts
     records = records[:2]

@@ -310,6 +310,14 @@ def test_calibrate_round_trip_through_the_cli(tmp_path, capsys):
     frontend = load_calibration(str(out)).frontend
     assert frontend["hop_ms"] == pytest.approx(9.0 - 0.5 - 0.1 * 8, abs=1e-6)  # the timelines' lower decile
     assert frontend["hop_source"] == "the lower decile under load"
+    # with the front-end's CPU probe the calibration queues the front-end, and says with what
+    probe = {"prompt_tokens": 200, "ms_per_request": 1.4, "ms_per_output_token": 0.05, "ms_per_step": 0.2}
+    idle.write_text(json.dumps({"short": {"prompt_tokens": 200, "outside_server_ms": 0.6}, "frontend_cpu": probe}))
+    capsys.readouterr()
+    assert cli_main([*argv, "--client-timings", str(idle)]) == 0
+    assert load_calibration(str(out)).frontend["output_cpu_ms_per_step"] == 0.2
+    assert ("queued on one CPU: 1.400 ms a request of 200 prompt tokens and one output token, 0.0500 ms each further "
+            "token, 0.2000 ms each step's outputs (idle.json)") in capsys.readouterr().out
 
 
 def test_shipped_calibrations_load_with_provenance():

@@ -352,7 +352,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         if "output_cpu_ms_per_token" in f:
             print(f"  front-end, queued on one CPU: {f['cpu_ms_per_request']:.3f} ms a request of "
                   f"{f['cpu_prompt_tokens']} prompt tokens and one output token, {f['output_cpu_ms_per_token']:.4f} ms "
-                  f"each further token ({f['cpu_source']})")  # fmt: skip
+                  f"each further token, {f.get('output_cpu_ms_per_step', 0.0):.4f} ms each step's outputs "
+                  f"({f['cpu_source']})")  # fmt: skip
         return 0
     calibration = load_calibration(args.calibration)
     schedulers = args.scheduler or ["fifo"]
