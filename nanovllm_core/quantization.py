@@ -9,7 +9,9 @@ checkpoint's own ``quantization_config``. It hands each linear layer a :class:`L
   tensor-parallel rank as it slices the weight;
 - processes them once all are loaded (``process_weights_after_loading``): quantize a 16-bit weight, convert
   scales, lay them out for a kernel;
-- computes the product (``apply``).
+- computes the product (``apply``), and may take over the elementwise step before it where it quantizes its input
+  anyway (``apply_after_norm``, ``apply_after_silu_and_mul``: one pass that normalises or activates and quantizes,
+  instead of writing the 16-bit rows and reading them back).
 
 Layers without a method of their own use :data:`nanovllm_core.layers.linear.UNQUANTIZED`, the plain
 ``x @ w.T``. A model plugin builds its layers from :mod:`nanovllm_core.layers.linear` and never learns which method
@@ -62,6 +64,22 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ w.T (+ bias)`` in ``x``'s dtype, for ``x`` of any leading shape."""
+
+    def apply_after_norm(
+        self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(apply(layer, h), new_residual)`` for ``h, new_residual = RMSNorm(x + residual), x + residual`` (``x``
+        itself without a residual), the norm as :class:`nanovllm_core.layers.norm.RMSNorm` computes it; or None,
+        the default, where the method has nothing better than the norm then :meth:`apply` (the caller runs those).
+        Called for bias-free layers only, ``x`` 2-D rows."""
+        return None
+
+    def apply_after_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``apply(layer, silu(gate) * up)`` for ``x = [gate, up]`` (2-D rows), the activation as
+        :class:`nanovllm_core.layers.activation.SiluAndMul` computes it; or None, the default, where the method has
+        nothing better than the two (the caller runs them). A row-parallel layer's caller sums the ranks' parts
+        and adds the bias afterwards, as it does after :meth:`apply`."""
+        return None
 
 
 class QuantizationMethod(ABC):

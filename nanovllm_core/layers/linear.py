@@ -80,8 +80,46 @@ def norm_linear(
     kernels = _norm_linear_kernels(x, norm, residual, layer, silu_mul)
     if kernels is not None:
         return kernels.skinny_norm_linear(x, layer.weight, norm.weight, norm.eps, residual, silu_mul=silu_mul)
+    if _method_fuses_norm(x, norm, residual, layer, silu_mul):
+        fused = layer.quant_method.apply_after_norm(layer, x, norm.weight, norm.eps, residual)
+        if fused is not None:
+            return (_SILU_AND_MUL(fused[0]) if silu_mul else fused[0]), fused[1]
     h, residual = (norm(x), x) if residual is None else norm(x, residual)
     return (layer.silu_and_mul(h) if silu_mul else layer(h)), residual
+
+
+def norm_mlp(
+    x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, gate_up: nn.Module, down: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(down(silu_and_mul(gate_up(h))), new_residual)``, a SwiGLU MLP after its norm: :func:`norm_linear` with
+    ``silu_mul``, then ``down``; or, where ``down``'s quantization method takes the activation into the
+    quantization of its input (``LinearMethod.apply_after_silu_and_mul``), ``gate_up``'s output straight to it."""
+    plain = type(down).forward in (_Linear.forward, RowParallelLinear.forward)  # no subclass adds to the product
+    if _overrides(down, "apply_after_silu_and_mul") and plain and x.dim() == 2:
+        gate_up_out, residual = norm_linear(x, norm, residual, gate_up)
+        return down.after_silu_and_mul(gate_up_out), residual
+    h, residual = norm_linear(x, norm, residual, gate_up, silu_mul=True)
+    return down(h), residual
+
+
+def _overrides(layer: nn.Module, hook: str) -> bool:
+    """Whether ``layer`` is one of these linear layers and its method implements ``hook`` (the base class's
+    default declines)."""
+    method = getattr(layer, "quant_method", None)
+    return isinstance(layer, _Linear) and getattr(type(method), hook, None) is not getattr(LinearMethod, hook)
+
+
+def _method_fuses_norm(
+    x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, layer: nn.Module, silu_mul: bool
+) -> bool:
+    """Whether :func:`norm_linear` may hand the norm to ``layer``'s method: a plain :class:`RMSNorm` and a plain
+    bias-free column-parallel or replicated layer (nothing overrides what the method replaces) whose method
+    implements ``apply_after_norm``, 2-D rows."""
+    ok = _overrides(layer, "apply_after_norm") and x.dim() == 2 and layer.bias is None
+    ok = ok and type(norm).forward is RMSNorm.forward and type(layer).forward is _Linear.forward
+    if silu_mul:
+        ok = ok and getattr(type(layer), "silu_and_mul", None) is MergedColumnParallelLinear.silu_and_mul
+    return ok and (residual is None or residual.shape == x.shape)
 
 
 def _norm_linear_kernels(
@@ -136,6 +174,16 @@ class _Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
+
+    def after_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(silu_and_mul(x))`` for ``x = [gate, up]``: in one pass of the method where it has one
+        (``LinearMethod.apply_after_silu_and_mul``)."""
+        y = self.quant_method.apply_after_silu_and_mul(self, x) if x.dim() == 2 else None
+        return self(_SILU_AND_MUL(x)) if y is None else self._output(y)
+
+    def _output(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output from the method's product without the bias."""
+        return y if self.bias is None else y + self.bias
 
 
 class ReplicatedLinear(_Linear):
@@ -227,10 +275,11 @@ class RowParallelLinear(_Linear):
         param.data.copy_(weight_narrow(param, loaded_weight, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self.quant_method.apply(self, x))
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        return self._output(self.quant_method.apply(self, x))
+
+    def _output(self, y: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial products summed, then the bias (added once, not once a rank)."""
+        return super()._output(all_reduce(y))
 
 
 def quantize_model(model: nn.Module, method: QuantizationMethod) -> int:

@@ -116,20 +116,41 @@ class Fp8LinearMethod(LinearMethod):
             xq, x_scale = kernels.quantize_activation(rows, self.block[1])
             y = kernels.w8a8_block_matmul(xq, x_scale, weight, layer.weight_scale, self.block, x.dtype, bias)
         else:
-            xq, x_scale = kernels.quantize_activation(rows, None)
-            # fast accumulation, as vLLM's CUTLASS FP8 kernels use: fewer float32 promotions of the tensor cores'
-            # partial sums; its error is far below the activations' FP8 rounding (the GPU test's bound holds)
-            y = torch._scaled_mm(
-                xq,
-                weight.t(),
-                scale_a=x_scale,
-                scale_b=layer.weight_scale.view(1, -1),
-                out_dtype=x.dtype,
-                use_fast_accum=True,
-            )
+            y = _scaled_mm(layer, *kernels.quantize_activation(rows, None), x.dtype)
             if bias is not None:
                 y = y + bias
         return y.view(*x.shape[:-1], weight.size(0))
+
+    def _quantizes_per_token(self, layer: nn.Module, rows: torch.Tensor) -> bool:
+        """Whether :meth:`apply` would quantize these rows per token for ``torch._scaled_mm`` (FP8 weights with a
+        scale per channel, more rows than the weight-only kernel takes): then the step before can do it."""
+        weight = layer.weight
+        return weight.dtype == FP8_DTYPE and self.block is None and not _kernels().supports(rows, weight)
+
+    def apply_after_norm(
+        self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The norm and the activations' quantization in one launch, then the FP8 product."""
+        if not self._quantizes_per_token(layer, x) or norm_weight.dtype != x.dtype:
+            return None
+        xq, x_scale, residual = _kernels().rms_norm_quantize(x, norm_weight, eps, residual)
+        return _scaled_mm(layer, xq, x_scale, x.dtype), residual
+
+    def apply_after_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU-and-mul and the activations' quantization in one launch, then the FP8 product."""
+        if not self._quantizes_per_token(layer, x[:, : x.size(1) // 2]):
+            return None
+        return _scaled_mm(layer, *_kernels().silu_and_mul_quantize(x), x.dtype)
+
+
+def _scaled_mm(layer: nn.Module, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows quantized per token times the layer's FP8 weight with its scale per output channel, in ``dtype``."""
+    # fast accumulation, as vLLM's CUTLASS FP8 kernels use: fewer float32 promotions of the tensor cores' partial
+    # sums; its error is far below the activations' FP8 rounding (the GPU test's bound holds)
+    return torch._scaled_mm(
+        xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1), out_dtype=dtype,
+        use_fast_accum=True,
+    )  # fmt: skip
 
 
 def _fp8_check_available(device: torch.device) -> str | None:

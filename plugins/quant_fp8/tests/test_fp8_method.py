@@ -177,3 +177,81 @@ def test_the_fp8_product_path_runs_the_kernels_the_gpu_runs(block, rows):
     assert got.shape == (1, rows, 256) and got.dtype == torch.bfloat16
     reference = w8a16_reference if rows <= MAX_ROWS else w8a8_reference
     assert relative_error(got.view(rows, 256), reference(x, wq, scale, block)) < 0.01
+
+
+def fp8_layers(block=None) -> tuple:
+    """A ``[gate, up]`` projection and a down projection with FP8 weights as a GPU holds them (not dequantized)."""
+    from nanovllm_quant_fp8.method import Fp8LinearMethod
+
+    from nanovllm_core.layers import MergedColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(5)
+    gate_up, down = MergedColumnParallelLinear(256, [384, 384]), RowParallelLinear(384, 256)
+    for layer in (gate_up, down):
+        layer.set_quant_method(Fp8LinearMethod(block=block))
+        weight = torch.randn(layer.output_size, layer.input_size) / 20
+        wq, scale = quantize_weight_per_channel(weight) if block is None else quantize_weight_blockwise(weight, block)
+        layer.weight = torch.nn.Parameter(wq, requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(scale.float().reshape(-1) if block is None else scale, False)
+    return gate_up, down
+
+
+@pytest.mark.parametrize(
+    ("rows", "dtype"), [(3, torch.bfloat16), (40, torch.bfloat16), (40, torch.float32)],
+    ids=["decode rows", "prompt rows", "prompt rows float32"],
+)  # fmt: skip
+def test_the_norm_and_the_activation_fold_into_the_activations_quantization(rows, dtype, monkeypatch):
+    """``norm_mlp`` over FP8 layers: where the product quantizes its input per token, the RMSNorm and the
+    SiLU-and-mul each quantize the activations in the same launch (the kernels in Triton's interpreter,
+    ``_scaled_mm`` on the CPU), and the MLP's output and the new residual are those of the separate steps; a
+    decode step's few 16-bit rows go the weight-only way, unfused. In float32 the two ways agree to the last
+    bits; in bfloat16 the interpreter rounds toward zero where eager PyTorch rounds to nearest, which moves a few
+    values a step of e4m3, so both are held to the exact product instead."""
+    pytest.importorskip("triton")
+    import torch.nn.functional as F
+    from nanovllm_quant_fp8 import kernels
+
+    from nanovllm_core.layers import RMSNorm, SiluAndMul, norm_mlp
+
+    gate_up, down = fp8_layers()
+    norm = RMSNorm(256).to(dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(rows, 256, dtype=dtype)
+    residual = torch.randn(rows, 256, dtype=dtype) * 4
+    calls = []
+
+    def recorded(name: str):
+        real = getattr(kernels, name)
+        return lambda *args: calls.append(name) or real(*args)
+
+    for name in ("rms_norm_quantize", "silu_and_mul_quantize"):
+        monkeypatch.setattr(kernels, name, recorded(name))
+    with torch.no_grad():
+        got, new_residual = norm_mlp(x, norm, residual, gate_up, down)
+        fused = calls == ["rms_norm_quantize", "silu_and_mul_quantize"]
+        assert fused is (rows > kernels.MAX_ROWS or dtype == torch.float32), calls
+        h, want_residual = norm(x, residual)
+        want = down(SiluAndMul()(gate_up(h)))
+        assert got.shape == want.shape == (rows, 256) and got.dtype == dtype
+        if dtype == torch.float32 or not fused:
+            assert relative_error(got, want) < 1e-5 and torch.equal(new_residual, want_residual)
+        else:
+            weights = [layer.weight.float() * layer.weight_scale.view(-1, 1) for layer in (gate_up, down)]
+            exact = F.linear(SiluAndMul()(F.linear(h.float(), weights[0])), weights[1])
+            assert relative_error(got, exact) < 1.2 * relative_error(want, exact)
+            assert relative_error(new_residual, want_residual) < 0.01
+
+
+def test_block_scales_and_decode_rows_keep_the_separate_steps():
+    """Only a product that quantizes its input per token takes the steps before it: block-scaled weights (per
+    128-column group) and the weight-only kernel's rows decline, and the caller runs the norm and the product."""
+    pytest.importorskip("triton")
+    gate_up, _ = fp8_layers(block=(128, 128))
+    method = gate_up.quant_method
+    x, weight = torch.randn(40, 256, dtype=torch.bfloat16), torch.ones(256, dtype=torch.bfloat16)
+    assert method.apply_after_norm(gate_up, x, weight, 1e-6, None) is None
+    per_channel, down = fp8_layers()
+    assert per_channel.quant_method.apply_after_norm(per_channel, x[:3], weight, 1e-6, None) is None
+    assert down.quant_method.apply_after_silu_and_mul(down, torch.randn(3, 768, dtype=torch.bfloat16)) is None
+    fused = per_channel.quant_method.apply_after_norm(per_channel, x, weight, 1e-6, None)
+    assert fused is not None and fused[1] is x and fused[0].shape == (40, 768)

@@ -42,7 +42,8 @@ def compile_ptx(fn, constexprs: dict, num_warps: int, num_stages: int, pointers:
             signature[name] = "constexpr"
         elif name in types:
             signature[name] = types[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if types[name].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "i32"
             if name.startswith("stride"):
@@ -108,20 +109,26 @@ def test_weight_only_kernel_compiles(rows: int, block: tuple[int, int] | None, l
         assert count(r"mma", ptx) == 0
 
 
-@pytest.mark.parametrize("group", [None, 128])
-def test_quantization_builds_its_bytes(group: int | None) -> None:
+@pytest.mark.parametrize(
+    "group, prologue",
+    [(None, "NO_PROLOGUE"), (128, "NO_PROLOGUE"), (None, "RMS_NORM"), (None, "ADD_RMS_NORM"), (None, "SILU_AND_MUL")],
+)
+def test_quantization_builds_its_bytes(group: int | None, prologue: str) -> None:
     """No float-to-e4m3 conversion (the bytes are assembled from the rounded values' bits), IEEE division by the
-    scale, and byte stores."""
+    scale, and byte stores; with each prologue too (the norm's sum written back as 16-bit values)."""
     constexprs = (
         dict(GROUP=4096, BLOCK_G=1, BLOCK_C=4096, PER_TOKEN=True)
         if group is None
         else dict(GROUP=group, BLOCK_G=16, BLOCK_C=group, PER_TOKEN=False)
     )
-    constexprs.update(RECIPROCAL=True, PDL=False)
-    ptx = compile_ptx(qk._quantize_kernel, constexprs, 4, 1)
+    constexprs.update(PROLOGUE=getattr(qk, prologue).value, RECIPROCAL=True, PDL=False)
+    pointers = {"R": "*bf16", "W": "*bf16", "R_OUT": "*bf16", "eps": "fp32"}
+    ptx = compile_ptx(qk._quantize_kernel, constexprs, 8, 1, pointers)
     assert count(r"cvt\S*\.e4m3", ptx) == 0
     assert count(r"div\.rn\.f32", ptx) > 0
     assert count(r"st\.global\S*\.(u8|b8|v\d\.b8)", ptx) + count(r"st\.global\S*\.b16", ptx) > 0
+    assert (count(r"ex2\.approx", ptx) > 0) is (prologue == "SILU_AND_MUL")
+    assert (count(r"rsqrt\.approx", ptx) > 0) is prologue.endswith("RMS_NORM")
 
 
 def loop_body(ptx: str) -> str:
