@@ -88,7 +88,10 @@ def _quantize_kernel(
     x_row = X + row * stride_x
     r_row = R + row * stride_r
     q_row = XQ + row * stride_q
-    first = tl.program_id(1) * (BLOCK_G * GROUP)  # the first column this program owns
+    if PER_TOKEN:
+        first = 0
+    else:
+        first = tl.program_id(1) * (BLOCK_G * GROUP)  # the first column this program owns
     in_group = (j < GROUP)[None, :]
     rstd = 1.0
     if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
