@@ -66,11 +66,11 @@ def _quantize_kernel(
     ``BLOCK_G`` groups of ``GROUP`` columns (``BLOCK_C`` is ``GROUP`` rounded up to a power of two), a
     ``[BLOCK_G, BLOCK_C]`` tile read once; the last group may be cut short by ``K``.
 
-    ``PROLOGUE`` (per token only) makes the row it quantizes from ``X`` in each read, so that the 16-bit row
-    before a product is never written: ``RMS_NORM`` and ``ADD_RMS_NORM`` the core's ``weight * rms_norm(x [+
-    residual])`` with weight ``W``, residual ``R`` (the sum written to ``R_OUT``, contiguous) and ``eps`` (a
-    first read sums the squares), ``SILU_AND_MUL`` the core's ``silu(gate) * up`` of ``X = [gate, up]`` (``K``
-    columns each), each rounded to ``X``'s dtype where the core's kernels round.
+    ``PROLOGUE`` makes the row it quantizes from ``X`` in each read, so that the 16-bit row before a product is
+    never written: ``RMS_NORM`` and ``ADD_RMS_NORM`` the core's ``weight * rms_norm(x [+ residual])`` with weight
+    ``W``, residual ``R`` (the sum written to ``R_OUT``, contiguous) and ``eps`` (a first read of the whole row
+    sums the squares, in every program of the row), ``SILU_AND_MUL`` the core's ``silu(gate) * up`` of ``X =
+    [gate, up]`` (``K`` columns each), each rounded to ``X``'s dtype where the core's kernels round.
 
     ``scale = max(amax / 448, 1e-12)`` is rounded as PyTorch rounds it on the tensors' device: an IEEE division
     on the CPU, a product with ``1 / 448`` (rounded to float32) on CUDA (``RECIPROCAL``), where PyTorch divides by
@@ -96,12 +96,12 @@ def _quantize_kernel(
     rstd = 1.0
     if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
         squares = tl.full([BLOCK_G, BLOCK_C], 0.0, dtype=tl.float32)
-        for k in range(0, K, BLOCK_C):
+        for k in range(0, K, BLOCK_G * GROUP):  # the whole row, whichever columns this program quantizes
             cols = k + g[:, None] * GROUP + j[None, :]
-            h = tl.load(x_row + cols, mask=cols < K, other=0.0)
+            ok = in_group & (cols < K)
+            h = tl.load(x_row + cols, mask=ok, other=0.0)
             if PROLOGUE == ADD_RMS_NORM:
-                h = (h.to(tl.float32) + tl.load(r_row + cols, mask=cols < K, other=0.0).to(tl.float32)).to(h.dtype)
-                tl.store(R_OUT + row * K + cols, h, mask=cols < K)
+                h = (h.to(tl.float32) + tl.load(r_row + cols, mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
             squares += h.to(tl.float32) * h.to(tl.float32)
         rstd = tl.rsqrt(tl.reduce(tl.reduce(squares, 1, _sum), 0, _sum) / K + eps)
     amax = tl.full([BLOCK_G, BLOCK_C], 0.0, dtype=tl.float32)
@@ -120,6 +120,8 @@ def _quantize_kernel(
                 elif PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
                     if PROLOGUE == ADD_RMS_NORM:
                         x = (x.to(tl.float32) + tl.load(r_row + cols, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+                        if quantize == 1:  # the new residual, each column by the program that quantizes it
+                            tl.store(R_OUT + row * K + cols, x, mask=ok)
                     normed = (x.to(tl.float32) * rstd).to(x.dtype)
                     weight = tl.load(W + cols, mask=ok, other=0.0)
                     x = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
@@ -170,38 +172,25 @@ def quantize_activation(x: torch.Tensor, group_size: int | None = None) -> tuple
     ``1 x group_size`` group; ``K`` need not be a multiple), ``M`` the rows of ``x`` flattened to 2-D (``scale``
     keeps ``x``'s leading shape). ``x``: float32, bfloat16 or float16 with a contiguous last dimension.
     CUDA tensors run the compiled kernel; anything else runs it in Triton's interpreter (slow: tests only)."""
-    _check_float(x, "quantize_activation")
-    if group_size is not None and group_size <= 0:
-        raise ValueError(f"group_size must be positive, got {group_size}")
-    k = x.size(-1)
+    _check(x, group_size, "quantize_activation")
     rows = _rows(x)
-    m = rows.size(0)
-    xq = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    groups = 1 if group_size is None else -(-k // group_size)
-    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
-    if m and k:
-        if group_size is None:
-            _launch_per_token(rows, xq, scale, k, NO_PROLOGUE.value)
-        else:
-            block_c = triton.next_power_of_2(group_size)
-            block_g = max(1, min(triton.next_power_of_2(groups), 2048 // block_c))
-            cfg = {"GROUP": group_size, "BLOCK_G": block_g, "BLOCK_C": block_c, "PER_TOKEN": False}
-            _quantize(x.device.type != "cuda")[(m, triton.cdiv(groups, block_g))](
-                rows, xq.view(torch.uint8), scale, m, k, rows.stride(0), xq.stride(0), scale.stride(0),
-                rows, rows, rows, 0, 0.0, PROLOGUE=NO_PROLOGUE.value, RECIPROCAL=x.device.type == "cuda", **cfg,
-                num_warps=4 if block_g * block_c >= 1024 else 1, **launch_options(x),
-            )  # fmt: skip
-    return xq.view(x.shape), scale.view(*x.shape[:-1], groups)
+    xq, scale = _quantize_rows(rows, x.size(-1), group_size, NO_PROLOGUE.value)
+    return xq.view(x.shape), scale.view(*x.shape[:-1], scale.size(-1))
 
 
 def rms_norm_quantize(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(xq, scale, new_residual)``: the core's ``weight * rms_norm(x [+ residual])`` quantized per token, as
-    ``quantize_activation`` quantizes it, in one launch that never writes the normalised rows; ``new_residual``
-    is ``x + residual`` (``x`` itself without a residual). ``x``: rows ``[M, K]``, ``weight`` ``[K]`` and
-    ``residual`` ``[M, K]`` of ``x``'s dtype (float32, bfloat16 or float16), last dimensions contiguous."""
-    _check_float(x, "rms_norm_quantize")
+    """``(xq, scale, new_residual)``: the core's ``weight * rms_norm(x [+ residual])`` quantized as
+    ``quantize_activation(..., group_size)`` quantizes it, in one launch that never writes the normalised rows;
+    ``new_residual`` is ``x + residual`` (``x`` itself without a residual). ``x``: rows ``[M, K]``, ``weight``
+    ``[K]`` and ``residual`` ``[M, K]`` of ``x``'s dtype (float32, bfloat16 or float16), last dimensions
+    contiguous."""
+    _check(x, group_size, "rms_norm_quantize")
     k = x.size(-1)
     if weight.shape != (k,) or weight.dtype != x.dtype or not weight.is_contiguous():
         raise ValueError(f"rms_norm_quantize takes a contiguous weight [{k}] of {x.dtype}, got "
@@ -210,38 +199,32 @@ def rms_norm_quantize(
         raise ValueError(f"rms_norm_quantize takes a residual of x's shape and dtype {tuple(x.shape)} {x.dtype}, "
                          f"got {tuple(residual.shape)} {residual.dtype}")  # fmt: skip
     rows = _rows(x)
-    m = rows.size(0)
-    xq = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if residual is None:
-        summed, prologue, r = x, RMS_NORM.value, rows
+        xq, scale = _quantize_rows(rows, k, group_size, RMS_NORM.value, weight=weight, eps=eps)
+        summed = x
     else:
-        r = _rows(residual)
-        summed, prologue = torch.empty((m, k), dtype=x.dtype, device=x.device), ADD_RMS_NORM.value
-    if m and k:
-        _launch_per_token(rows, xq, scale, k, prologue, r, weight, summed, eps)
-    return xq.view(x.shape), scale.view(*x.shape[:-1], 1), x if residual is None else summed.view(x.shape)
+        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        xq, scale = _quantize_rows(rows, k, group_size, ADD_RMS_NORM.value, _rows(residual), weight, summed, eps)
+    return xq.view(x.shape), scale.view(*x.shape[:-1], scale.size(-1)), summed
 
 
-def silu_and_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(xq, scale)``: the core's ``silu(gate) * up`` of ``x = [gate, up]`` (``[M, 2K]``) quantized per token, as
-    ``quantize_activation`` quantizes it, in one launch that never writes the ``[M, K]`` product."""
-    _check_float(x, "silu_and_mul_quantize")
+def silu_and_mul_quantize(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq, scale)``: the core's ``silu(gate) * up`` of ``x = [gate, up]`` (``[M, 2K]``) quantized as
+    ``quantize_activation(..., group_size)`` quantizes it, in one launch that never writes the ``[M, K]``
+    product."""
+    _check(x, group_size, "silu_and_mul_quantize")
     if x.size(-1) % 2:
         raise ValueError(f"silu_and_mul_quantize takes [gate, up] of an even width, got {x.size(-1)}")
     k = x.size(-1) // 2
-    rows = _rows(x)
-    m = rows.size(0)
-    xq = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m and k:
-        _launch_per_token(rows, xq, scale, k, SILU_AND_MUL.value)
-    return xq.view(*x.shape[:-1], k), scale.view(*x.shape[:-1], 1)
+    xq, scale = _quantize_rows(_rows(x), k, group_size, SILU_AND_MUL.value)
+    return xq.view(*x.shape[:-1], k), scale.view(*x.shape[:-1], scale.size(-1))
 
 
-def _check_float(x: torch.Tensor, name: str) -> None:
+def _check(x: torch.Tensor, group_size: int | None, name: str) -> None:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{name} takes float32, bfloat16 or float16, got {x.dtype}")
+    if group_size is not None and group_size <= 0:
+        raise ValueError(f"group_size must be positive, got {group_size}")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -250,27 +233,43 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _launch_per_token(
+def _quantize_rows(
     rows: torch.Tensor,
-    xq: torch.Tensor,
-    scale: torch.Tensor,
     k: int,
+    group_size: int | None,
     prologue: int,
     residual: torch.Tensor | None = None,
     weight: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     eps: float = 0.0,
-) -> None:
-    """One program a row: it reads the row in chunks of up to 4,096 columns."""
-    block_c = min(triton.next_power_of_2(k), 4096)
-    num_warps = 8 if block_c >= 2048 else 4 if block_c >= 1024 else 1  # one program a row: its warps set the pace
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq [M, k], scale [M, groups])`` of ``rows`` through ``prologue``: per token, one program a row reading it
+    in chunks of up to 4,096 columns; per group, a program for each few groups of a row."""
+    m = rows.size(0)
+    xq = torch.empty((m, k), dtype=FP8_DTYPE, device=rows.device)
+    groups = 1 if group_size is None else -(-k // group_size)
+    scale = torch.empty((m, groups), dtype=torch.float32, device=rows.device)
+    if not (m and k):
+        return xq, scale
+    if group_size is None:
+        block_c = min(triton.next_power_of_2(k), 4096)
+        cfg = {"GROUP": block_c, "BLOCK_G": 1, "BLOCK_C": block_c, "PER_TOKEN": True}
+        grid = (m, 1)
+        num_warps = 8 if block_c >= 2048 else 4 if block_c >= 1024 else 1  # one program a row: its warps set the pace
+    else:
+        block_c = triton.next_power_of_2(group_size)
+        block_g = max(1, min(triton.next_power_of_2(groups), 2048 // block_c))
+        cfg = {"GROUP": group_size, "BLOCK_G": block_g, "BLOCK_C": block_c, "PER_TOKEN": False}
+        grid = (m, triton.cdiv(groups, block_g))
+        num_warps = 4 if block_g * block_c >= 1024 else 1
     r = residual if residual is not None else rows  # unread without a residual (nor W, R_OUT without the norm)
-    _quantize(rows.device.type != "cuda")[(rows.size(0), 1)](
-        rows, xq.view(torch.uint8), scale, rows.size(0), k, rows.stride(0), xq.stride(0), scale.stride(0),
+    _quantize(rows.device.type != "cuda")[grid](
+        rows, xq.view(torch.uint8), scale, m, k, rows.stride(0), xq.stride(0), scale.stride(0),
         r, weight if weight is not None else rows, residual_out if residual_out is not None else rows, r.stride(0),
-        eps, GROUP=block_c, BLOCK_G=1, BLOCK_C=block_c, PER_TOKEN=True, PROLOGUE=prologue,
-        RECIPROCAL=rows.device.type == "cuda", num_warps=num_warps, **launch_options(rows),
+        eps, PROLOGUE=prologue, RECIPROCAL=rows.device.type == "cuda", **cfg, num_warps=num_warps,
+        **launch_options(rows),
     )  # fmt: skip
+    return xq, scale
 
 
 @lru_cache(maxsize=2)

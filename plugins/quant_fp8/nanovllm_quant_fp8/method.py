@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from nanovllm_core import LinearMethod, ModelLoadError, QuantizationMethod
 from nanovllm_core.distributed import all_reduce
@@ -112,45 +112,49 @@ class Fp8LinearMethod(LinearMethod):
         rows = x.reshape(-1, x.size(-1))
         if kernels.supports(rows, weight):
             y = kernels.w8a16_linear(rows, weight, layer.weight_scale, self.block, bias)
-        elif self.block is not None:
-            xq, x_scale = kernels.quantize_activation(rows, self.block[1])
-            y = kernels.w8a8_block_matmul(xq, x_scale, weight, layer.weight_scale, self.block, x.dtype, bias)
         else:
-            y = _scaled_mm(layer, *kernels.quantize_activation(rows, None), x.dtype)
-            if bias is not None:
-                y = y + bias
+            y = self._product(layer, *kernels.quantize_activation(rows, self._group), x.dtype, bias)
         return y.view(*x.shape[:-1], weight.size(0))
 
-    def _quantizes_per_token(self, layer: nn.Module, rows: torch.Tensor) -> bool:
-        """Whether :meth:`apply` would quantize these rows per token for ``torch._scaled_mm`` (FP8 weights with a
-        scale per channel, more rows than the weight-only kernel takes): then the step before can do it."""
-        weight = layer.weight
-        return weight.dtype == FP8_DTYPE and self.block is None and not _kernels().supports(rows, weight)
+    @property
+    def _group(self) -> int | None:
+        """Columns of an activation scale: per token with per-channel weights, per weight block's columns else."""
+        return None if self.block is None else self.block[1]
+
+    def _product(
+        self, layer: nn.Module, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype, bias: Tensor | None = None
+    ) -> torch.Tensor:
+        """Quantized rows times the FP8 weight, on the FP8 tensor cores: ``torch._scaled_mm`` with row-wise scales
+        for per-channel weights, this plugin's block-scaled GEMM for block weights."""
+        if self.block is not None:
+            return _kernels().w8a8_block_matmul(xq, x_scale, layer.weight, layer.weight_scale, self.block, dtype, bias)
+        # fast accumulation, as vLLM's CUTLASS FP8 kernels use: fewer float32 promotions of the tensor cores'
+        # partial sums; its error is far below the activations' FP8 rounding (the GPU test's bound holds)
+        y = torch._scaled_mm(
+            xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1), out_dtype=dtype,
+            use_fast_accum=True,
+        )  # fmt: skip
+        return y if bias is None else y + bias
+
+    def _quantizes_input(self, layer: nn.Module, rows: torch.Tensor) -> bool:
+        """Whether :meth:`apply` would quantize these rows (FP8 weights, more rows than the weight-only kernel
+        takes): then the step before them can, in its own launch."""
+        return layer.weight.dtype == FP8_DTYPE and not _kernels().supports(rows, layer.weight)
 
     def apply_after_norm(
         self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The norm and the activations' quantization in one launch, then the FP8 product."""
-        if not self._quantizes_per_token(layer, x) or norm_weight.dtype != x.dtype:
+        if not self._quantizes_input(layer, x) or norm_weight.dtype != x.dtype:
             return None
-        xq, x_scale, residual = _kernels().rms_norm_quantize(x, norm_weight, eps, residual)
-        return _scaled_mm(layer, xq, x_scale, x.dtype), residual
+        xq, x_scale, residual = _kernels().rms_norm_quantize(x, norm_weight, eps, residual, self._group)
+        return self._product(layer, xq, x_scale, x.dtype), residual
 
     def apply_after_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """SiLU-and-mul and the activations' quantization in one launch, then the FP8 product."""
-        if not self._quantizes_per_token(layer, x[:, : x.size(1) // 2]):
+        if not self._quantizes_input(layer, x[:, : x.size(1) // 2]):
             return None
-        return _scaled_mm(layer, *_kernels().silu_and_mul_quantize(x), x.dtype)
-
-
-def _scaled_mm(layer: nn.Module, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows quantized per token times the layer's FP8 weight with its scale per output channel, in ``dtype``."""
-    # fast accumulation, as vLLM's CUTLASS FP8 kernels use: fewer float32 promotions of the tensor cores' partial
-    # sums; its error is far below the activations' FP8 rounding (the GPU test's bound holds)
-    return torch._scaled_mm(
-        xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1), out_dtype=dtype,
-        use_fast_accum=True,
-    )  # fmt: skip
+        return self._product(layer, *_kernels().silu_and_mul_quantize(x, self._group), x.dtype)
 
 
 def _fp8_check_available(device: torch.device) -> str | None:

@@ -196,24 +196,25 @@ def fp8_layers(block=None) -> tuple:
     return gate_up, down
 
 
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "block"])
 @pytest.mark.parametrize(
     ("rows", "dtype"), [(3, torch.bfloat16), (40, torch.bfloat16), (40, torch.float32)],
     ids=["decode rows", "prompt rows", "prompt rows float32"],
 )  # fmt: skip
-def test_the_norm_and_the_activation_fold_into_the_activations_quantization(rows, dtype, monkeypatch):
-    """``norm_mlp`` over FP8 layers: where the product quantizes its input per token, the RMSNorm and the
-    SiLU-and-mul each quantize the activations in the same launch (the kernels in Triton's interpreter,
-    ``_scaled_mm`` on the CPU), and the MLP's output and the new residual are those of the separate steps; a
-    decode step's few 16-bit rows go the weight-only way, unfused. In float32 the two ways agree to the last
-    bits; in bfloat16 the interpreter rounds toward zero where eager PyTorch rounds to nearest, which moves a few
-    values a step of e4m3, so both are held to the exact product instead."""
+def test_the_norm_and_the_activation_fold_into_the_activations_quantization(rows, dtype, block, monkeypatch):
+    """``norm_mlp`` over FP8 layers: where the product quantizes its input, the RMSNorm and the SiLU-and-mul each
+    quantize the activations in the same launch, per token or per weight block's columns (the kernels in Triton's
+    interpreter, the products on the CPU), and the MLP's output and the new residual are those of the separate
+    steps; a decode step's few 16-bit rows go the weight-only way, unfused. In float32 the two ways agree to the
+    last bits; in bfloat16 the interpreter rounds toward zero where eager PyTorch rounds to nearest, which moves a
+    few values a step of e4m3, so both are held to the exact product instead."""
     pytest.importorskip("triton")
     import torch.nn.functional as F
     from nanovllm_quant_fp8 import kernels
 
     from nanovllm_core.layers import RMSNorm, SiluAndMul, norm_mlp
 
-    gate_up, down = fp8_layers()
+    gate_up, down = fp8_layers(block)
     norm = RMSNorm(256).to(dtype)
     norm.weight.data.uniform_(0.5, 1.5)
     x = torch.randn(rows, 256, dtype=dtype)
@@ -236,22 +237,21 @@ def test_the_norm_and_the_activation_fold_into_the_activations_quantization(rows
         if dtype == torch.float32 or not fused:
             assert relative_error(got, want) < 1e-5 and torch.equal(new_residual, want_residual)
         else:
-            weights = [layer.weight.float() * layer.weight_scale.view(-1, 1) for layer in (gate_up, down)]
+            weights = [dequantize_weight(layer.weight, layer.weight_scale, block, torch.float32)
+                       for layer in (gate_up, down)]  # fmt: skip
             exact = F.linear(SiluAndMul()(F.linear(h.float(), weights[0])), weights[1])
             assert relative_error(got, exact) < 1.2 * relative_error(want, exact)
             assert relative_error(new_residual, want_residual) < 0.01
 
 
-def test_block_scales_and_decode_rows_keep_the_separate_steps():
-    """Only a product that quantizes its input per token takes the steps before it: block-scaled weights (per
-    128-column group) and the weight-only kernel's rows decline, and the caller runs the norm and the product."""
+def test_decode_rows_keep_the_separate_steps():
+    """A decode step's few 16-bit rows multiply the weight-only way, without quantizing their activations: the
+    methods decline the steps before, and the caller runs the norm and the product."""
     pytest.importorskip("triton")
-    gate_up, _ = fp8_layers(block=(128, 128))
-    method = gate_up.quant_method
     x, weight = torch.randn(40, 256, dtype=torch.bfloat16), torch.ones(256, dtype=torch.bfloat16)
-    assert method.apply_after_norm(gate_up, x, weight, 1e-6, None) is None
-    per_channel, down = fp8_layers()
-    assert per_channel.quant_method.apply_after_norm(per_channel, x[:3], weight, 1e-6, None) is None
-    assert down.quant_method.apply_after_silu_and_mul(down, torch.randn(3, 768, dtype=torch.bfloat16)) is None
-    fused = per_channel.quant_method.apply_after_norm(per_channel, x, weight, 1e-6, None)
-    assert fused is not None and fused[1] is x and fused[0].shape == (40, 768)
+    for block in (None, (128, 128)):
+        gate_up, down = fp8_layers(block)
+        assert gate_up.quant_method.apply_after_norm(gate_up, x[:3], weight, 1e-6, None) is None
+        assert down.quant_method.apply_after_silu_and_mul(down, torch.randn(3, 768, dtype=torch.bfloat16)) is None
+        fused = gate_up.quant_method.apply_after_norm(gate_up, x, weight, 1e-6, None)
+        assert fused is not None and fused[1] is x and fused[0].shape == (40, 768)

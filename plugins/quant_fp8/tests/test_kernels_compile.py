@@ -111,8 +111,9 @@ def test_weight_only_kernel_compiles(rows: int, block: tuple[int, int] | None, l
 
 @pytest.mark.parametrize(
     "group, prologue",
-    [(None, "NO_PROLOGUE"), (128, "NO_PROLOGUE"), (None, "RMS_NORM"), (None, "ADD_RMS_NORM"), (None, "SILU_AND_MUL")],
-)
+    [(group, prologue) for group in (None, 128) for prologue in ("NO_PROLOGUE", "RMS_NORM", "ADD_RMS_NORM",
+                                                                  "SILU_AND_MUL")],
+)  # fmt: skip
 def test_quantization_builds_its_bytes(group: int | None, prologue: str) -> None:
     """No float-to-e4m3 conversion (the bytes are assembled from the rounded values' bits), IEEE division by the
     scale, and byte stores; with each prologue too (the norm's sum written back as 16-bit values)."""
