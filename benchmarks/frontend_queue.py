@@ -100,6 +100,13 @@ async def measure(
     return json.loads(idle.read_text()), rates, cpu_start
 
 
+def engine_gap_ms(idle: dict, step_ms: float) -> float:
+    """The engine process's own time between two steps (its loop, the outputs' message), on top of the scripted
+    step: a request alone's time from one token to the next, less the step."""
+    cycle = idle["frontend_cpu"]["alone"]["ms_per_step"]
+    return max(0.0, cycle - step_ms) if cycle is not None else 0.0
+
+
 def calibrations(args: argparse.Namespace, idle: Path, folder: Path) -> dict[str, Path]:
     """The scripted engine's steps and the idle front-end: with its CPU costs (queued) and without (fixed)."""
     from nanovllm_bench.simulate import Calibration
@@ -107,10 +114,7 @@ def calibrations(args: argparse.Namespace, idle: Path, folder: Path) -> dict[str
 
     frontend = {**frontend_from_idle([str(idle)]), **client_from_timings([str(idle)])}
     fixed = {k: v for k, v in frontend.items() if k not in FRONTEND_CPU_KEYS}
-    # the engine process's own time between two steps (its loop, the outputs' message), on top of the scripted
-    # step: a request alone's time from one token to the next, less the step
-    cycle = json.loads(idle.read_text())["frontend_cpu"]["alone"]["ms_per_step"]
-    host_gap = max(0.0, cycle - args.step_ms) if cycle is not None else 0.0
+    host_gap = engine_gap_ms(json.loads(idle.read_text()), args.step_ms)
     paths = {}
     for name, front in (("fixed", fixed), ("queued", frontend)):
         cal = Calibration(
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             row[name] = json.loads(out.read_text())
         rows.append(row)
     cpu = idle["frontend_cpu"]
-    gap = json.loads(cals["queued"].read_text())["host_gap_ms"]
+    gap = engine_gap_ms(idle, args.step_ms)
     print(f"front-end CPU, idle: {cpu['ms_per_request']:.3f} ms a request, {cpu['ms_per_output_token']:.4f} ms each "
           f"further token, {cpu.get('ms_per_step', 0.0):.4f} ms a step's outputs; steps of {args.step_ms} ms and "
           f"{gap:.3f} ms between two; measured / simulated fixed / simulated queued:")  # fmt: skip

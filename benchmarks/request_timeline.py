@@ -98,6 +98,18 @@ def solve(rows: list[list[float]], values: list[float]) -> list[float]:
     return x
 
 
+def timeline_lines(path: Path) -> int:
+    """Lines the server's timeline holds so far."""
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def records_since(path: Path, before: int) -> list[dict]:
+    """The requests' records written after the timeline's first ``before`` lines (its clock lines left out)."""
+    time.sleep(0.5)  # the last request's line is written as it finishes
+    records = [json.loads(line) for line in path.read_text().splitlines()[before:]]
+    return [r for r in records if "clock" not in r]
+
+
 def frontend_cpu(args: argparse.Namespace, model: str, rng: random.Random) -> dict:
     """The front-end's CPU a request, a streamed token and an engine step (whose outputs it takes in as one
     message): three bursts of short prompts, the server's CPU and the engine's steps read before and after each,
@@ -116,10 +128,9 @@ def frontend_cpu(args: argparse.Namespace, model: str, rng: random.Random) -> di
 
     n, k = args.cpu_requests, args.cpu_output_tokens
     bursts = [burst(n, 1, args.cpu_concurrency), burst(n, k, args.cpu_concurrency)]
-    before = len(args.timeline.read_text().splitlines())
+    before = timeline_lines(args.timeline)
     bursts.append(burst(max(4, n // 32), 4 * k, 1))
-    time.sleep(0.5)  # the last request's line is written as it finishes
-    alone = [json.loads(line) for line in args.timeline.read_text().splitlines()[before:]]
+    alone = records_since(args.timeline, before)
     per_request, per_token, per_step = solve([b[:3] for b in bursts], [b[3] for b in bursts])
     return {
         "requests": n, "prompt_tokens": args.short, "output_tokens": k, "concurrency": args.cpu_concurrency,
@@ -163,15 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
         model = json.loads(conn.getresponse().read())["data"][0]["id"]
     rng = random.Random(0)
-    before = len(args.timeline.read_text().splitlines()) if args.timeline.exists() else 0
+    before = timeline_lines(args.timeline)
     client: dict[str, list[float]] = {"long": [], "short": []}
     for _ in range(args.runs):
         for kind, length in (("long", args.long), ("short", args.short)):
             prompt = [rng.randrange(10, args.max_token_id) for _ in range(length)]
             client[kind].append(first_token_seconds(args.host, args.port, model, prompt, args.api_key))
-    time.sleep(0.5)  # the last request's line is written as it finishes
-    records = [json.loads(line) for line in args.timeline.read_text().splitlines()[before:]]
-    records = [r for r in records if "clock" not in r]
+    records = records_since(args.timeline, before)
     result: dict = {"model": model, "runs": args.runs}
     for kind, length in (("long", args.long), ("short", args.short)):
         mine = [r for r in records if r["num_prompt_tokens"] == length]
