@@ -17,7 +17,9 @@ and reports microseconds, TFLOP/s and the weights' read rate in TB/s against the
 times every block configuration of it instead of its default one, printing the fastest per layer and row count
 (how ``launch_config`` is chosen). ``--norm`` times the residual add and RMSNorm before the ``qkv`` and ``gate_up``
 projections in the skinny kernel's prologue (``skinny_norm_linear``, ``norm`` = ``prologue``) against
-``rms_norm_kernel`` then the skinny kernel (``norm`` = ``separate``), gate-up with its SiLU in both. At a few rows a
+``rms_norm_kernel`` then the skinny kernel (``norm`` = ``separate``), gate-up with its SiLU in both; with
+``--fp8`` the same for the FP8 weight-only kernel (``w8a16_norm_linear``, gate-up's SiLU-and-mul in its epilogue,
+against ``rms_norm_kernel``, ``w8a16_linear`` and ``silu_and_mul_kernel``). At a few rows a
 GEMM's fixed latency, not its bytes, can set its time: this says, layer by layer, how far each projection is from
 reading its weights at the copy rate. ``--fp8`` adds nanovllm-quant-fp8's products of the same layers with e4m3
 weights: its weight-only kernel for a few rows (``w8a16-channel``, and ``w8a16-block`` with Qwen's 128 x 128 block
@@ -175,6 +177,8 @@ def measure(
         results += measure_norm(shape_name, rows, iters, device, dtype)
     if fp8:
         results += measure_fp8(shape_name, rows, iters, sweep, device, dtype, fp8_config)
+    if fp8 and norm:
+        results += measure_fp8_norm(shape_name, rows, iters, device)
     return {
         "shape": shape_name,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -357,6 +361,55 @@ def measure_fp8(
     return results
 
 
+def _fp8_norm_in_kernel(x, pair, norm_weight, residual, silu_mul, block):
+    from nanovllm_quant_fp8.kernels import w8a16_norm_linear
+
+    return w8a16_norm_linear(x, pair[0], pair[1], block, norm_weight, 1e-6, residual, silu_mul=silu_mul)
+
+
+def _fp8_norm_then_gemm(x, pair, norm_weight, residual, silu_mul, block):
+    from nanovllm_quant_fp8.kernels import w8a16_linear
+
+    from nanovllm_core.layers.rms_norm_kernel import rms_norm
+    from nanovllm_core.layers.silu_and_mul_kernel import silu_and_mul
+
+    h, residual = rms_norm(x, norm_weight, 1e-6, residual)
+    y = w8a16_linear(h, pair[0], pair[1], block)
+    return (silu_and_mul(y) if silu_mul else y), residual
+
+
+def measure_fp8_norm(shape_name: str, rows: list[int], iters: int, device: torch.device) -> list[dict[str, Any]]:
+    """The add + RMSNorm before the ``qkv`` and ``gate_up`` projections and gate-up's SiLU-and-mul, in the FP8
+    weight-only kernel's launch (``norm`` = ``prologue``: ``w8a16_norm_linear``) and as the core's kernels around
+    it (``separate``), per-channel and block-scaled weights (``blas`` = ``w8a16-channel`` / ``w8a16-block``)."""
+    from nanovllm_quant_fp8 import fp8, kernels
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16
+    results = []
+    for name, (k, n) in projections(SHAPES[shape_name]).items():
+        if name not in NORMED:
+            continue
+        w = torch.randn(n, k, device=device) * 0.02
+        copies = min(64, -(-COLD_BYTES // (n * k))) if cuda else 1
+        norm_weight = torch.ones(k, dtype=dtype, device=device)
+        for block in (None, FP8_BLOCK):
+            wq, scale = fp8.quantize_weight_per_channel(w) if block is None else fp8.quantize_weight_blockwise(w, block)
+            scale = scale.float().reshape(-1) if block is None else scale.float().contiguous()
+            pairs = [(wq, scale)] + [(wq.clone(), scale) for _ in range(copies - 1)]
+            for m in (r for r in rows if r <= kernels.MAX_ROWS):
+                x, residual = torch.randn(2, m, k, dtype=dtype, device=device)
+                for norm, fn in (("prologue", _fp8_norm_in_kernel), ("separate", _fp8_norm_then_gemm)):
+                    fn = functools.partial(
+                        fn, norm_weight=norm_weight, residual=residual, silu_mul=name == "gate_up", block=block
+                    )
+                    seconds = time_linear(x, pairs, iters if cuda else 1, fn)
+                    label = f"w8a16-{'channel' if block is None else 'block'}"
+                    results.append(result_row(label, name, m, k, n, seconds, n * k, norm=norm))
+            del pairs
+    return results
+
+
 def print_table(report: dict[str, Any]) -> None:
     copy = report["copy_tb_per_s"]
     print(
@@ -383,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--norm",
         action="store_true",
-        help="time the add + RMSNorm in that kernel's prologue against a kernel before it",
+        help="time the add + RMSNorm in that kernel's prologue against a kernel before it (with --fp8: in the FP8 "
+        "weight-only kernel's too)",
     )
     parser.add_argument(
         "--fp8",

@@ -81,7 +81,11 @@ def norm_linear(
     if kernels is not None:
         return kernels.skinny_norm_linear(x, layer.weight, norm.weight, norm.eps, residual, silu_mul=silu_mul)
     if _method_fuses_norm(x, norm, residual, layer, silu_mul):
-        fused = layer.quant_method.apply_after_norm(layer, x, norm.weight, norm.eps, residual)
+        method = layer.quant_method
+        fused = method.apply_after_norm(layer, x, norm.weight, norm.eps, residual, silu_mul=True) if silu_mul else None
+        if fused is not None:
+            return fused
+        fused = method.apply_after_norm(layer, x, norm.weight, norm.eps, residual)
         if fused is not None:
             return (_SILU_AND_MUL(fused[0]) if silu_mul else fused[0]), fused[1]
     h, residual = (norm(x), x) if residual is None else norm(x, residual)
@@ -93,9 +97,14 @@ def norm_mlp(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(down(silu_and_mul(gate_up(h))), new_residual)``, a SwiGLU MLP after its norm: :func:`norm_linear` with
     ``silu_mul``, then ``down``; or, where ``down``'s quantization method takes the activation into the
-    quantization of its input (``LinearMethod.apply_after_silu_and_mul``), ``gate_up``'s output straight to it."""
+    quantization of its input (``LinearMethod.apply_after_silu_and_mul``) and ``gate_up``'s method does not take
+    it after its product (``apply_after_norm`` with ``silu_mul``), ``gate_up``'s output straight to it."""
     plain = type(down).forward in (_Linear.forward, RowParallelLinear.forward)  # no subclass adds to the product
     if _overrides(down, "apply_after_silu_and_mul") and plain and x.dim() == 2:
+        if _method_fuses_norm(x, norm, residual, gate_up, silu_mul=True):  # gate-up's method may take both steps
+            fused = gate_up.quant_method.apply_after_norm(gate_up, x, norm.weight, norm.eps, residual, silu_mul=True)
+            if fused is not None:
+                return down(fused[0]), fused[1]
         gate_up_out, residual = norm_linear(x, norm, residual, gate_up)
         return down.after_silu_and_mul(gate_up_out), residual
     h, residual = norm_linear(x, norm, residual, gate_up, silu_mul=True)

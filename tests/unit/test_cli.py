@@ -4,6 +4,7 @@ errors, ``--config`` everywhere (listing the installed plugins and ``generate``:
 from __future__ import annotations
 
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -211,6 +212,29 @@ def test_decode_gemm_benchmark_times_the_norm_in_the_skinny_kernels_prologue(tmp
     }
     assert all(r["blas"] == "skinny" and r["us"] > 0 for r in normed)
     assert "norm prologue" in capsys.readouterr().out
+
+
+def test_decode_gemm_benchmark_times_the_norm_in_the_fp8_weight_only_kernel(monkeypatch):
+    """``--fp8 --norm`` (its own part: the rest is timed above): for the projections a norm precedes, the FP8
+    weight-only kernel with the norm (and gate-up's SiLU-and-mul) in its launch and with the core's kernels around
+    it, per-channel and block-scaled weights, at the row counts that kernel takes."""
+    pytest.importorskip("nanovllm_quant_fp8")
+    module = load_benchmark("decode_gemm")
+    torch = pytest.importorskip("torch")
+    def once(x, weights, iters, fn):  # one call each (the interpreter is slow): the rows are what this checks
+        start = time.perf_counter()
+        fn(x, weights[0])
+        return time.perf_counter() - start
+
+    monkeypatch.setattr(module, "time_linear", once)
+    normed = module.measure_fp8_norm("tiny", [1, 17], 1, torch.device("cpu"))
+    assert {(r["blas"], r["layer"], r["rows"], r["norm"]) for r in normed} == {
+        (f"w8a16-{kind}", layer, 1, norm)
+        for kind in ("channel", "block")
+        for layer in ("qkv", "gate_up")
+        for norm in ("prologue", "separate")
+    }
+    assert all(r["us"] > 0 for r in normed)
 
 
 def test_decode_gemm_benchmark_times_the_weight_only_kernel_with_launch_settings(tmp_path, capsys):

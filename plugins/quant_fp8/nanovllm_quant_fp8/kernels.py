@@ -449,10 +449,11 @@ def w8a8_block_matmul(
 
 
 def _w8a16_kernel(
-    X, W, S, BIAS, Y, M, N, K, stride_x, stride_w, stride_y, stride_sn, stride_sk,
+    X, W, S, BIAS, Y, RES, NW, RES_OUT, M, N, K, stride_x, stride_r, stride_w, stride_y, stride_sn, stride_sk, eps,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCKWISE: tl.constexpr, M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
-    LATE_SUM: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    LATE_SUM: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    SILU_MUL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program ``pid``: ``Y[:M, cols] = X[:M] @ (W[cols] * S).T`` for the ``BLOCK_N`` columns ``cols`` it owns,
     reading its ``[BLOCK_N, K]`` slice of the e4m3 weight once, in ``BLOCK_K`` chunks.
@@ -463,7 +464,18 @@ def _w8a16_kernel(
     program's threads, or with ``LATE_SUM`` each thread's products added up elementwise over the chunks and summed
     across the threads once, at the end (no cross-thread reduction per chunk). ``BLOCKWISE``: ``S`` has one
     scale per ``SCALE_N x SCALE_K`` tile, and ``BLOCK_K`` divides ``SCALE_K``, so each chunk's sums are scaled as
-    they are added; otherwise ``S`` has one scale per column, applied once to the finished sums."""
+    they are added; otherwise ``S`` has one scale per column, applied once to the finished sums.
+
+    ``NORM``: the rows multiplied are ``NW * rms_norm(X [+ RES])``. Since every program reads the whole rows
+    anyway, it sums their squares as it goes and multiplies each chunk by ``NW`` only (rounded to ``X``'s dtype);
+    the rows' ``1 / rms`` scales the finished sums: the same product in exact arithmetic, one rounding of the
+    normalised rows where the core's kernel has two, and no pass over the rows before the weight's.
+    ``HAS_RESIDUAL``: the rows are ``X + RES`` rounded to ``X``'s dtype, which program 0 also writes to
+    ``RES_OUT`` (contiguous).
+
+    ``SILU_MUL``: ``W`` holds ``[gate; up]`` (``2N`` rows) and ``Y[:M, cols] = silu(gate) * up`` of the products
+    ``X @ W[cols].T`` and ``X @ W[N + cols].T``, rounded as the separate product and the core's
+    ``silu_and_mul`` kernel round (each product to ``Y``'s dtype, SiLU in float32 rounded again)."""
     if PDL:  # programmatic dependent launch: see nanovllm_core.layers.triton_jit
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -474,73 +486,143 @@ def _w8a16_kernel(
     row_ok = rows < M
     offs_k = tl.arange(0, BLOCK_K)
     # x's chunk: a [M_PAD, BLOCK_K] tile; with LATE_SUM loaded broadcast along the weight's rows, as the weight's
-    # tile is laid out, so that the loop converts no layout (repeats hit L1)
+    # tile is laid out, so that the loop converts no layout (repeats hit L1). The residual and the norm's weight
+    # are loaded in the same layout (``row_tile``, ``k_tile``).
     if LATE_SUM and M_PAD == 1:  # [BLOCK_N, BLOCK_K]
-        x_ptrs = X + offs_k[None, :] + 0 * cols[:, None]
-        x_k = offs_k[None, :]
+        row_tile = 0
+        k_tile = offs_k[None, :] + 0 * cols[:, None]
         x_rows_ok = tl.full([1, 1], 1, tl.int1)
     elif LATE_SUM:  # [M_PAD, BLOCK_N, BLOCK_K]
-        x_ptrs = X + rows[:, None, None] * stride_x + offs_k[None, None, :] + 0 * cols[None, :, None]
-        x_k = offs_k[None, None, :]
+        row_tile = rows[:, None, None]
+        k_tile = offs_k[None, None, :] + 0 * cols[None, :, None] + 0 * row_tile
         x_rows_ok = row_ok[:, None, None]
     else:
-        x_ptrs = X + rows[:, None] * stride_x + offs_k[None, :]
-        x_k = offs_k[None, :]
+        row_tile = rows[:, None]
+        k_tile = offs_k[None, :] + 0 * row_tile
         x_rows_ok = row_ok[:, None]
+    x_ptrs = X + row_tile * stride_x + k_tile
     if USE_DOT:
         w_ptrs = W + cols[None, :] * stride_w + offs_k[:, None]  # [BLOCK_K, BLOCK_N], K contiguous
     else:
         w_ptrs = W + cols[:, None] * stride_w + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    up_ptrs = w_ptrs + N * stride_w  # SILU_MUL: the up projection's rows of the same columns
     s_ptrs = S + (cols // SCALE_N) * stride_sn
+    s_up_ptrs = S + ((cols + N) // SCALE_N) * stride_sn
     dtype = X.dtype.element_ty
     acc = tl.full([M_PAD, BLOCK_N], 0.0, dtype=tl.float32)
+    acc_up = tl.full([M_PAD, BLOCK_N], 0.0, dtype=tl.float32)
     if LATE_SUM:
         wide = tl.full([BLOCK_N, BLOCK_K] if M_PAD == 1 else [M_PAD, BLOCK_N, BLOCK_K], 0.0, dtype=tl.float32)
+        wide_up = tl.full([BLOCK_N, BLOCK_K] if M_PAD == 1 else [M_PAD, BLOCK_N, BLOCK_K], 0.0, dtype=tl.float32)
+    squares = tl.full([M_PAD, BLOCK_K], 0.0, dtype=tl.float32)  # NORM: the rows' squares, once each
+    plain = rows[:, None] * stride_x + offs_k[None, :]  # the rows' chunk without the broadcast: [M_PAD, BLOCK_K]
     for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         # LATE_SUM addresses each chunk of x from its start: a pointer tile carried through the loop in the weight's
         # layout costs a layout conversion (shared memory and barriers) every chunk
         x_chunk = x_ptrs + k * BLOCK_K if LATE_SUM else x_ptrs
+        start = k * BLOCK_K
         if EVEN_K:
-            x = tl.load(x_chunk, mask=x_rows_ok, other=0.0)
+            x_ok = x_rows_ok
+            plain_ok = row_ok[:, None]
+            x = tl.load(x_chunk, mask=x_ok, other=0.0)
             w = tl.load(w_ptrs)
+            if SILU_MUL:
+                w_up = tl.load(up_ptrs)
         else:
-            k_left = K - k * BLOCK_K
+            k_left = K - start
             k_ok = offs_k < k_left
-            x = tl.load(x_chunk, mask=x_rows_ok & (x_k < k_left), other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] if USE_DOT else k_ok[None, :], other=0.0)
+            x_ok = x_rows_ok & (k_tile < k_left)
+            plain_ok = row_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_chunk, mask=x_ok, other=0.0)
+            w_ok = k_ok[:, None] if USE_DOT else k_ok[None, :]
+            w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+            if SILU_MUL:
+                w_up = tl.load(up_ptrs, mask=w_ok, other=0.0)
+        if HAS_RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(RES + row_tile * stride_r + k_tile + start, mask=x_ok, other=0.0)
+                 .to(tl.float32)).to(x.dtype)  # fmt: skip
+            if pid == 0:  # the new residual (a broadcast tile stores each value several times: the same bytes)
+                tl.store(RES_OUT + row_tile * K + k_tile + start, x, mask=x_ok)
+        if NORM:
+            if LATE_SUM:  # each row's values once, not once a weight row
+                h = tl.load(X + plain + start, mask=plain_ok, other=0.0)
+                if HAS_RESIDUAL:
+                    r = tl.load(RES + rows[:, None] * stride_r + offs_k[None, :] + start, mask=plain_ok, other=0.0)
+                    h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
+            else:
+                h = x
+            squares += h.to(tl.float32) * h.to(tl.float32)
+            norm_weight = tl.load(NW + k_tile + start, mask=x_ok, other=0.0)
+            x = (x.to(tl.float32) * norm_weight.to(tl.float32)).to(dtype)
         if LATE_SUM:
             if M_PAD == 1:
                 part = w.to(tl.float32) * x.to(tl.float32)
+                if SILU_MUL:
+                    part_up = w_up.to(tl.float32) * x.to(tl.float32)
             else:
                 part = x.to(tl.float32) * w.to(tl.float32)[None, :, :]
+                if SILU_MUL:
+                    part_up = x.to(tl.float32) * w_up.to(tl.float32)[None, :, :]
             if BLOCKWISE:
-                chunk_scale = tl.load(s_ptrs + ((k * BLOCK_K) // SCALE_K) * stride_sk)
+                group = (k * BLOCK_K) // SCALE_K
+                chunk_scale = tl.load(s_ptrs + group * stride_sk)
                 if M_PAD == 1:
                     wide += part * chunk_scale[:, None]
                 else:
                     wide += part * chunk_scale[None, :, None]
+                if SILU_MUL:
+                    up_scale = tl.load(s_up_ptrs + group * stride_sk)
+                    if M_PAD == 1:
+                        wide_up += part_up * up_scale[:, None]
+                    else:
+                        wide_up += part_up * up_scale[None, :, None]
             else:
                 wide += part
+                if SILU_MUL:
+                    wide_up += part_up
         else:
             if USE_DOT:
                 part = tl.dot(x, w.to(dtype))
+                if SILU_MUL:
+                    part_up = tl.dot(x, w_up.to(dtype))
             else:
                 part = tl.reduce(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2, _sum)
+                if SILU_MUL:
+                    part_up = tl.reduce(x.to(tl.float32)[:, None, :] * w_up.to(tl.float32)[None, :, :], 2, _sum)
             if BLOCKWISE:
-                acc += part * tl.load(s_ptrs + ((k * BLOCK_K) // SCALE_K) * stride_sk)[None, :]
+                group = (k * BLOCK_K) // SCALE_K
+                acc += part * tl.load(s_ptrs + group * stride_sk)[None, :]
+                if SILU_MUL:
+                    acc_up += part_up * tl.load(s_up_ptrs + group * stride_sk)[None, :]
             else:
                 acc += part
+                if SILU_MUL:
+                    acc_up += part_up
         if not LATE_SUM:
             x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
     if LATE_SUM:
         acc = tl.reduce(wide, 1, _sum)[None, :] if M_PAD == 1 else tl.reduce(wide, 2, _sum)
+        if SILU_MUL:
+            acc_up = tl.reduce(wide_up, 1, _sum)[None, :] if M_PAD == 1 else tl.reduce(wide_up, 2, _sum)
     if not BLOCKWISE:
         acc *= tl.load(s_ptrs)[None, :]
+        if SILU_MUL:
+            acc_up *= tl.load(s_up_ptrs)[None, :]
+    if NORM:
+        rstd = tl.rsqrt(tl.reduce(squares, 1, _sum) / K + eps)[:, None]
+        acc *= rstd
+        acc_up *= rstd
     if HAS_BIAS:
         acc += tl.load(BIAS + cols).to(tl.float32)[None, :]
+    out_dtype = Y.dtype.element_ty
+    if SILU_MUL:
+        gate = acc.to(out_dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32)
+        acc = silu * acc_up.to(out_dtype).to(tl.float32)
     y_ptrs = Y + rows[:, None] * stride_y + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+    tl.store(y_ptrs, acc.to(out_dtype), mask=row_ok[:, None] & (offs_n < N)[None, :])
 
 
 @lru_cache(maxsize=2)
@@ -548,11 +630,15 @@ def _w8a16(interpret: bool) -> object:
     return wrap_kernel(_w8a16_kernel, interpret)
 
 
-def w8a16_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> dict[str, int | bool]:
+def w8a16_config(
+    m: int, n: int, k: int, block: tuple[int, int] | None, silu_mul: bool = False
+) -> dict[str, int | bool]:
     """Launch of :func:`w8a16_linear` for ``m`` rows of an ``[n, k]`` weight: narrow column slices, so that a
     decode step's matrices spread over every SM; tensor cores from five rows on (the CUDA cores' float32
     products grow with the rows), and below that ``LATE_SUM`` (the sums across threads once, after the loop).
-    With block scales ``BLOCK_K`` divides the scale block's ``BK``."""
+    With block scales ``BLOCK_K`` divides the scale block's ``BK``. ``silu_mul``: a program of the CUDA cores'
+    path owns half the columns of each projection, so that it reads as many weight rows as without (not with
+    block scales, whose short chunks already load a few bytes a thread)."""
     use_dot = m > 4
     one_row = m <= 1
     m_pad = max(triton.next_power_of_2(max(m, 1)), 16 if use_dot else 1)
@@ -560,11 +646,14 @@ def w8a16_config(m: int, n: int, k: int, block: tuple[int, int] | None) -> dict[
     if block is not None:
         block_k = min(block_k, block[1] & -block[1])
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_n = 16 if use_dot else 4 if one_row else 8
+    if silu_mul and block is None and not use_dot:
+        block_n //= 2
     # one row: many small two-warp programs, each loading 16 bytes a thread of each weight row it owns per chunk
     # (the fastest on every projection of ``benchmarks/decode_gemm.py --shape qwen3-8b --rows 1 --fp8 --sweep``);
     # LATE_SUM: faster than the sums of every chunk on all but one projection of one row, at one to four rows
-    return {"M_PAD": m_pad, "BLOCK_N": 16 if use_dot else 4 if one_row else 8, "BLOCK_K": block_k,
-            "USE_DOT": use_dot, "LATE_SUM": not use_dot, "num_warps": 2 if one_row else 4, "num_stages": 4}  # fmt: skip
+    return {"M_PAD": m_pad, "BLOCK_N": block_n, "BLOCK_K": block_k, "USE_DOT": use_dot, "LATE_SUM": not use_dot,
+            "num_warps": 2 if one_row else 4, "num_stages": 4}  # fmt: skip
 
 
 def supports(x: torch.Tensor, wq: torch.Tensor) -> bool:
@@ -589,14 +678,61 @@ def w8a16_linear(
     block: tuple[int, int] | None = None,
     bias: torch.Tensor | None = None,
     config: dict[str, int | bool] | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """``x @ (wq * w_scale).T (+ bias)`` in ``x``'s dtype, accumulated in float32, for ``x`` of at most
     ``MAX_ROWS`` rows (any leading shape; :func:`supports` says what it takes).
 
     ``w_scale``: float32 ``[N]`` per output channel (``block`` None; ``[N, 1]`` too) or ``[ceil(N / BN),
-    ceil(K / BK)]`` for ``block = (BN, BK)``; ``bias``: ``[N]``. ``config`` overrides :func:`w8a16_config`
-    (benchmarks sweep it; with block scales its ``BLOCK_K`` must divide ``BK``). CUDA tensors run the compiled
-    kernel; anything else runs it in Triton's interpreter (slow: tests only)."""
+    ceil(K / BK)]`` for ``block = (BN, BK)``; ``bias``: ``[N]``. ``silu_mul``: ``wq`` holds ``[gate; up]`` and
+    the result is ``silu(gate) * up`` (``N / 2`` wide, no bias), as the core's ``silu_and_mul`` computes it from
+    the full product, without writing that product. ``config`` overrides :func:`w8a16_config` (benchmarks sweep
+    it; with block scales its ``BLOCK_K`` must divide ``BK``). CUDA tensors run the compiled kernel; anything else
+    runs it in Triton's interpreter (slow: tests only)."""
+    return _w8a16_launch(x, wq, w_scale, block, bias, config, silu_mul, None, 0.0, None)[0]
+
+
+def w8a16_norm_linear(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    config: dict[str, int | bool] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w8a16_linear(h, wq, w_scale, block, silu_mul=silu_mul), x + residual)`` with ``h = norm_weight *
+    rms_norm(x + residual)``, in one launch that never writes ``h``: the sum ``x + residual`` rounded to ``x``'s
+    dtype as the core's kernels round it, the norm applied to the product's float32 sums (the kernel says how).
+    Without ``residual`` the second result is ``x`` itself. ``residual``: ``x``'s shape and dtype, last dimension
+    contiguous; ``norm_weight``: ``x``'s width, of its dtype, contiguous."""
+    width = x.size(-1)
+    if norm_weight.shape != (width,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
+        raise ValueError(f"w8a16_norm_linear takes a contiguous norm_weight [{width}] of {x.dtype}, got "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}")  # fmt: skip
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+        raise ValueError(f"w8a16_norm_linear takes a residual of x's shape and dtype {tuple(x.shape)} {x.dtype} with "
+                         f"a contiguous last dimension, got {tuple(residual.shape)} {residual.dtype} strides "
+                         f"{residual.stride()}")  # fmt: skip
+    y, residual_out = _w8a16_launch(x, wq, w_scale, block, None, config, silu_mul, norm_weight, eps, residual)
+    return y, x if residual_out is None else residual_out.view(x.shape)
+
+
+def _w8a16_launch(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None,
+    config: dict[str, int | bool] | None,
+    silu_mul: bool,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The product and, with ``norm_weight`` and ``residual``, the new residual rows ``[m, K]``."""
     if not supports(x, wq):
         raise ValueError(
             f"w8a16_linear takes at most {MAX_ROWS} rows of bfloat16/float16 with a contiguous last dimension "
@@ -604,6 +740,9 @@ def w8a16_linear(
             f"wq {tuple(wq.shape)} {wq.dtype}"
         )
     n, k = wq.shape
+    if silu_mul and (n % 2 or bias is not None):
+        raise ValueError(f"silu_mul takes a [gate; up] weight of an even number of rows and no bias, got {n} rows "
+                         f"and {'a' if bias is not None else 'no'} bias")  # fmt: skip
     scale = w_scale.float()
     if block is None:
         if scale.numel() != n:
@@ -615,18 +754,25 @@ def w8a16_linear(
         if scale.shape != (-(-n // scale_n), -(-k // scale_k)):
             raise ValueError(f"w_scale must be [{-(-n // scale_n)}, {-(-k // scale_k)}] for a [{n}, {k}] weight "
                              f"in {block} blocks, got {tuple(w_scale.shape)}")  # fmt: skip
+    width = n // 2 if silu_mul else n
     rows = x.reshape(-1, k)
     m = rows.size(0)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m and n:
-        cfg = {"LATE_SUM": False, **(config or w8a16_config(m, n, k, block))}
+    y = torch.empty((m, width), dtype=x.dtype, device=x.device)
+    norm = norm_weight is not None
+    res = residual.reshape(-1, k) if norm and residual is not None else None
+    res_out = torch.empty((m, k), dtype=x.dtype, device=x.device) if res is not None else None
+    if m and width:
+        cfg = {"LATE_SUM": False, **(config or w8a16_config(m, width, k, block, silu_mul))}
         if cfg["LATE_SUM"] and cfg["USE_DOT"]:
             raise ValueError("LATE_SUM sums the CUDA cores' products; it cannot go with USE_DOT")
         if block is not None and scale_k % cfg["BLOCK_K"]:
             raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} must divide the scale block {scale_k}")
-        _w8a16(x.device.type != "cuda")[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            rows, wq, scale, y if bias is None else bias, y, m, n, k, rows.stride(0), wq.stride(0), y.stride(0),
-            scale.stride(0), scale.stride(1), SCALE_N=scale_n, SCALE_K=scale_k, BLOCKWISE=block is not None,
-            EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, **cfg, **launch_options(x),
+        _w8a16(x.device.type != "cuda")[(triton.cdiv(width, cfg["BLOCK_N"]),)](
+            rows, wq, scale, y if bias is None else bias, y, rows if res is None else res,
+            norm_weight if norm else rows, y if res_out is None else res_out,  # stand-ins for what a launch lacks
+            m, width, k, rows.stride(0), 0 if res is None else res.stride(0), wq.stride(0), y.stride(0),
+            scale.stride(0), scale.stride(1), eps, SCALE_N=scale_n, SCALE_K=scale_k, BLOCKWISE=block is not None,
+            EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, NORM=norm, HAS_RESIDUAL=res is not None,
+            SILU_MUL=silu_mul, **cfg, **launch_options(x),
         )  # fmt: skip
-    return y.view(*x.shape[:-1], n)
+    return y.view(*x.shape[:-1], width), res_out

@@ -142,12 +142,33 @@ class Fp8LinearMethod(LinearMethod):
         return layer.weight.dtype == FP8_DTYPE and not _kernels().supports(rows, layer.weight)
 
     def apply_after_norm(
-        self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        silu_mul: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The norm and the activations' quantization in one launch, then the FP8 product."""
-        if not self._quantizes_input(layer, x) or norm_weight.dtype != x.dtype:
+        """The norm in the product's launches: a decode step's few rows in the weight-only kernel's, with
+        ``silu_mul`` the activation after a ``[gate; up]`` product there too (``w8a16_norm_linear``); more rows in
+        the launch that quantizes them, then the FP8 product (the activation after it is the next projection's:
+        ``silu_mul`` declines)."""
+        weight = layer.weight
+        if weight.dtype != FP8_DTYPE or norm_weight.dtype != x.dtype:
             return None
-        xq, x_scale, residual = _kernels().rms_norm_quantize(x, norm_weight, eps, residual, self._group)
+        kernels = _kernels()
+        if kernels.supports(x, weight):
+            sizes = layer.local_output_sizes
+            halves = len(sizes) == 2 and sizes[0] == sizes[1]
+            if (silu_mul and not halves) or (residual is not None and residual.stride(-1) != 1):
+                return None
+            return kernels.w8a16_norm_linear(
+                x, weight, layer.weight_scale, self.block, norm_weight, eps, residual, silu_mul=silu_mul
+            )
+        if silu_mul:
+            return None
+        xq, x_scale, residual = kernels.rms_norm_quantize(x, norm_weight, eps, residual, self._group)
         return self._product(layer, xq, x_scale, x.dtype), residual
 
     def apply_after_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

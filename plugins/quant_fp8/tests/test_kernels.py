@@ -332,6 +332,97 @@ def test_w8a16_supports() -> None:
         qk.w8a16_linear(torch.randn(qk.MAX_ROWS + 1, 128, dtype=torch.bfloat16), wq, torch.ones(64))
 
 
+def norm_case(m: int, k: int, dtype: torch.dtype, with_residual: bool, seed: int = 0):
+    """Rows, a residual (or None) and a norm weight, as a decode step's RMSNorm takes them."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    residual = (torch.randn(m, k, generator=g) * 4).to(dtype) if with_residual else None
+    return x, residual, (torch.rand(k, generator=g) + 0.5).to(dtype)
+
+
+def separate_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor):
+    """The core's RMSNorm kernel (its roundings; Triton's interpreter on the CPU): ``(normed, new_residual)``."""
+    from nanovllm_core.layers import rms_norm_kernel
+
+    if residual is None:
+        return rms_norm_kernel.rms_norm(x, norm_weight, 1e-6), x
+    return rms_norm_kernel.rms_norm(x, norm_weight, 1e-6, residual)
+
+
+def assert_close_to_separate(got: torch.Tensor, want: torch.Tensor, ulps: int) -> None:
+    """Within ``ulps`` units in the last place of ``want``'s largest value: the fused norm rounds the normalised
+    rows once where the separate kernel rounds twice, so a few outputs round the other way."""
+    scale = want.float().abs().max().item()
+    err = (got.float() - want.float()).abs().max().item()
+    assert got.shape == want.shape and err <= ulps * torch.finfo(want.dtype).eps * scale, f"max error {err}"
+
+
+# (rows, dtype): the CUDA cores' paths in bfloat16, the tensor cores' in float16 (see the module's docstring)
+FEW_ROWS = [(1, torch.bfloat16), (3, torch.bfloat16), (5, torch.float16), (16, torch.float16)]
+
+
+@pytest.mark.parametrize("block", [None, (32, 128)], ids=["per-channel", "block"])
+@pytest.mark.parametrize(("m", "dtype"), FEW_ROWS)
+def test_w8a16_silu_mul_is_the_product_then_the_activation(m: int, dtype: torch.dtype, block) -> None:
+    """``silu_mul``: the bytes of the product followed by the core's SiLU-and-mul kernel (the gate and up sums
+    are the product's, rounded where the separate kernels round), over a K that is not a multiple of ``BLOCK_K``."""
+    from nanovllm_core.layers import silu_and_mul_kernel
+
+    wq, w_scale = weight_case(64, 300, block)
+    x = norm_case(m, 300, dtype, False)[0]
+    got = qk.w8a16_linear(x, wq, w_scale, block, silu_mul=True)
+    assert got.shape == (m, 32)
+    assert torch.equal(got, silu_and_mul_kernel.silu_and_mul(qk.w8a16_linear(x, wq, w_scale, block)))
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add-norm"])
+@pytest.mark.parametrize("block", [None, (32, 128)], ids=["per-channel", "block"])
+@pytest.mark.parametrize(("m", "dtype"), FEW_ROWS)
+def test_w8a16_norm_linear_is_the_norm_then_the_product(m: int, dtype: torch.dtype, block, with_residual) -> None:
+    """The residual add and the RMSNorm in the product's launch: the new residual is the core's kernel's, byte
+    for byte; the product is the separate norm's then the product's up to the norm's roundings; with
+    ``silu_mul`` too, the activation of the fused product, byte for byte."""
+    from nanovllm_core.layers import silu_and_mul_kernel
+
+    x, residual, norm_weight = norm_case(m, 300, dtype, with_residual, seed=m)
+    normed, summed = separate_norm(x, residual, norm_weight)
+    wq, w_scale = weight_case(64, 300, block)
+    cfg = dict(qk.w8a16_config(m, 64, 300, block), BLOCK_K=64)  # several chunks, the last one cut short
+    y, new_residual = qk.w8a16_norm_linear(x, wq, w_scale, block, norm_weight, 1e-6, residual, config=cfg)
+    assert torch.equal(new_residual, summed) and (with_residual or new_residual is x)
+    assert_close_to_separate(y, qk.w8a16_linear(normed, wq, w_scale, block, config=cfg), ulps=2)
+    activated, again = qk.w8a16_norm_linear(x, wq, w_scale, block, norm_weight, 1e-6, residual, silu_mul=True)
+    assert torch.equal(again, summed)
+    fused_product = qk.w8a16_norm_linear(x, wq, w_scale, block, norm_weight, 1e-6, residual)[0]
+    assert torch.equal(activated, silu_and_mul_kernel.silu_and_mul(fused_product))
+
+
+def test_w8a16_norm_linear_refuses_what_it_cannot_take() -> None:
+    wq, w_scale = weight_case(64, 128, None)
+    x, residual, norm_weight = norm_case(2, 128, torch.bfloat16, True)
+    with pytest.raises(ValueError, match="norm_weight"):
+        qk.w8a16_norm_linear(x, wq, w_scale, None, norm_weight[:64], 1e-6)
+    with pytest.raises(ValueError, match="norm_weight"):
+        qk.w8a16_norm_linear(x, wq, w_scale, None, norm_weight.half(), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        qk.w8a16_norm_linear(x, wq, w_scale, None, norm_weight, 1e-6, residual[:1])
+    with pytest.raises(ValueError, match="even number of rows and no bias"):
+        qk.w8a16_linear(x, wq[:63].contiguous(), w_scale[:63], silu_mul=True)
+    with pytest.raises(ValueError, match="even number of rows and no bias"):
+        qk.w8a16_linear(x, wq, w_scale, bias=torch.zeros(64, dtype=torch.bfloat16), silu_mul=True)
+
+
+def test_w8a16_silu_mul_reads_as_many_weight_rows_a_program() -> None:
+    """With ``silu_mul`` a program of the CUDA cores' path owns half the columns (each read twice: gate and up),
+    with per-channel scales; the tensor cores' tiles and the block-scaled launches keep their width."""
+    for m in (1, 3, 8):
+        for block in (None, (128, 128)):
+            plain = qk.w8a16_config(m, 4096, 4096, block)
+            fused = qk.w8a16_config(m, 4096, 4096, block, silu_mul=True)
+            halved = block is None and not plain["USE_DOT"]
+            assert fused == dict(plain, BLOCK_N=plain["BLOCK_N"] // (2 if halved else 1))
+
+
 # ----------------------------------------------------------------------------------------------------
 # CUDA: Qwen3-8B shapes, against the references, with timings
 # ----------------------------------------------------------------------------------------------------
@@ -446,3 +537,26 @@ def test_gpu_fused_quantizations_against_the_separate_kernels(rows: int) -> None
         "silu, then quant": median_us(separate_silu),
     }
     print(f"\n{rows} rows, us: " + ", ".join(f"{name} {us:.1f}" for name, us in times.items()))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "block"])
+def test_gpu_w8a16_with_its_neighbours_against_the_separate_kernels(rows: int, block) -> None:
+    """On Qwen3-8B's widths, a decode step's few rows: the residual add and RMSNorm before the q/k/v and gate-up
+    products and the SiLU-and-mul after gate-up, in the weight-only kernel's launch, against the core's kernels
+    around the product (``benchmarks/decode_gemm.py --fp8 --norm`` times both ways)."""
+    from nanovllm_core.layers import rms_norm_kernel, silu_and_mul_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 4096, generator=g, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(rows, 4096, generator=g, device="cuda", dtype=torch.bfloat16) * 8
+    norm_weight = torch.rand(4096, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5
+    normed, summed = rms_norm_kernel.rms_norm(x, norm_weight, 1e-6, residual)
+    for n, silu_mul, seed in ((6144, False, 1), (24576, True, 2)):  # q/k/v, gate-up
+        wq, w_scale = weight_case(n, 4096, block, seed=seed, device="cuda")
+        y, new_residual = qk.w8a16_norm_linear(x, wq, w_scale, block, norm_weight, 1e-6, residual, silu_mul=silu_mul)
+        want = qk.w8a16_linear(normed, wq, w_scale, block)
+        assert torch.equal(new_residual, summed)
+        assert_close_to_separate(y, silu_and_mul_kernel.silu_and_mul(want) if silu_mul else want, ulps=4)

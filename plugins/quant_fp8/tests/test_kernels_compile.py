@@ -29,8 +29,12 @@ except ImportError as exc:  # pragma: no cover - another Triton layout
 POINTERS = {
     "X": "*bf16", "XQ": "*u8", "S": "*fp32",  # quantization (and the weight-only kernel's X and S)
     "A": "*fp8e4nv", "B": "*fp8e4nv", "C": "*bf16", "AS": "*fp32", "BS": "*fp32", "BIAS": "*bf16",  # block GEMM
-    "W": "*fp8e4nv", "Y": "*bf16",  # weight-only
+    "W": "*fp8e4nv", "Y": "*bf16", "RES": "*bf16", "NW": "*bf16", "RES_OUT": "*bf16",  # weight-only
 }  # fmt: skip
+
+
+UNFUSED = dict(NORM=False, HAS_RESIDUAL=False, SILU_MUL=False)  # the weight-only kernel's product alone
+W8A16_SCALARS = {"eps": "fp32"}
 
 
 def compile_ptx(fn, constexprs: dict, num_warps: int, num_stages: int, pointers: dict | None = None) -> str:
@@ -100,8 +104,8 @@ def test_weight_only_kernel_compiles(rows: int, block: tuple[int, int] | None, l
     cfg["LATE_SUM"] = late_sum
     constexprs, num_warps, num_stages = launch_constexprs(cfg)
     constexprs.update(SCALE_N=1 if block is None else block[0], SCALE_K=4096 if block is None else block[1],
-                      BLOCKWISE=block is not None, EVEN_K=True, HAS_BIAS=False, PDL=False)  # fmt: skip
-    ptx = compile_ptx(qk._w8a16_kernel, constexprs, num_warps, num_stages)
+                      BLOCKWISE=block is not None, EVEN_K=True, HAS_BIAS=False, PDL=False, **UNFUSED)  # fmt: skip
+    ptx = compile_ptx(qk._w8a16_kernel, constexprs, num_warps, num_stages, W8A16_SCALARS)
     assert count(r"ld\.global", ptx) > 0
     if cfg["USE_DOT"]:
         assert count(r"mma\S*\.bf16", ptx) > 0, "five rows and more use bfloat16 tensor-core products"
@@ -149,8 +153,33 @@ def test_late_sum_loop_only_loads_and_multiplies(block: tuple[int, int] | None, 
     cfg = dict(qk.w8a16_config(rows, 4096, 4096, block), LATE_SUM=True)
     constexprs, num_warps, num_stages = launch_constexprs(cfg)
     constexprs.update(SCALE_N=1 if block is None else block[0], SCALE_K=4096 if block is None else block[1],
-                      BLOCKWISE=block is not None, EVEN_K=True, HAS_BIAS=False, PDL=False)  # fmt: skip
-    body = loop_body(compile_ptx(qk._w8a16_kernel, constexprs, num_warps, num_stages))
+                      BLOCKWISE=block is not None, EVEN_K=True, HAS_BIAS=False, PDL=False, **UNFUSED)  # fmt: skip
+    body = loop_body(compile_ptx(qk._w8a16_kernel, constexprs, num_warps, num_stages, W8A16_SCALARS))
     assert count(r"ld\.global\.v4", body) > 0
+    assert count(r"shfl\.sync", body) == 0
+    assert rows > 1 or count(r"bar\.sync", body) == 0
+
+
+@pytest.mark.parametrize("fusion", ["norm", "add-norm", "silu-mul", "add-norm-silu-mul"])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "block"])
+def test_weight_only_kernel_compiles_with_its_neighbours(block: tuple[int, int] | None, rows: int, fusion: str) -> None:
+    """The norm before the product and the SiLU-and-mul after it compile into each of its paths; on the CUDA
+    cores' path (``LATE_SUM``) the loop still has no cross-thread shuffle (the rows' squares are summed across
+    threads once, after it), and with one row no barrier."""
+    silu_mul = fusion.endswith("silu-mul")
+    cfg = qk.w8a16_config(rows, 12288, 4096, block, silu_mul)
+    constexprs, num_warps, num_stages = launch_constexprs(cfg)
+    constexprs.update(SCALE_N=1 if block is None else block[0], SCALE_K=4096 if block is None else block[1],
+                      BLOCKWISE=block is not None, EVEN_K=True, HAS_BIAS=False, PDL=False, SILU_MUL=silu_mul,
+                      NORM=fusion != "silu-mul", HAS_RESIDUAL=fusion.startswith("add"))  # fmt: skip
+    ptx = compile_ptx(qk._w8a16_kernel, constexprs, num_warps, num_stages, W8A16_SCALARS)
+    assert (count(r"rsqrt\.approx", ptx) > 0) is constexprs["NORM"]
+    assert (count(r"ex2\.approx", ptx) > 0) is silu_mul
+    if cfg["USE_DOT"]:
+        assert count(r"mma\S*\.bf16", ptx) > 0
+        return
+    body = loop_body(ptx)
+    assert count(r"ld\.global", body) > 0
     assert count(r"shfl\.sync", body) == 0
     assert rows > 1 or count(r"bar\.sync", body) == 0
