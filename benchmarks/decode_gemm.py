@@ -19,7 +19,9 @@ times every block configuration of it instead of its default one, printing the f
 projections in the skinny kernel's prologue (``skinny_norm_linear``, ``norm`` = ``prologue``) against
 ``rms_norm_kernel`` then the skinny kernel (``norm`` = ``separate``), gate-up with its SiLU in both; with
 ``--fp8`` the same for the FP8 weight-only kernel (``w8a16_norm_linear``, gate-up's SiLU-and-mul in its epilogue,
-against ``rms_norm_kernel``, ``w8a16_linear`` and ``silu_and_mul_kernel``). At a few rows a
+against ``rms_norm_kernel``, ``w8a16_linear`` and ``silu_and_mul_kernel``; for gate-up also the norm's kernel, then
+the product with the SiLU-and-mul in its epilogue, ``norm`` = ``epilogue``, and the norm alone in its launch,
+``norm-only``). At a few rows a
 GEMM's fixed latency, not its bytes, can set its time: this says, layer by layer, how far each projection is from
 reading its weights at the copy rate. ``--fp8`` adds nanovllm-quant-fp8's products of the same layers with e4m3
 weights: its weight-only kernel for a few rows (``w8a16-channel``, and ``w8a16-block`` with Qwen's 128 x 128 block
@@ -378,10 +380,30 @@ def _fp8_norm_then_gemm(x, pair, norm_weight, residual, silu_mul, block):
     return (silu_and_mul(y) if silu_mul else y), residual
 
 
+def _fp8_norm_in_kernel_silu_after(x, pair, norm_weight, residual, silu_mul, block):
+    from nanovllm_quant_fp8.kernels import w8a16_norm_linear
+
+    from nanovllm_core.layers.silu_and_mul_kernel import silu_and_mul
+
+    y, residual = w8a16_norm_linear(x, pair[0], pair[1], block, norm_weight, 1e-6, residual)
+    return silu_and_mul(y), residual
+
+
+def _fp8_silu_in_kernel(x, pair, norm_weight, residual, silu_mul, block):
+    from nanovllm_quant_fp8.kernels import w8a16_linear
+
+    from nanovllm_core.layers.rms_norm_kernel import rms_norm
+
+    h, residual = rms_norm(x, norm_weight, 1e-6, residual)
+    return w8a16_linear(h, pair[0], pair[1], block, silu_mul=silu_mul), residual
+
+
 def measure_fp8_norm(shape_name: str, rows: list[int], iters: int, device: torch.device) -> list[dict[str, Any]]:
     """The add + RMSNorm before the ``qkv`` and ``gate_up`` projections and gate-up's SiLU-and-mul, in the FP8
-    weight-only kernel's launch (``norm`` = ``prologue``: ``w8a16_norm_linear``) and as the core's kernels around
-    it (``separate``), per-channel and block-scaled weights (``blas`` = ``w8a16-channel`` / ``w8a16-block``)."""
+    weight-only kernel's launch (``norm`` = ``prologue``: ``w8a16_norm_linear``), as the core's kernels around
+    it (``separate``), and for gate-up the norm's kernel then the product with its SiLU-and-mul (``epilogue``) and
+    the product with the norm then the SiLU-and-mul's kernel (``norm-only``), per-channel and block-scaled weights
+    (``blas`` = ``w8a16-channel`` / ``w8a16-block``)."""
     from nanovllm_quant_fp8 import fp8, kernels
 
     cuda = device.type == "cuda"
@@ -399,7 +421,10 @@ def measure_fp8_norm(shape_name: str, rows: list[int], iters: int, device: torch
             pairs = [(wq, scale)] + [(wq.clone(), scale) for _ in range(copies - 1)]
             for m in (r for r in rows if r <= kernels.MAX_ROWS):
                 x, residual = torch.randn(2, m, k, dtype=dtype, device=device)
-                for norm, fn in (("prologue", _fp8_norm_in_kernel), ("separate", _fp8_norm_then_gemm)):
+                ways = [("prologue", _fp8_norm_in_kernel), ("separate", _fp8_norm_then_gemm)]
+                if name == "gate_up":
+                    ways += [("epilogue", _fp8_silu_in_kernel), ("norm-only", _fp8_norm_in_kernel_silu_after)]
+                for norm, fn in ways:
                     fn = functools.partial(
                         fn, norm_weight=norm_weight, residual=residual, silu_mul=name == "gate_up", block=block
                     )
