@@ -9,9 +9,9 @@ checkpoint's own ``quantization_config``. It hands each linear layer a :class:`L
   tensor-parallel rank as it slices the weight;
 - processes them once all are loaded (``process_weights_after_loading``): quantize a 16-bit weight, convert
   scales, lay them out for a kernel;
-- computes the product (``apply``), and may take over the elementwise step before it where it quantizes its input
-  anyway (``apply_after_norm``, ``apply_after_silu_and_mul``: one pass that normalises or activates and quantizes,
-  instead of writing the 16-bit rows and reading them back).
+- computes the product (``apply``), and may take the elementwise steps around it into the product's launch: the
+  RMSNorm before it (``apply_after_norm``) and a ``[gate; up]`` projection's SiLU-and-mul after it
+  (``apply_silu_and_mul``), so that the 16-bit rows between them are never written and read back.
 
 Layers without a method of their own use :data:`nanovllm_core.layers.linear.UNQUANTIZED`, the plain
 ``x @ w.T``. A model plugin builds its layers from :mod:`nanovllm_core.layers.linear` and never learns which method
@@ -78,15 +78,16 @@ class LinearMethod(ABC):
         itself without a residual), the norm as :class:`nanovllm_core.layers.norm.RMSNorm` computes it; with
         ``silu_mul`` (``layer`` a ``[gate; up]`` projection) ``silu(gate) * up`` of that product instead, the
         activation as :class:`nanovllm_core.layers.activation.SiluAndMul` computes it. Or None, the default, where
-        the method has nothing better than the norm then :meth:`apply` (the caller runs those; for ``silu_mul`` it
-        asks again without). Called for bias-free layers only, ``x`` 2-D rows."""
+        the method has nothing better than the norm, then :meth:`apply` (or the layer's ``silu_and_mul``, which
+        offers :meth:`apply_silu_and_mul`): the caller runs those. Called for bias-free layers only, ``x`` 2-D
+        rows."""
         return None
 
-    def apply_after_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """``apply(layer, silu(gate) * up)`` for ``x = [gate, up]`` (2-D rows), the activation as
-        :class:`nanovllm_core.layers.activation.SiluAndMul` computes it; or None, the default, where the method has
-        nothing better than the two (the caller runs them). A row-parallel layer's caller sums the ranks' parts
-        and adds the bias afterwards, as it does after :meth:`apply`."""
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of ``apply(layer, x)`` for a bias-free ``[gate; up]`` projection of two equal halves
+        (any leading shape), the activation as :class:`nanovllm_core.layers.activation.SiluAndMul` computes it; or
+        None, the default, where the method has nothing better than the product then the activation (the caller
+        runs them)."""
         return None
 
 

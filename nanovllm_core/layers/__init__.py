@@ -1,6 +1,5 @@
 """Building blocks for model plugins: tensor-parallel-ready linears and embeddings, norms, rotary, attention;
-:func:`norm_linear` runs a norm and the projection after it (one kernel for a decode step's few rows), and
-:func:`norm_mlp` a SwiGLU MLP after its norm (the activation folded into a quantized ``down``'s input).
+:func:`norm_linear` runs a norm and the projection after it (one kernel for a decode step's few rows).
 
 Also for kernel authors: :func:`wrap_kernel` runs a ``@triton.jit`` kernel compiled on CUDA or in Triton's
 interpreter on CPU (how CI tests kernels), :func:`fused_enabled` says whether the engine asked for
@@ -20,7 +19,6 @@ from nanovllm_core.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     norm_linear,
-    norm_mlp,
 )
 from nanovllm_core.layers.norm import RMSNorm
 from nanovllm_core.layers.rotary import RotaryEmbedding, get_rope
@@ -42,6 +40,5 @@ __all__ = [
     "get_rope",
     "launch_options",
     "norm_linear",
-    "norm_mlp",
     "wrap_kernel",
 ]

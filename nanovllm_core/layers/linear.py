@@ -76,56 +76,32 @@ def norm_linear(
     ``residual`` is None); with ``silu_mul`` ``layer.silu_and_mul(h)`` (a ``MergedColumnParallelLinear`` of
     ``[gate, up]``). For a decode step's few rows the skinny kernel adds, normalises and projects in one launch
     (``skinny_gemm_kernel.skinny_norm_linear``) when ``norm`` is an :class:`RMSNorm` and ``layer`` a bias-free
-    replicated or column-parallel linear; otherwise it is exactly the two calls."""
+    replicated or column-parallel linear; a quantized layer's method may take the norm into its product
+    (``LinearMethod.apply_after_norm``); otherwise it is exactly the two calls."""
     kernels = _norm_linear_kernels(x, norm, residual, layer, silu_mul)
     if kernels is not None:
         return kernels.skinny_norm_linear(x, layer.weight, norm.weight, norm.eps, residual, silu_mul=silu_mul)
     if _method_fuses_norm(x, norm, residual, layer, silu_mul):
-        method = layer.quant_method
-        fused = method.apply_after_norm(layer, x, norm.weight, norm.eps, residual, silu_mul=True) if silu_mul else None
+        fused = layer.quant_method.apply_after_norm(layer, x, norm.weight, norm.eps, residual, silu_mul=silu_mul)
         if fused is not None:
             return fused
-        fused = method.apply_after_norm(layer, x, norm.weight, norm.eps, residual)
-        if fused is not None:
-            return (_SILU_AND_MUL(fused[0]) if silu_mul else fused[0]), fused[1]
     h, residual = (norm(x), x) if residual is None else norm(x, residual)
     return (layer.silu_and_mul(h) if silu_mul else layer(h)), residual
 
 
-def norm_mlp(
-    x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, gate_up: nn.Module, down: nn.Module
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(down(silu_and_mul(gate_up(h))), new_residual)``, a SwiGLU MLP after its norm: :func:`norm_linear` with
-    ``silu_mul``, then ``down``; or, where ``down``'s quantization method takes the activation into the
-    quantization of its input (``LinearMethod.apply_after_silu_and_mul``) and ``gate_up``'s method does not take
-    it after its product (``apply_after_norm`` with ``silu_mul``), ``gate_up``'s output straight to it."""
-    plain = type(down).forward in (_Linear.forward, RowParallelLinear.forward)  # no subclass adds to the product
-    if _overrides(down, "apply_after_silu_and_mul") and plain and x.dim() == 2:
-        if _method_fuses_norm(x, norm, residual, gate_up, silu_mul=True):  # gate-up's method may take both steps
-            fused = gate_up.quant_method.apply_after_norm(gate_up, x, norm.weight, norm.eps, residual, silu_mul=True)
-            if fused is not None:
-                return down(fused[0]), fused[1]
-        gate_up_out, residual = norm_linear(x, norm, residual, gate_up)
-        return down.after_silu_and_mul(gate_up_out), residual
-    h, residual = norm_linear(x, norm, residual, gate_up, silu_mul=True)
-    return down(h), residual
-
-
 def _overrides(layer: nn.Module, hook: str) -> bool:
-    """Whether ``layer`` is one of these linear layers and its method implements ``hook`` (the base class's
-    default declines)."""
-    method = getattr(layer, "quant_method", None)
-    return isinstance(layer, _Linear) and getattr(type(method), hook, None) is not getattr(LinearMethod, hook)
+    """Whether ``layer``'s quantization method implements ``hook`` (the base class's default declines)."""
+    return getattr(type(layer.quant_method), hook, None) is not getattr(LinearMethod, hook)
 
 
 def _method_fuses_norm(
     x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, layer: nn.Module, silu_mul: bool
 ) -> bool:
-    """Whether :func:`norm_linear` may hand the norm to ``layer``'s method: a plain :class:`RMSNorm` and a plain
-    bias-free column-parallel or replicated layer (nothing overrides what the method replaces) whose method
-    implements ``apply_after_norm``, 2-D rows."""
-    ok = _overrides(layer, "apply_after_norm") and x.dim() == 2 and layer.bias is None
-    ok = ok and type(norm).forward is RMSNorm.forward and type(layer).forward is _Linear.forward
+    """Whether :func:`norm_linear` may hand the norm to ``layer``'s method (``LinearMethod.apply_after_norm``): a
+    plain :class:`RMSNorm` and a plain bias-free column-parallel or replicated layer (nothing overrides what the
+    method replaces), 2-D rows."""
+    ok = isinstance(layer, _Linear) and _overrides(layer, "apply_after_norm") and x.dim() == 2
+    ok = ok and layer.bias is None and type(norm).forward is RMSNorm.forward and type(layer).forward is _Linear.forward
     if silu_mul:
         ok = ok and getattr(type(layer), "silu_and_mul", None) is MergedColumnParallelLinear.silu_and_mul
     return ok and (residual is None or residual.shape == x.shape)
@@ -184,16 +160,6 @@ class _Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
-    def after_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``self(silu_and_mul(x))`` for ``x = [gate, up]``: in one pass of the method where it has one
-        (``LinearMethod.apply_after_silu_and_mul``)."""
-        y = self.quant_method.apply_after_silu_and_mul(self, x) if x.dim() == 2 else None
-        return self(_SILU_AND_MUL(x)) if y is None else self._output(y)
-
-    def _output(self, y: torch.Tensor) -> torch.Tensor:
-        """The layer's output from the method's product without the bias."""
-        return y if self.bias is None else y + self.bias
-
 
 class ReplicatedLinear(_Linear):
     """The same full weight on every rank."""
@@ -230,10 +196,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``SiluAndMul()(self(x))`` for a ``[gate, up]`` projection; a decode step's few rows take one kernel for
-        both, without writing the projection."""
+        both, without writing the projection (a quantized layer: where its method has one,
+        ``LinearMethod.apply_silu_and_mul``)."""
         kernels = _skinny_kernels(x, self.weight) if _is_gate_up(self) and self.quant_method is UNQUANTIZED else None
         if kernels is not None:
             return kernels.skinny_linear(x, self.weight, silu_mul=True)
+        if _is_gate_up(self) and _overrides(self, "apply_silu_and_mul"):
+            y = self.quant_method.apply_silu_and_mul(self, x)
+            if y is not None:
+                return y
         return _SILU_AND_MUL(self(x))
 
 
@@ -284,11 +255,10 @@ class RowParallelLinear(_Linear):
         param.data.copy_(weight_narrow(param, loaded_weight, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._output(self.quant_method.apply(self, x))
-
-    def _output(self, y: torch.Tensor) -> torch.Tensor:
-        """The ranks' partial products summed, then the bias (added once, not once a rank)."""
-        return super()._output(all_reduce(y))
+        y = all_reduce(self.quant_method.apply(self, x))
+        if self.bias is not None:
+            y = y + self.bias
+        return y
 
 
 def quantize_model(model: nn.Module, method: QuantizationMethod) -> int:

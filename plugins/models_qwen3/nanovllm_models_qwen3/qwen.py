@@ -20,7 +20,6 @@ from nanovllm_core.layers import (
     fused_enabled,
     get_rope,
     norm_linear,
-    norm_mlp,
 )
 from nanovllm_core.loader import load_weights
 from nanovllm_models_qwen3.qk_norm_rope import qk_norm_rope
@@ -109,7 +108,10 @@ class QwenDecoderLayer(nn.Module):
         hidden_states = attn.attend(positions, qkv)
         if type(self.mlp) is QwenMLP:  # a dense MLP (MoE blocks and subclasses run their own forward)
             mlp = self.mlp
-            return norm_mlp(hidden_states, self.post_attention_layernorm, residual, mlp.gate_up_proj, mlp.down_proj)
+            hidden_states, residual = norm_linear(
+                hidden_states, self.post_attention_layernorm, residual, mlp.gate_up_proj, silu_mul=True
+            )
+            return mlp.down_proj(hidden_states), residual
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

@@ -10,7 +10,8 @@ Each computes what its counterpart in :mod:`nanovllm_quant_fp8.fp8` computes (th
   float32 sums);
 - :func:`w8a16_linear`: ``x`` as it is times the FP8 weight dequantized on the fly (``fp8.w8a16_reference`` up to
   the order of the sums), for a decode step's few rows: such a step is a stream of weight reads, and an FP8
-  weight is half the bytes of a 16-bit one.
+  weight is half the bytes of a 16-bit one. It may apply the SiLU-and-mul after a ``[gate; up]`` product, and
+  :func:`w8a16_norm_linear` the residual add and RMSNorm before the product, in the same launch.
 
 As in the core's kernels (``nanovllm_core.layers.skinny_gemm_kernel``), the bodies are plain functions wrapped on
 first use as a compiled ``JITFunction`` (CUDA tensors) or an ``InterpretedFunction`` (CPU tensors, Triton's
@@ -46,17 +47,10 @@ _INV_FP8_MAX = tl.constexpr(0.0022321429569274187)
 # ----------------------------------------------------------------------------------------------------
 
 
-# What the per-token quantization computes from its input before quantizing it (``PROLOGUE``)
-NO_PROLOGUE = tl.constexpr(0)
-RMS_NORM = tl.constexpr(1)  # weight * rms_norm(x), rounded as the core's rms_norm
-ADD_RMS_NORM = tl.constexpr(2)  # the same of x + residual, the sum written out as the new residual
-SILU_AND_MUL = tl.constexpr(3)  # silu(gate) * up of x = [gate, up], rounded as the core's silu_and_mul
-
-
 def _quantize_kernel(
-    X, XQ, S, M, K, stride_x, stride_q, stride_s, R, W, R_OUT, stride_r, eps,
+    X, XQ, S, M, K, stride_x, stride_q, stride_s,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, PER_TOKEN: tl.constexpr,
-    PROLOGUE: tl.constexpr, RECIPROCAL: tl.constexpr, PDL: tl.constexpr,
+    RECIPROCAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program ``(row, pid_g)``: quantize row ``row`` of ``X`` to e4m3 (``XQ``, a ``uint8`` view) with its scales
     ``S``, as ``fp8.quantize_activation`` does.
@@ -65,12 +59,6 @@ def _quantize_kernel(
     for its largest magnitude, then to quantize (the second read hits the cache). Otherwise the program owns
     ``BLOCK_G`` groups of ``GROUP`` columns (``BLOCK_C`` is ``GROUP`` rounded up to a power of two), a
     ``[BLOCK_G, BLOCK_C]`` tile read once; the last group may be cut short by ``K``.
-
-    ``PROLOGUE`` makes the row it quantizes from ``X`` in each read, so that the 16-bit row before a product is
-    never written: ``RMS_NORM`` and ``ADD_RMS_NORM`` the core's ``weight * rms_norm(x [+ residual])`` with weight
-    ``W``, residual ``R`` (the sum written to ``R_OUT``, contiguous) and ``eps`` (a first read of the whole row
-    sums the squares, in every program of the row), ``SILU_AND_MUL`` the core's ``silu(gate) * up`` of ``X =
-    [gate, up]`` (``K`` columns each), each rounded to ``X``'s dtype where the core's kernels round.
 
     ``scale = max(amax / 448, 1e-12)`` is rounded as PyTorch rounds it on the tensors' device: an IEEE division
     on the CPU, a product with ``1 / 448`` (rounded to float32) on CUDA (``RECIPROCAL``), where PyTorch divides by
@@ -86,84 +74,53 @@ def _quantize_kernel(
     g = tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK_C)
     x_row = X + row * stride_x
-    r_row = R + row * stride_r
     q_row = XQ + row * stride_q
-    if PER_TOKEN:
-        first = 0
-    else:
-        first = tl.program_id(1) * (BLOCK_G * GROUP)  # the first column this program owns
+    first = tl.program_id(1) * (BLOCK_G * GROUP)  # the first column this program owns
     in_group = (j < GROUP)[None, :]
-    rstd = 1.0
-    if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
-        squares = tl.full([BLOCK_G, BLOCK_C], 0.0, dtype=tl.float32)
-        for k in range(0, K, BLOCK_G * GROUP):  # the whole row, whichever columns this program quantizes
+    if PER_TOKEN:
+        amax = tl.full([BLOCK_G, BLOCK_C], 0.0, dtype=tl.float32)
+        for k in range(0, K, BLOCK_C):
             cols = k + g[:, None] * GROUP + j[None, :]
-            ok = in_group & (cols < K)
-            h = tl.load(x_row + cols, mask=ok, other=0.0)
-            if PROLOGUE == ADD_RMS_NORM:
-                h = (h.to(tl.float32) + tl.load(r_row + cols, mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
-            squares += h.to(tl.float32) * h.to(tl.float32)
-        rstd = tl.rsqrt(tl.reduce(tl.reduce(squares, 1, _sum), 0, _sum) / K + eps)
-    amax = tl.full([BLOCK_G, BLOCK_C], 0.0, dtype=tl.float32)
-    row_scale = 1.0
-    stop = K if PER_TOKEN else 1
-    for quantize in tl.static_range(2):  # per token: the row's largest magnitude, then its bytes; per group: bytes
-        if quantize == 1 or PER_TOKEN:
-            for k in range(0, stop, BLOCK_C):
-                cols = first + k + g[:, None] * GROUP + j[None, :]
-                ok = in_group & (cols < K)
-                x = tl.load(x_row + cols, mask=ok, other=0.0)
-                if PROLOGUE == SILU_AND_MUL:
-                    up = tl.load(x_row + K + cols, mask=ok, other=0.0)
-                    silu = (x.to(tl.float32) / (1.0 + tl.exp(-x.to(tl.float32)))).to(x.dtype)
-                    x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
-                elif PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
-                    if PROLOGUE == ADD_RMS_NORM:
-                        x = (x.to(tl.float32) + tl.load(r_row + cols, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
-                        if quantize == 1:  # the new residual, each column by the program that quantizes it
-                            tl.store(R_OUT + row * K + cols, x, mask=ok)
-                    normed = (x.to(tl.float32) * rstd).to(x.dtype)
-                    weight = tl.load(W + cols, mask=ok, other=0.0)
-                    x = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-                x = x.to(tl.float32)
-                if quantize == 0:
-                    amax = tl.maximum(amax, tl.abs(x))
-                else:
-                    if PER_TOKEN:
-                        scale = row_scale
-                    else:
-                        group_amax = tl.reduce(tl.abs(x), 1, _max)
-                        if RECIPROCAL:
-                            group_scale = tl.maximum(group_amax * _INV_FP8_MAX, 1e-12)
-                        else:
-                            group_scale = tl.maximum(tl.div_rn(group_amax, 448.0), 1e-12)
-                        groups = tl.program_id(1) * BLOCK_G + g
-                        tl.store(S + row * stride_s + groups, group_scale, mask=groups * GROUP < K)
-                        scale = group_scale[:, None]
-                    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
-                    bits = y.to(tl.int32, bitcast=True)
-                    # The grid step of e4m3 at |y|: 2**(e - 3) for |y| in [2**e, 2**(e + 1)), e >= -6, and the
-                    # subnormals' 2**-9 below 2**-6; as float32 biased exponents, max(e + 127, 121) - 3.
-                    step_exp = tl.maximum((bits >> 23) & 0xFF, 121) - 3
-                    step = (step_exp << 23).to(tl.float32, bitcast=True)
-                    inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
-                    # |y| / step < 16: adding and taking away 1.5 * 2**23 rounds it to an integer, ties to even
-                    magnitude = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
-                    mag_bits = magnitude.to(tl.int32, bitcast=True)
-                    exponent = (mag_bits >> 23) - 120  # e4m3's biased exponent (bias 7 against float32's 127)
-                    code = tl.where(
-                        exponent > 0, (exponent << 3) | ((mag_bits >> 20) & 7), (magnitude * 512.0).to(tl.int32)
-                    )
-                    # NaN stays NaN; the sign, -0 included
-                    code = tl.where(y != y, 0x7F, code) | tl.where(bits < 0, 0x80, 0)
-                    tl.store(q_row + cols, code.to(tl.uint8), mask=ok)
-            if quantize == 0 and PER_TOKEN:
-                row_amax = tl.reduce(tl.reduce(amax, 1, _max), 0, _max)
-                if RECIPROCAL:
-                    row_scale = tl.maximum(row_amax * _INV_FP8_MAX, 1e-12)
-                else:
-                    row_scale = tl.maximum(tl.div_rn(row_amax, 448.0), 1e-12)
-                tl.store(S + row * stride_s, row_scale)
+            x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        row_amax = tl.reduce(tl.reduce(amax, 1, _max), 0, _max)
+        if RECIPROCAL:
+            row_scale = tl.maximum(row_amax * _INV_FP8_MAX, 1e-12)
+        else:
+            row_scale = tl.maximum(tl.div_rn(row_amax, 448.0), 1e-12)
+        tl.store(S + row * stride_s, row_scale)
+        stop = K
+    else:
+        stop = 1
+    for k in range(0, stop, BLOCK_C):
+        cols = first + k + g[:, None] * GROUP + j[None, :]
+        ok = in_group & (cols < K)
+        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+        if PER_TOKEN:
+            scale = row_scale
+        else:
+            group_amax = tl.reduce(tl.abs(x), 1, _max)
+            if RECIPROCAL:
+                group_scale = tl.maximum(group_amax * _INV_FP8_MAX, 1e-12)
+            else:
+                group_scale = tl.maximum(tl.div_rn(group_amax, 448.0), 1e-12)
+            groups = tl.program_id(1) * BLOCK_G + g
+            tl.store(S + row * stride_s + groups, group_scale, mask=groups * GROUP < K)
+            scale = group_scale[:, None]
+        y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+        bits = y.to(tl.int32, bitcast=True)
+        # The grid step of e4m3 at |y|: 2**(e - 3) for |y| in [2**e, 2**(e + 1)), e >= -6, and the subnormals'
+        # 2**-9 below 2**-6; as float32 biased exponents, max(e + 127, 121) - 3.
+        step_exp = tl.maximum((bits >> 23) & 0xFF, 121) - 3
+        step = (step_exp << 23).to(tl.float32, bitcast=True)
+        inv_step = ((254 - step_exp) << 23).to(tl.float32, bitcast=True)
+        # |y| / step < 16: adding and taking away 1.5 * 2**23 rounds it to an integer, ties to even
+        magnitude = ((tl.abs(y) * inv_step + 12582912.0) - 12582912.0) * step
+        mag_bits = magnitude.to(tl.int32, bitcast=True)
+        exponent = (mag_bits >> 23) - 120  # e4m3's biased exponent (bias 7 against float32's 127)
+        code = tl.where(exponent > 0, (exponent << 3) | ((mag_bits >> 20) & 7), (magnitude * 512.0).to(tl.int32))
+        code = tl.where(y != y, 0x7F, code) | tl.where(bits < 0, 0x80, 0)  # NaN stays NaN; the sign, -0 included
+        tl.store(q_row + cols, code.to(tl.uint8), mask=ok)
 
 
 def quantize_activation(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,104 +129,36 @@ def quantize_activation(x: torch.Tensor, group_size: int | None = None) -> tuple
     ``1 x group_size`` group; ``K`` need not be a multiple), ``M`` the rows of ``x`` flattened to 2-D (``scale``
     keeps ``x``'s leading shape). ``x``: float32, bfloat16 or float16 with a contiguous last dimension.
     CUDA tensors run the compiled kernel; anything else runs it in Triton's interpreter (slow: tests only)."""
-    _check(x, group_size, "quantize_activation")
-    rows = _rows(x)
-    xq, scale = _quantize_rows(rows, x.size(-1), group_size, NO_PROLOGUE.value)
-    return xq.view(x.shape), scale.view(*x.shape[:-1], scale.size(-1))
-
-
-def rms_norm_quantize(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    group_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(xq, scale, new_residual)``: the core's ``weight * rms_norm(x [+ residual])`` quantized as
-    ``quantize_activation(..., group_size)`` quantizes it, in one launch that never writes the normalised rows;
-    ``new_residual`` is ``x + residual`` (``x`` itself without a residual). ``x``: rows ``[M, K]``, ``weight``
-    ``[K]`` and ``residual`` ``[M, K]`` of ``x``'s dtype (float32, bfloat16 or float16), last dimensions
-    contiguous."""
-    _check(x, group_size, "rms_norm_quantize")
-    k = x.size(-1)
-    if weight.shape != (k,) or weight.dtype != x.dtype or not weight.is_contiguous():
-        raise ValueError(f"rms_norm_quantize takes a contiguous weight [{k}] of {x.dtype}, got "
-                         f"{tuple(weight.shape)} {weight.dtype}")  # fmt: skip
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"rms_norm_quantize takes a residual of x's shape and dtype {tuple(x.shape)} {x.dtype}, "
-                         f"got {tuple(residual.shape)} {residual.dtype}")  # fmt: skip
-    rows = _rows(x)
-    if residual is None:
-        xq, scale = _quantize_rows(rows, k, group_size, RMS_NORM.value, weight=weight, eps=eps)
-        summed = x
-    else:
-        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        xq, scale = _quantize_rows(rows, k, group_size, ADD_RMS_NORM.value, _rows(residual), weight, summed, eps)
-    return xq.view(x.shape), scale.view(*x.shape[:-1], scale.size(-1)), summed
-
-
-def silu_and_mul_quantize(x: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(xq, scale)``: the core's ``silu(gate) * up`` of ``x = [gate, up]`` (``[M, 2K]``) quantized as
-    ``quantize_activation(..., group_size)`` quantizes it, in one launch that never writes the ``[M, K]``
-    product."""
-    _check(x, group_size, "silu_and_mul_quantize")
-    if x.size(-1) % 2:
-        raise ValueError(f"silu_and_mul_quantize takes [gate, up] of an even width, got {x.size(-1)}")
-    k = x.size(-1) // 2
-    xq, scale = _quantize_rows(_rows(x), k, group_size, SILU_AND_MUL.value)
-    return xq.view(*x.shape[:-1], k), scale.view(*x.shape[:-1], scale.size(-1))
-
-
-def _check(x: torch.Tensor, group_size: int | None, name: str) -> None:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{name} takes float32, bfloat16 or float16, got {x.dtype}")
+        raise ValueError(f"quantize_activation takes float32, bfloat16 or float16, got {x.dtype}")
     if group_size is not None and group_size <= 0:
         raise ValueError(f"group_size must be positive, got {group_size}")
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as 2-D rows with a contiguous last dimension."""
-    rows = x.reshape(-1, x.size(-1)) if x.dim() != 2 else x
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
-def _quantize_rows(
-    rows: torch.Tensor,
-    k: int,
-    group_size: int | None,
-    prologue: int,
-    residual: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None,
-    eps: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(xq [M, k], scale [M, groups])`` of ``rows`` through ``prologue``: per token, one program a row reading it
-    in chunks of up to 4,096 columns; per group, a program for each few groups of a row."""
+    k = x.size(-1)
+    rows = x.reshape(-1, k) if x.dim() != 2 else x
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     m = rows.size(0)
-    xq = torch.empty((m, k), dtype=FP8_DTYPE, device=rows.device)
+    xq = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     groups = 1 if group_size is None else -(-k // group_size)
-    scale = torch.empty((m, groups), dtype=torch.float32, device=rows.device)
-    if not (m and k):
-        return xq, scale
-    if group_size is None:
-        block_c = min(triton.next_power_of_2(k), 4096)
-        cfg = {"GROUP": block_c, "BLOCK_G": 1, "BLOCK_C": block_c, "PER_TOKEN": True}
-        grid = (m, 1)
-        num_warps = 8 if block_c >= 2048 else 4 if block_c >= 1024 else 1  # one program a row: its warps set the pace
-    else:
-        block_c = triton.next_power_of_2(group_size)
-        block_g = max(1, min(triton.next_power_of_2(groups), 2048 // block_c))
-        cfg = {"GROUP": group_size, "BLOCK_G": block_g, "BLOCK_C": block_c, "PER_TOKEN": False}
-        grid = (m, triton.cdiv(groups, block_g))
-        num_warps = 4 if block_g * block_c >= 1024 else 1
-    r = residual if residual is not None else rows  # unread without a residual (nor W, R_OUT without the norm)
-    _quantize(rows.device.type != "cuda")[grid](
-        rows, xq.view(torch.uint8), scale, m, k, rows.stride(0), xq.stride(0), scale.stride(0),
-        r, weight if weight is not None else rows, residual_out if residual_out is not None else rows, r.stride(0),
-        eps, PROLOGUE=prologue, RECIPROCAL=rows.device.type == "cuda", **cfg, num_warps=num_warps,
-        **launch_options(rows),
-    )  # fmt: skip
-    return xq, scale
+    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m and k:
+        if group_size is None:
+            block_c = min(triton.next_power_of_2(k), 4096)
+            cfg = {"GROUP": block_c, "BLOCK_G": 1, "BLOCK_C": block_c, "PER_TOKEN": True}
+            grid = (m, 1)
+        else:
+            block_c = triton.next_power_of_2(group_size)
+            block_g = max(1, min(triton.next_power_of_2(groups), 2048 // block_c))
+            cfg = {"GROUP": group_size, "BLOCK_G": block_g, "BLOCK_C": block_c, "PER_TOKEN": False}
+            grid = (m, triton.cdiv(groups, block_g))
+        num_warps = 4 if cfg["BLOCK_G"] * block_c >= 1024 else 1
+        if group_size is None and block_c >= 2048:  # one program a row: its warps, not the rows, set the pace
+            num_warps = 8
+        _quantize(x.device.type != "cuda")[grid](
+            rows, xq.view(torch.uint8), scale, m, k, rows.stride(0), xq.stride(0), scale.stride(0),
+            RECIPROCAL=x.device.type == "cuda", **cfg, num_warps=num_warps, **launch_options(x),
+        )  # fmt: skip
+    return xq.view(x.shape), scale.view(*x.shape[:-1], groups)
 
 
 @lru_cache(maxsize=2)

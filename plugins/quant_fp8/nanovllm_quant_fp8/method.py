@@ -136,11 +136,6 @@ class Fp8LinearMethod(LinearMethod):
         )  # fmt: skip
         return y if bias is None else y + bias
 
-    def _quantizes_input(self, layer: nn.Module, rows: torch.Tensor) -> bool:
-        """Whether :meth:`apply` would quantize these rows (FP8 weights, more rows than the weight-only kernel
-        takes): then the step before them can, in its own launch."""
-        return layer.weight.dtype == FP8_DTYPE and not _kernels().supports(rows, layer.weight)
-
     def apply_after_norm(
         self,
         layer: nn.Module,
@@ -150,32 +145,28 @@ class Fp8LinearMethod(LinearMethod):
         residual: torch.Tensor | None,
         silu_mul: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The norm in the product's launches: a decode step's few rows in the weight-only kernel's, with
-        ``silu_mul`` the activation after a ``[gate; up]`` product there too (``w8a16_norm_linear``); more rows in
-        the launch that quantizes them, then the FP8 product (the activation after it is the next projection's:
-        ``silu_mul`` declines)."""
+        """One row of a decode step (one request alone): the residual add and the norm in the weight-only kernel's
+        launch (``w8a16_norm_linear``). Declined elsewhere, where the separate norm measured faster: more rows, a
+        product followed by the SiLU-and-mul (that one goes into the product's epilogue instead:
+        :meth:`apply_silu_and_mul`), and rows whose activations the product quantizes."""
         weight = layer.weight
-        if weight.dtype != FP8_DTYPE or norm_weight.dtype != x.dtype:
+        fits = weight.dtype == FP8_DTYPE and norm_weight.dtype == x.dtype and x.size(0) == 1
+        if silu_mul or not fits or not _kernels().supports(x, weight):
             return None
-        kernels = _kernels()
-        if kernels.supports(x, weight):
-            sizes = layer.local_output_sizes
-            halves = len(sizes) == 2 and sizes[0] == sizes[1]
-            if (silu_mul and not halves) or (residual is not None and residual.stride(-1) != 1):
-                return None
-            return kernels.w8a16_norm_linear(
-                x, weight, layer.weight_scale, self.block, norm_weight, eps, residual, silu_mul=silu_mul
-            )
-        if silu_mul:
+        if residual is not None and residual.stride(-1) != 1:
             return None
-        xq, x_scale, residual = kernels.rms_norm_quantize(x, norm_weight, eps, residual, self._group)
-        return self._product(layer, xq, x_scale, x.dtype), residual
+        return _kernels().w8a16_norm_linear(x, weight, layer.weight_scale, self.block, norm_weight, eps, residual)
 
-    def apply_after_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """SiLU-and-mul and the activations' quantization in one launch, then the FP8 product."""
-        if not self._quantizes_input(layer, x[:, : x.size(1) // 2]):
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's few rows: the SiLU-and-mul after the ``[gate; up]`` product in the weight-only kernel's
+        epilogue (``w8a16_linear(..., silu_mul=True)``); the product is never written. Declined for one row with
+        block scales, where the separate kernel measured faster."""
+        weight = layer.weight
+        if weight.dtype != FP8_DTYPE or not _kernels().supports(x, weight):
             return None
-        return self._product(layer, *_kernels().silu_and_mul_quantize(x, self._group), x.dtype)
+        if self.block is not None and x.numel() == x.size(-1):
+            return None
+        return _kernels().w8a16_linear(x, weight, layer.weight_scale, self.block, silu_mul=True)
 
 
 def _fp8_check_available(device: torch.device) -> str | None:

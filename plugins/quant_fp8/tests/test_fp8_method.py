@@ -197,75 +197,72 @@ def fp8_layers(block=None) -> tuple:
 
 
 @pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "block"])
-@pytest.mark.parametrize(
-    ("rows", "dtype"), [(3, torch.bfloat16), (40, torch.bfloat16), (40, torch.float32)],
-    ids=["decode rows", "prompt rows", "prompt rows float32"],
-)  # fmt: skip
-def test_the_norm_and_the_activation_fold_into_the_activations_quantization(rows, dtype, block, monkeypatch):
-    """``norm_mlp`` over FP8 layers: where the product quantizes its input, the RMSNorm and the SiLU-and-mul each
-    quantize the activations in the same launch, per token or per weight block's columns (the kernels in Triton's
-    interpreter, the products on the CPU), and the MLP's output and the new residual are those of the separate
-    steps; a decode step's few 16-bit rows go the weight-only way, the norm and the activation in its launch
-    (its own test is below). In float32 the two ways agree to the
-    last bits; in bfloat16 the interpreter rounds toward zero where eager PyTorch rounds to nearest, which moves a
-    few values a step of e4m3, so both are held to the exact product instead."""
+@pytest.mark.parametrize("rows", [1, 3, 40], ids=["one row", "decode rows", "prompt rows"])
+def test_a_decode_steps_norm_and_activation_go_where_they_measured_faster(rows, block, monkeypatch):
+    """A decoder layer's MLP half over FP8 layers (``norm_linear`` with ``silu_mul``, then ``down``), as on a GPU
+    (the kernels in Triton's interpreter): a decode step's few rows run the RMSNorm's kernel, then the gate-up
+    product with the SiLU-and-mul in its epilogue (``w8a16_linear(..., silu_mul=True)``; not one row with block
+    scales); one row before the q/k/v
+    projection takes the norm into the product's launch (``w8a16_norm_linear``); prompt rows run the steps
+    separately. Each way's output is the separate steps', within the roundings the interpreter makes its own
+    way (toward zero, where eager PyTorch rounds to nearest)."""
     pytest.importorskip("triton")
-    import torch.nn.functional as F
     from nanovllm_quant_fp8 import kernels
 
-    from nanovllm_core.layers import RMSNorm, SiluAndMul, norm_mlp
+    from nanovllm_core.layers import QKVParallelLinear, RMSNorm, SiluAndMul, norm_linear
 
     gate_up, down = fp8_layers(block)
-    norm = RMSNorm(256).to(dtype)
+    norm = RMSNorm(256).to(torch.bfloat16)
     norm.weight.data.uniform_(0.5, 1.5)
-    x = torch.randn(rows, 256, dtype=dtype)
-    residual = torch.randn(rows, 256, dtype=dtype) * 4
+    x = torch.randn(rows, 256, dtype=torch.bfloat16)
+    residual = torch.randn(rows, 256, dtype=torch.bfloat16) * 4
     calls = []
 
     def recorded(name: str):
         real = getattr(kernels, name)
-        return lambda *args, **kwargs: calls.append(name) or real(*args, **kwargs)
+        return lambda *args, **kwargs: calls.append((name, kwargs)) or real(*args, **kwargs)
 
-    for name in ("rms_norm_quantize", "silu_and_mul_quantize", "w8a16_norm_linear"):
+    for name in ("w8a16_norm_linear", "w8a16_linear"):
         monkeypatch.setattr(kernels, name, recorded(name))
     with torch.no_grad():
-        got, new_residual = norm_mlp(x, norm, residual, gate_up, down)
-        fused = calls == ["rms_norm_quantize", "silu_and_mul_quantize"]
-        assert fused is (rows > kernels.MAX_ROWS or dtype == torch.float32), calls
-        assert (calls == ["w8a16_norm_linear"]) is (not fused), calls  # decode rows: the weight-only kernel's launch
         h, want_residual = norm(x, residual)
-        want = down(SiluAndMul()(gate_up(h)))
-        assert got.shape == want.shape == (rows, 256) and got.dtype == dtype
-        if dtype == torch.float32:
-            assert relative_error(got, want) < 1e-5 and torch.equal(new_residual, want_residual)
-        else:
-            weights = [dequantize_weight(layer.weight, layer.weight_scale, block, torch.float32)
-                       for layer in (gate_up, down)]  # fmt: skip
-            exact = F.linear(SiluAndMul()(F.linear(h.float(), weights[0])), weights[1])
-            # the weight-only launch rounds its normalised rows, its products and the activation in the
-            # interpreter's way (toward zero) where the separate steps round to nearest eagerly
-            assert relative_error(got, exact) < (1.2 if fused else 3) * relative_error(want, exact)
-            assert relative_error(new_residual, want_residual) < 0.01
+        want = down(SiluAndMul()(gate_up(h)))  # the separate steps
+        calls.clear()
+        activated, new_residual = norm_linear(x, norm, residual, gate_up, silu_mul=True)
+        decode = rows <= kernels.MAX_ROWS
+        in_epilogue = decode and not (block is not None and rows == 1)  # block scales, one row: the separate kernel
+        assert calls == ([("w8a16_linear", {"silu_mul": True})] if in_epilogue else [("w8a16_linear", {})] * decode)
+        assert torch.equal(new_residual, want_residual)
+        assert relative_error(down(activated), want) < 0.02
+
+        qkv = QKVParallelLinear(256, 32, 4, 2)
+        qkv.set_quant_method(gate_up.quant_method)
+        wq, scale = quantize_weight_per_channel(torch.randn(256, 256) / 20) if block is None else \
+            quantize_weight_blockwise(torch.randn(256, 256) / 20, block)  # fmt: skip
+        qkv.weight = torch.nn.Parameter(wq, requires_grad=False)
+        qkv.weight_scale = torch.nn.Parameter(scale.float().reshape(-1) if block is None else scale, False)
+        calls.clear()
+        got, new_residual = norm_linear(x, norm, residual, qkv)
+        assert [name for name, _ in calls] == (["w8a16_norm_linear"] if rows == 1 else ["w8a16_linear"] * decode)
+        assert relative_error(new_residual, want_residual) < 0.01  # the interpreter's sum rounds toward zero
+        assert relative_error(got, qkv(h)) < 0.02
 
 
-def test_decode_rows_take_the_norm_and_the_activation_into_the_weight_only_kernel():
-    """A decode step's few 16-bit rows multiply the weight-only way, without quantizing their activations: the norm
-    before gate-up and the SiLU-and-mul after it go into that kernel's launch (``w8a16_norm_linear``), and the
-    down projection's method declines the activation (gate-up's launch took it). More rows: the norm quantizes the
-    rows, and the activation after gate-up's product is declined (the down projection's quantization takes it)."""
+def test_the_norm_and_the_activation_stay_out_of_the_products_that_measured_slower():
+    """``apply_after_norm`` declines more than one row, a gate-up product (its activation goes into the product's
+    epilogue instead: ``apply_silu_and_mul``) and rows the product quantizes; ``apply_silu_and_mul`` declines
+    those too."""
     pytest.importorskip("triton")
     x, weight = torch.randn(40, 256, dtype=torch.bfloat16), torch.ones(256, dtype=torch.bfloat16)
     for block in (None, (128, 128)):
-        gate_up, down = fp8_layers(block)
+        gate_up, _ = fp8_layers(block)
         method = gate_up.quant_method
-        decode_rows = x[:3]
-        for silu_mul, width in ((False, 768), (True, 384)):
-            fused = method.apply_after_norm(gate_up, decode_rows, weight, 1e-6, None, silu_mul=silu_mul)
-            assert fused is not None and fused[1] is decode_rows and fused[0].shape == (3, width)
-        assert down.quant_method.apply_after_silu_and_mul(down, torch.randn(3, 768, dtype=torch.bfloat16)) is None
-        assert method.apply_after_norm(gate_up, x, weight, 1e-6, None, silu_mul=True) is None
-        fused = method.apply_after_norm(gate_up, x, weight, 1e-6, None)
-        assert fused is not None and fused[1] is x and fused[0].shape == (40, 768)
-        # only a [gate; up] projection of two equal halves takes the activation
-        rows, ones = torch.randn(3, 384, dtype=torch.bfloat16), torch.ones(384, dtype=torch.bfloat16)
-        assert down.quant_method.apply_after_norm(down, rows, ones, 1e-6, None, silu_mul=True) is None
+        one_row = x[:1]
+        fused = method.apply_after_norm(gate_up, one_row, weight, 1e-6, None)
+        assert fused is not None and fused[1] is one_row and fused[0].shape == (1, 768)
+        assert method.apply_after_norm(gate_up, one_row, weight, 1e-6, None, silu_mul=True) is None
+        assert method.apply_after_norm(gate_up, x[:3], weight, 1e-6, None) is None
+        assert method.apply_after_norm(gate_up, x, weight, 1e-6, None) is None
+        assert method.apply_silu_and_mul(gate_up, x[:3]).shape == (3, 384)
+        assert method.apply_silu_and_mul(gate_up, x) is None
+        assert (method.apply_silu_and_mul(gate_up, one_row) is None) is (block is not None)

@@ -102,76 +102,6 @@ def test_quantize_activation_takes_strided_rows() -> None:
     assert_same_quantization(qk.quantize_activation(x, 128), fp8.quantize_activation(x, 128))
 
 
-# how far a scale from the interpreter may be from eager PyTorch's: its roundings to bfloat16 go toward zero (up to
-# three before the largest magnitude: the residual's sum, the norm, the weight's product; a unit in the last place
-# each), in float32 only the sums' order
-INTERPRETED_ROUNDING = {torch.bfloat16: 3 * 2**-7, torch.float32: 1e-6}
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("m", "k", "group"), [(1, 256, None), (3, 300, None), (2, 5000, None), (3, 300, 128),
-                                               (2, 5000, 128)])  # fmt: skip
-@pytest.mark.parametrize("with_residual", [True, False], ids=["add-norm", "norm"])
-def test_rms_norm_quantize_is_the_norm_then_the_quantization(dtype, m, k, group, with_residual: bool) -> None:
-    """The fused launch against the two it replaces, the core's RMSNorm kernel and then ``quantize_activation``
-    (both in the interpreter): the same bytes and scales, the same new residual; and close to eager PyTorch's
-    norm quantized by the contract (its float32 sum of squares, and the interpreter's roundings to bfloat16, may
-    round the other way)."""
-    from nanovllm_core.layers import rms_norm_kernel
-    from nanovllm_core.layers.fused import add_rms_norm, rms_norm
-
-    g = torch.Generator().manual_seed(k)
-    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
-    residual = (torch.randn(m, k, generator=g) * 5).to(dtype) if with_residual else None
-    weight = (torch.rand(k, generator=g) + 0.5).to(dtype)
-    xq, scale, new_residual = qk.rms_norm_quantize(x, weight, 1e-6, residual, group)
-    if with_residual:
-        normed, summed = rms_norm_kernel.rms_norm(x, weight, 1e-6, residual)
-        assert torch.equal(new_residual, summed)
-        if dtype == torch.float32:  # the interpreter rounds float32 to bfloat16 toward zero, the GPU to nearest
-            assert torch.equal(new_residual, x + residual)
-    else:
-        normed = rms_norm_kernel.rms_norm(x, weight, 1e-6)
-        assert new_residual is x
-    assert scale.shape == (m, 1 if group is None else -(-k // group)) and xq.shape == (m, k)
-    if k <= 4096 and group is None:  # one chunk a row: the kernels sum the squares in the same order
-        assert_same_quantization((xq, scale), qk.quantize_activation(normed))
-    eager = add_rms_norm(x, residual, weight, 1e-6)[0] if with_residual else rms_norm(x, weight, 1e-6)
-    want_q, want_scale = fp8.quantize_activation(eager, group)
-    torch.testing.assert_close(scale, want_scale, rtol=INTERPRETED_ROUNDING[dtype], atol=0)
-    steps = (xq.float() - want_q.float()).abs() / want_q.float().abs().clamp_min(2**-9)
-    assert steps.max() <= 0.13  # at most one e4m3 step (1/8 relative) where a value rounded the other way
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("m", "k", "group"), [(1, 128, None), (3, 300, None), (2, 5000, None), (3, 300, 128)])
-def test_silu_and_mul_quantize_is_the_activation_then_the_quantization(dtype, m: int, k: int, group) -> None:
-    """The fused launch against the core's SiLU-and-mul kernel then ``quantize_activation`` (both interpreted),
-    and close to eager PyTorch's ``silu(gate) * up`` quantized by the contract."""
-    from nanovllm_core.layers import silu_and_mul_kernel
-    from nanovllm_core.layers.fused import silu_and_mul
-
-    x = rows_of(m, 2 * k, dtype, seed=k) / 100
-    want = qk.quantize_activation(silu_and_mul_kernel.silu_and_mul(x), group)
-    got = qk.silu_and_mul_quantize(x, group)
-    assert_same_quantization(got, want)
-    assert got[0].shape == (m, k) and got[1].shape == (m, 1 if group is None else -(-k // group))
-    eager = fp8.quantize_activation(silu_and_mul(x), group)
-    torch.testing.assert_close(got[1], eager[1], rtol=INTERPRETED_ROUNDING[dtype], atol=0)
-
-
-def test_the_fused_quantizations_refuse_what_they_cannot_take() -> None:
-    x = torch.randn(2, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="weight"):
-        qk.rms_norm_quantize(x, torch.ones(8), 1e-6)  # float32 weight for bfloat16 rows
-    with pytest.raises(ValueError, match="residual"):
-        qk.rms_norm_quantize(x, torch.ones(8, dtype=torch.bfloat16), 1e-6, torch.zeros(2, 4, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="even width"):
-        qk.silu_and_mul_quantize(x[:, :7])
-    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
-        qk.silu_and_mul_quantize(x.to(torch.int32))
-
-
 # ----------------------------------------------------------------------------------------------------
 # W8A8 block GEMM (interpreter)
 # ----------------------------------------------------------------------------------------------------
@@ -500,43 +430,6 @@ def test_gpu_kernels_on_qwen3_8b_shapes() -> None:
         for m in ROWS:
             times = check_and_time(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), w, (128, 128))
             print(f"{n:6d} {k:6d} {m:6d} " + " ".join(f"{times[c]:15.1f}" for c in columns), flush=True)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("rows", [256, 2048])
-def test_gpu_fused_quantizations_against_the_separate_kernels(rows: int) -> None:
-    """On Qwen3-8B's widths, the norm and the SiLU-and-mul quantizing in the same launch give the bytes and scales
-    of the core's kernel followed by ``quantize_activation`` (the norm's float32 sum may round the other way: then a
-    value moves one e4m3 step, in a few bytes a million at most), and print both ways' times."""
-    from nanovllm_core.layers import rms_norm_kernel, silu_and_mul_kernel
-
-    g = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, 4096, generator=g, device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn(rows, 4096, generator=g, device="cuda", dtype=torch.bfloat16) * 8
-    weight = torch.rand(4096, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5
-    gate_up = torch.randn(rows, 2 * 12288, generator=g, device="cuda", dtype=torch.bfloat16)
-
-    def separate_norm():
-        normed, summed = rms_norm_kernel.rms_norm(x, weight, 1e-6, residual)
-        return (*qk.quantize_activation(normed), summed)
-
-    def separate_silu():
-        return qk.quantize_activation(silu_and_mul_kernel.silu_and_mul(gate_up))
-
-    got, want = qk.rms_norm_quantize(x, weight, 1e-6, residual), separate_norm()
-    assert torch.equal(got[2], want[2])
-    torch.testing.assert_close(got[1], want[1], rtol=2**-20, atol=0)
-    moved = (got[0].float() - want[0].float()).abs() / want[0].float().abs().clamp_min(2**-9)
-    assert moved.max() <= 0.13 and int((moved > 0).sum()) <= max(1, got[0].numel() // 10**6 * 4)
-    assert_same_quantization(qk.silu_and_mul_quantize(gate_up), separate_silu())
-    times = {
-        "norm+quant fused": median_us(lambda: qk.rms_norm_quantize(x, weight, 1e-6, residual)),
-        "norm, then quant": median_us(separate_norm),
-        "silu+quant fused": median_us(lambda: qk.silu_and_mul_quantize(gate_up)),
-        "silu, then quant": median_us(separate_silu),
-    }
-    print(f"\n{rows} rows, us: " + ", ".join(f"{name} {us:.1f}" for name, us in times.items()))
 
 
 @pytest.mark.gpu
