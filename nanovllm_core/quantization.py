@@ -66,21 +66,13 @@ class LinearMethod(ABC):
         """``x @ w.T (+ bias)`` in ``x``'s dtype, for ``x`` of any leading shape."""
 
     def apply_after_norm(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        residual: torch.Tensor | None,
-        silu_mul: bool = False,
+        self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(apply(layer, h), new_residual)`` for ``h, new_residual = RMSNorm(x + residual), x + residual`` (``x``
-        itself without a residual), the norm as :class:`nanovllm_core.layers.norm.RMSNorm` computes it; with
-        ``silu_mul`` (``layer`` a ``[gate; up]`` projection) ``silu(gate) * up`` of that product instead, the
-        activation as :class:`nanovllm_core.layers.activation.SiluAndMul` computes it. Or None, the default, where
-        the method has nothing better than the norm, then :meth:`apply` (or the layer's ``silu_and_mul``, which
-        offers :meth:`apply_silu_and_mul`): the caller runs those. Called for bias-free layers only, ``x`` 2-D
-        rows."""
+        itself without a residual), the norm as :class:`nanovllm_core.layers.norm.RMSNorm` computes it; or None,
+        the default, where the method has nothing better than the norm then :meth:`apply` (the caller runs those).
+        Called for bias-free layers only, ``x`` 2-D rows, and not for a ``[gate; up]`` projection whose activation
+        follows (that one is :meth:`apply_silu_and_mul`'s)."""
         return None
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:

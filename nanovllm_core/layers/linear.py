@@ -77,12 +77,13 @@ def norm_linear(
     ``[gate, up]``). For a decode step's few rows the skinny kernel adds, normalises and projects in one launch
     (``skinny_gemm_kernel.skinny_norm_linear``) when ``norm`` is an :class:`RMSNorm` and ``layer`` a bias-free
     replicated or column-parallel linear; a quantized layer's method may take the norm into its product
-    (``LinearMethod.apply_after_norm``); otherwise it is exactly the two calls."""
+    (``LinearMethod.apply_after_norm``; with ``silu_mul``, the activation instead: ``apply_silu_and_mul``);
+    otherwise it is exactly the two calls."""
     kernels = _norm_linear_kernels(x, norm, residual, layer, silu_mul)
     if kernels is not None:
         return kernels.skinny_norm_linear(x, layer.weight, norm.weight, norm.eps, residual, silu_mul=silu_mul)
-    if _method_fuses_norm(x, norm, residual, layer, silu_mul):
-        fused = layer.quant_method.apply_after_norm(layer, x, norm.weight, norm.eps, residual, silu_mul=silu_mul)
+    if not silu_mul and _method_fuses_norm(x, norm, residual, layer):
+        fused = layer.quant_method.apply_after_norm(layer, x, norm.weight, norm.eps, residual)
         if fused is not None:
             return fused
     h, residual = (norm(x), x) if residual is None else norm(x, residual)
@@ -94,16 +95,12 @@ def _overrides(layer: nn.Module, hook: str) -> bool:
     return getattr(type(layer.quant_method), hook, None) is not getattr(LinearMethod, hook)
 
 
-def _method_fuses_norm(
-    x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, layer: nn.Module, silu_mul: bool
-) -> bool:
+def _method_fuses_norm(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, layer: nn.Module) -> bool:
     """Whether :func:`norm_linear` may hand the norm to ``layer``'s method (``LinearMethod.apply_after_norm``): a
     plain :class:`RMSNorm` and a plain bias-free column-parallel or replicated layer (nothing overrides what the
     method replaces), 2-D rows."""
     ok = isinstance(layer, _Linear) and _overrides(layer, "apply_after_norm") and x.dim() == 2
     ok = ok and layer.bias is None and type(norm).forward is RMSNorm.forward and type(layer).forward is _Linear.forward
-    if silu_mul:
-        ok = ok and getattr(type(layer), "silu_and_mul", None) is MergedColumnParallelLinear.silu_and_mul
     return ok and (residual is None or residual.shape == x.shape)
 
 

@@ -137,21 +137,14 @@ class Fp8LinearMethod(LinearMethod):
         return y if bias is None else y + bias
 
     def apply_after_norm(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        residual: torch.Tensor | None,
-        silu_mul: bool = False,
+        self, layer: nn.Module, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One row of a decode step (one request alone): the residual add and the norm in the weight-only kernel's
-        launch (``w8a16_norm_linear``). Declined elsewhere, where the separate norm measured faster: more rows, a
-        product followed by the SiLU-and-mul (that one goes into the product's epilogue instead:
-        :meth:`apply_silu_and_mul`), and rows whose activations the product quantizes."""
+        launch (``w8a16_norm_linear``). Declined for more rows, and for rows whose activations the product
+        quantizes, where the separate norm measured faster."""
         weight = layer.weight
         fits = weight.dtype == FP8_DTYPE and norm_weight.dtype == x.dtype and x.size(0) == 1
-        if silu_mul or not fits or not _kernels().supports(x, weight):
+        if not fits or not _kernels().supports(x, weight):
             return None
         if residual is not None and residual.stride(-1) != 1:
             return None
