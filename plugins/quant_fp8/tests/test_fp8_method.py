@@ -196,8 +196,10 @@ def fp8_layers(block=None) -> tuple:
     return gate_up, down
 
 
-@pytest.mark.parametrize("block", [None, (128, 128)], ids=["per-channel", "block"])
-@pytest.mark.parametrize("rows", [1, 3, 40], ids=["one row", "decode rows", "prompt rows"])
+@pytest.mark.parametrize(
+    ("rows", "block"), [(1, None), (1, (128, 128)), (3, None), (40, (128, 128))],
+    ids=["one row", "one row, block scales", "decode rows", "prompt rows, block scales"],
+)  # fmt: skip
 def test_a_decode_steps_norm_and_activation_go_where_they_measured_faster(rows, block, monkeypatch):
     """A decoder layer's MLP half over FP8 layers (``norm_linear`` with ``silu_mul``, then ``down``), as on a GPU
     (the kernels in Triton's interpreter): a decode step's few rows run the RMSNorm's kernel, then the gate-up
@@ -261,6 +263,5 @@ def test_the_norm_and_the_activation_stay_out_of_the_products_that_measured_slow
         assert fused is not None and fused[1] is one_row and fused[0].shape == (1, 768)
         assert method.apply_after_norm(gate_up, x[:3], weight, 1e-6, None) is None
         assert method.apply_after_norm(gate_up, x, weight, 1e-6, None) is None
-        assert method.apply_silu_and_mul(gate_up, x[:3]).shape == (3, 384)
         assert method.apply_silu_and_mul(gate_up, x) is None
         assert (method.apply_silu_and_mul(gate_up, one_row) is None) is (block is not None)
