@@ -306,6 +306,19 @@ def _w8a8_block(x, w, scale):
     return kernels.w8a8_block_matmul(xq, x_scale, w, scale, FP8_BLOCK, x.dtype)
 
 
+def _fp8_weight_copies(
+    w: torch.Tensor, block: tuple[int, int] | None, cuda: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``w`` quantized to e4m3 (per output channel, or per ``block``) with its scale, and on a GPU enough clones that
+    each timed call reads a copy no longer in the cache."""
+    from nanovllm_quant_fp8 import fp8
+
+    wq, scale = fp8.quantize_weight_per_channel(w) if block is None else fp8.quantize_weight_blockwise(w, block)
+    scale = scale.float().reshape(-1) if block is None else scale.float().contiguous()
+    copies = min(64, -(-COLD_BYTES // w.numel())) if cuda else 1  # one byte a weight
+    return [(wq, scale)] + [(wq.clone(), scale) for _ in range(copies - 1)]
+
+
 def measure_fp8(
     shape_name: str,
     rows: list[int],
@@ -318,7 +331,7 @@ def measure_fp8(
     """nanovllm-quant-fp8's products of each projection with its e4m3 weight (per output channel, and per 128 x 128
     block): ``w8a16-*`` (rows up to the kernel's ``MAX_ROWS``; its default configuration, or with ``sweep`` the
     fastest, named in ``config``) and ``w8a8-*`` (activation quantization + FP8 GEMM, every row count)."""
-    from nanovllm_quant_fp8 import fp8, kernels
+    from nanovllm_quant_fp8 import kernels
 
     cuda = device.type == "cuda"
     dtype = torch.bfloat16  # the kernels take 16-bit activations, the CPU's interpreter too
@@ -328,11 +341,8 @@ def measure_fp8(
             continue
         w = torch.randn(n, k, device=device) * 0.02
         weight_bytes = n * k  # one byte a weight
-        copies = min(64, -(-COLD_BYTES // weight_bytes)) if cuda else 1
         for block in (None, FP8_BLOCK):
-            wq, scale = fp8.quantize_weight_per_channel(w) if block is None else fp8.quantize_weight_blockwise(w, block)
-            scale = scale.float().reshape(-1) if block is None else scale.float().contiguous()
-            pairs = [(wq, scale)] + [(wq.clone(), scale) for _ in range(copies - 1)]  # each call reads a cold copy
+            pairs = _fp8_weight_copies(w, block, cuda)
             kind = "channel" if block is None else "block"
             for m in rows:
                 x = torch.randn(m, k, dtype=dtype, device=device)
@@ -404,7 +414,7 @@ def measure_fp8_norm(shape_name: str, rows: list[int], iters: int, device: torch
     it (``separate``), and for gate-up the norm's kernel then the product with its SiLU-and-mul (``epilogue``) and
     the product with the norm then the SiLU-and-mul's kernel (``norm-only``), per-channel and block-scaled weights
     (``blas`` = ``w8a16-channel`` / ``w8a16-block``)."""
-    from nanovllm_quant_fp8 import fp8, kernels
+    from nanovllm_quant_fp8 import kernels
 
     cuda = device.type == "cuda"
     dtype = torch.bfloat16
@@ -413,12 +423,9 @@ def measure_fp8_norm(shape_name: str, rows: list[int], iters: int, device: torch
         if name not in NORMED:
             continue
         w = torch.randn(n, k, device=device) * 0.02
-        copies = min(64, -(-COLD_BYTES // (n * k))) if cuda else 1
         norm_weight = torch.ones(k, dtype=dtype, device=device)
         for block in (None, FP8_BLOCK):
-            wq, scale = fp8.quantize_weight_per_channel(w) if block is None else fp8.quantize_weight_blockwise(w, block)
-            scale = scale.float().reshape(-1) if block is None else scale.float().contiguous()
-            pairs = [(wq, scale)] + [(wq.clone(), scale) for _ in range(copies - 1)]
+            pairs = _fp8_weight_copies(w, block, cuda)
             for m in (r for r in rows if r <= kernels.MAX_ROWS):
                 x, residual = torch.randn(2, m, k, dtype=dtype, device=device)
                 ways = [("prologue", _fp8_norm_in_kernel), ("separate", _fp8_norm_then_gemm)]

@@ -195,13 +195,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """``SiluAndMul()(self(x))`` for a ``[gate, up]`` projection; a decode step's few rows take one kernel for
         both, without writing the projection (a quantized layer: where its method has one,
         ``LinearMethod.apply_silu_and_mul``)."""
-        kernels = _skinny_kernels(x, self.weight) if _is_gate_up(self) and self.quant_method is UNQUANTIZED else None
-        if kernels is not None:
-            return kernels.skinny_linear(x, self.weight, silu_mul=True)
-        if _is_gate_up(self) and _overrides(self, "apply_silu_and_mul"):
-            y = self.quant_method.apply_silu_and_mul(self, x)
-            if y is not None:
-                return y
+        if _is_gate_up(self):
+            kernels = _skinny_kernels(x, self.weight) if self.quant_method is UNQUANTIZED else None
+            if kernels is not None:
+                return kernels.skinny_linear(x, self.weight, silu_mul=True)
+            if _overrides(self, "apply_silu_and_mul"):
+                y = self.quant_method.apply_silu_and_mul(self, x)
+                if y is not None:
+                    return y
         return _SILU_AND_MUL(self(x))
 
 
