@@ -186,16 +186,22 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> set:
     return seen
 
 
+# The split plan's batch buckets in the warm-up tests: small, so that the warm-up's batch for each bucket (and a
+# step's batch above the smallest) is quick to interpret; the real ones are checked without running a kernel.
+SMALL_SEQS_BUCKETS = (8, 16, 32)
+
+
 def engine_like_steps(fp8: bool) -> list[PagedCase]:
-    """Steps as the engine makes them: decode at several batch sizes (the kernel's batch buckets) and block-table
-    widths (CUDA-graph padding included, so several KV-split counts), prefill, chunked prefill, mixed, a mixed
-    batch without host lengths; q/k/v as views of one fused projection output."""
+    """Steps as the engine makes them: decode at several batch sizes (the kernel's batch buckets, as in
+    ``SMALL_SEQS_BUCKETS``) and block-table widths (CUDA-graph padding included, so several KV-split counts),
+    prefill, chunked prefill, mixed, a mixed batch without host lengths; q/k/v as views of one fused projection
+    output."""
     common = dict(num_heads=4, num_kv_heads=2, block_size=16)
     cases = [
         make_case([1] * 3, [5, 30, 2], num_pad_rows=1, table_width=8, **common),
         make_case([1], [200], table_width=16, **common),
         make_case([1] * 2, [40, 1], table_width=1 + 40 // 16, **common),
-        make_case([1] * 70, [3] * 70, table_width=1, **common),  # above the smallest bucket
+        make_case([1] * 12, [3] * 12, table_width=1, **common),  # above the smallest bucket
         make_case(*KINDS["prefill"], **common),
         make_case(*KINDS["chunked"], **common),
         make_case(*KINDS["mixed"], **common),
@@ -214,7 +220,10 @@ def engine_like_steps(fp8: bool) -> list[PagedCase]:
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["float32-cache", "fp8-cache"])
 @pytest.mark.parametrize("options", [{}, {"prefill_use_tma": True, "num_kv_splits": 2}], ids=["default", "tma"])
-def test_warmup_launches_every_variant_a_step_meets(launches: set, fp8: bool, options: dict) -> None:
+def test_warmup_launches_every_variant_a_step_meets(
+    launches: set, fp8: bool, options: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tk, "SEQS_BUCKETS", SMALL_SEQS_BUCKETS)
     steps = engine_like_steps(fp8)
     backend = steps[0].backend(TritonAttentionBackend, **options)
     cache = steps[0].kv_cache.clone()
@@ -231,6 +240,14 @@ def test_warmup_launches_every_variant_a_step_meets(launches: set, fp8: bool, op
     assert {key[0] for key in launches} >= {"_prefill_kernel", "_decode_split_kernel"}
     missing = launches - warmed
     assert not missing, f"variants the warm-up did not compile: {sorted(missing)}"
+
+
+def test_warmup_decodes_a_batch_in_every_split_plan_bucket() -> None:
+    """With the real ``SEQS_BUCKETS`` (the test above runs the warm-up with ``SMALL_SEQS_BUCKETS``)."""
+    case = make_case([1], [5], num_heads=4, num_kv_heads=2, block_size=16)
+    steps = case.backend(TritonAttentionBackend).warmup_steps(case.kv_cache)
+    decode_batches = [metadata.batch.num_seqs for *_, metadata in steps if metadata.decode_only]
+    assert {tk.seqs_bucket(n) for n in decode_batches} >= set(tk.SEQS_BUCKETS)
 
 
 def test_split_counts_fill_sixteen_warps_an_sm() -> None:
@@ -255,11 +272,13 @@ def test_an_fp8_cache_gets_its_own_decode_tile() -> None:
     assert (backend.decode_config.block_n, backend.decode_config.num_warps) == (64, 4)
     assert (backend.fp8_decode_config.block_n, backend.fp8_decode_config.num_warps) == (32, 1)
     many = make_case([1] * 64, [3] * 64, num_heads=4, num_kv_heads=2, block_size=64).batch
-    assert backend.build_metadata(many).num_splits == tk.choose_num_splits(64, 2, many.block_tables.shape[1] * 64,
-                                                                           64, backend._num_sms, num_warps=4)
+    assert backend.build_metadata(many).num_splits == tk.choose_num_splits(
+        64, 2, many.block_tables.shape[1] * 64, 64, backend._num_sms, num_warps=4
+    )
     backend.warmup(fp8_case.kv_cache)  # on the CPU it compiles nothing, but sees the cache
-    assert backend.build_metadata(many).num_splits == tk.choose_num_splits(64, 2, many.block_tables.shape[1] * 64,
-                                                                           32, backend._num_sms, num_warps=1)
+    assert backend.build_metadata(many).num_splits == tk.choose_num_splits(
+        64, 2, many.block_tables.shape[1] * 64, 32, backend._num_sms, num_warps=1
+    )
     assert_matches_torch(fp8_case, fp8_case.run(backend))
     four = make_case([1], [5], num_heads=8, num_kv_heads=2, block_size=64).fp8().backend(TritonAttentionBackend)
     assert four.fp8_decode_config.num_warps == 1  # four query heads a KV head (the 8B's) too

@@ -43,8 +43,14 @@ def test_matches_torch_backend(kind: str, heads: str, block_size: int) -> None:
     query_lens, context_lens = KINDS[kind]
     num_heads, num_kv_heads = GQA[heads]
     case = make_case(
-        query_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64, block_size=block_size,
-        num_pad_rows=2 if kind == "decode" else 0, seed=len(kind) + block_size,
+        query_lens,
+        context_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=64,
+        block_size=block_size,
+        num_pad_rows=2 if kind == "decode" else 0,
+        seed=len(kind) + block_size,
     )
     backend = case.backend(TritonAttentionBackend)
     metadata = backend.build_metadata(case.batch)
@@ -214,7 +220,9 @@ def test_check_available(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class TestTritonConformance(AttentionBackendConformance):
-    """The core's conformance kit, with the kernels interpreted on CPU."""
+    """The core's conformance kit, with the kernels interpreted on CPU. Its batch checks run the GQA heads only:
+    the kernels have no path of their own for one query head a KV head (``GROUP`` only sizes loops, masks and
+    head indices), and ``test_matches_torch_backend``'s ``mha`` cases run that on every step kind."""
 
     backend_cls = TritonAttentionBackend
 
@@ -222,6 +230,14 @@ class TestTritonConformance(AttentionBackendConformance):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("TRITON_INTERPRET", "1")
             return super()._setup()
+
+    @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2)], ids=["gqa"])
+    def test_ragged_batches_match_dense_attention(self, num_heads: int, num_kv_heads: int) -> None:
+        super().test_ragged_batches_match_dense_attention(num_heads, num_kv_heads)
+
+    @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2)], ids=["gqa"])
+    def test_graph_batches_match_dense_attention(self, num_heads: int, num_kv_heads: int) -> None:
+        super().test_graph_batches_match_dense_attention(num_heads, num_kv_heads)
 
 
 def test_a_sequence_of_more_splits_than_one_merge_block() -> None:
