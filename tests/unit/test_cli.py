@@ -52,7 +52,7 @@ def test_the_reference_lists_every_field_with_its_default_and_flag() -> None:
             assert f"| `{name}` |" in reference and (field.description or "") in reference
     assert "| `max_num_seqs` | integer ≥ 1 | `256` | `--max-num-seqs` |" in reference
     assert '`"auto"` \\| `"cpu"` \\| `"cuda"`' in reference
-    assert "| `plugins.scheduler` | string | `\"fifo\"` | `--scheduler` |" in reference
+    assert '| `plugins.scheduler` | string | `"fifo"` | `--scheduler` |' in reference
     assert "`--[no-]enforce-eager`" in reference
 
 
@@ -128,7 +128,7 @@ def test_generate_keeps_its_flags() -> None:
     args = build_parser().parse_args(
         ["generate", "--model", "m", "--prompt", "a", "--prompt", "b", "--max-tokens", "3", "--temperature", "0.5",
          "--max-num-seqs", "4", "--scheduler", "fifo", "--attention", "torch", "--no-enable-prefix-caching"]
-    )
+    )  # fmt: skip
     assert (args.model, args.prompt, args.max_tokens, args.temperature) == ("m", ["a", "b"], 3, 0.5)
     assert (args.max_num_seqs, args.plugin_scheduler, args.plugin_attention) == (4, "fifo", "torch")
     assert args.enable_prefix_caching is False
@@ -158,7 +158,7 @@ def test_a_seed_outside_64_bits_fails_at_validation(capsys: pytest.CaptureFixtur
 
 def test_flags_are_parsed_into_their_types_under_strict_validation(capsys: pytest.CaptureFixture) -> None:
     code, out, err = run(capsys, "config", "--model", "/m", "--max-num-seqs", "64", "--enforce-eager",
-                         "--gpu-memory-utilization", "1")
+                         "--gpu-memory-utilization", "1")  # fmt: skip
     assert code == 0, err
     assert "max_num_seqs = 64" in out and "enforce_eager = true" in out and "gpu_memory_utilization = 1.0" in out
 
@@ -181,6 +181,18 @@ def load_benchmark(name: str):
     return load_script(ROOT / "benchmarks" / f"{name}.py")
 
 
+def time_each_product_once(module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``module.time_linear`` as one call of the product (it makes six on the CPU, and in Triton's interpreter each
+    takes up to a second), for the tests that check which rows are reported, not their times."""
+
+    def once(x, weights, iters, fn=module.F.linear):
+        start = time.perf_counter()
+        fn(x, weights[0])
+        return time.perf_counter() - start
+
+    monkeypatch.setattr(module, "time_linear", once)
+
+
 def test_decode_gemm_benchmark_reports_every_projection_and_row_count(tmp_path, capsys):
     """benchmarks/decode_gemm.py on the CPU (on a GPU it is the measurement): one row per layer and batch size."""
     import json
@@ -197,12 +209,13 @@ def test_decode_gemm_benchmark_reports_every_projection_and_row_count(tmp_path, 
     assert "lm_head" in capsys.readouterr().out
 
 
-def test_decode_gemm_benchmark_times_the_norm_in_the_skinny_kernels_prologue(tmp_path, capsys):
+def test_decode_gemm_benchmark_times_the_norm_in_the_skinny_kernels_prologue(tmp_path, capsys, monkeypatch):
     """``--norm`` on the CPU: for the projections a norm precedes, one row with the norm in the prologue and one with
     it separate, per row count the skinny kernel takes."""
     import json
 
     module = load_benchmark("decode_gemm")
+    time_each_product_once(module, monkeypatch)
     out = tmp_path / "gemm.json"
     argv = ["--shape", "tiny", "--rows", "1,8", "--iters", "2", "--norm", "--json", str(out)]
     assert module.main(argv) == 0
@@ -221,12 +234,7 @@ def test_decode_gemm_benchmark_times_the_norm_in_the_fp8_weight_only_kernel(monk
     pytest.importorskip("nanovllm_quant_fp8")
     module = load_benchmark("decode_gemm")
     torch = pytest.importorskip("torch")
-    def once(x, weights, iters, fn):  # one call each (the interpreter is slow): the rows are what this checks
-        start = time.perf_counter()
-        fn(x, weights[0])
-        return time.perf_counter() - start
-
-    monkeypatch.setattr(module, "time_linear", once)
+    time_each_product_once(module, monkeypatch)
     normed = module.measure_fp8_norm("tiny", [1, 17], 1, torch.device("cpu"))
     assert {(r["blas"], r["layer"], r["rows"], r["norm"]) for r in normed} == {
         (f"w8a16-{kind}", layer, 1, norm)
@@ -238,13 +246,14 @@ def test_decode_gemm_benchmark_times_the_norm_in_the_fp8_weight_only_kernel(monk
     assert all(r["us"] > 0 for r in normed)
 
 
-def test_decode_gemm_benchmark_times_the_weight_only_kernel_with_launch_settings(tmp_path, capsys):
+def test_decode_gemm_benchmark_times_the_weight_only_kernel_with_launch_settings(tmp_path, capsys, monkeypatch):
     """``--fp8 --fp8-config``: the few-row FP8 kernel's rows carry the launch they ran with, the default changed by
     the given settings; a setting that is not a JSON object is a one-line usage error."""
     import json
 
     pytest.importorskip("nanovllm_quant_fp8")
     module = load_benchmark("decode_gemm")
+    time_each_product_once(module, monkeypatch)
     out = tmp_path / "gemm.json"
     late_sum = not module.fp8_configs(1, 64, 64, None, False)[0]["LATE_SUM"]  # the default's other way
     argv = ["--shape", "tiny", "--rows", "1", "--iters", "1", "--blas", "default", "--fp8", "--json", str(out)]
