@@ -404,6 +404,17 @@ def server_command(policy: str, args: argparse.Namespace, checkpoint: str, workl
     return serve_command(checkpoint, args.port, max_model_len, *flags, *shlex.split(args.engine_args))
 
 
+def graph_limit(engine_args: str) -> int:
+    """The servers' ``cuda_graph_max_mixed_tokens``: ``--engine-args``' or the engine's default (the simulation
+    of their runs prices steps above it as eager)."""
+    from nanovllm_core.config import EngineConfig
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--cuda-graph-max-mixed-tokens", type=int)
+    given = parser.parse_known_args(shlex.split(engine_args))[0].cuda_graph_max_mixed_tokens
+    return given if given is not None else EngineConfig.model_fields["cuda_graph_max_mixed_tokens"].default
+
+
 def client(args: argparse.Namespace, workload: str, result: Path, prompts: int, rates: str) -> list[str]:
     trace = str(trace_file(result.parent, workload))
     return bench_serve_command(
@@ -470,6 +481,7 @@ def summarize(
         "command": cmd,
         "shape": args.shape,
         "step_tokens": args.step_tokens,
+        "cuda_graph_max_mixed_tokens": graph_limit(args.engine_args),
         "saturation_req_per_s": saturation,
         **machine(),
         "rows": rows,

@@ -55,6 +55,7 @@ def simulate_command(
         args.client_processes,
         args.calibration,
         warm,
+        summary.get("cuda_graph_max_mixed_tokens"),  # runs before it was recorded: the calibration's own
     )
 
 
@@ -69,11 +70,12 @@ def workload_command(
     client_processes: int,
     calibration: str | None,
     warm: bool = False,
+    graph_limit: int | None = None,
 ) -> list[str]:
     """``nanovllm simulate`` of a ``policies.py`` workload as its servers ran it: two priority classes, ``fifo``
     (``scheduler`` None) with its default steps, any other policy with ``step_tokens`` steps; ``warm``: the
     workload's prompts already in the prefix cache. ``trace``: the trace file of a trace workload (``TRACE`` in
-    its flags)."""
+    its flags); ``graph_limit``: the servers' ``cuda_graph_max_mixed_tokens`` (None: the calibration's)."""
     flags = [str(trace) if f == "TRACE" else f for f in WORKLOADS[workload]["flags"]]
     cmd = ["simulate", *flags, "--num-prompts", str(num_prompts)]
     cmd += ["--max-model-len", str(max_model_len), "--client-processes", str(client_processes)]
@@ -84,6 +86,8 @@ def workload_command(
         cmd += ["--warm-prefix-cache", str(num_prompts)]
     if calibration:
         cmd += ["--calibration", calibration]
+    if graph_limit is not None:
+        cmd += ["--cuda-graph-max-mixed-tokens", str(graph_limit)]
     return cmd
 
 

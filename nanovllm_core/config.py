@@ -132,11 +132,12 @@ class EngineConfig(FreezableModel):
     cpu_kvcache_gib: float = Field(1.0, gt=0, description="KV-cache size on CPU when num_kvcache_blocks is unset.")
     enforce_eager: bool = Field(False, description="Disable CUDA graphs.")
     cuda_graph_max_mixed_tokens: int = Field(
-        2048,
+        8192,
         ge=0,
         description="Steps with prompt tokens (prefill chunks, alone or beside decode tokens) of up to this many "
         "tokens replay CUDA graphs captured per token-count bucket, with attention backends that support it "
-        "(`triton`); larger ones run eagerly. 0: only pure-decode steps use CUDA graphs.",
+        "(`triton`); larger ones run eagerly, bound by the host's launches until their GPU work outgrows them. "
+        "0: only pure-decode steps use CUDA graphs.",
     )
     compile_small_ops: bool = Field(
         True,

@@ -46,6 +46,62 @@ def load(script: Path) -> types.ModuleType:
     return load_script(script)
 
 
+def exited(code: object, stdout: str, stderr: str) -> subprocess.CompletedProcess:
+    """What the process would end with, had ``SystemExit(code)`` reached the interpreter: its message, when not a
+    number, on stderr and the status 1."""
+    if code is None or isinstance(code, int):
+        return subprocess.CompletedProcess([], code or 0, stdout, stderr)
+    return subprocess.CompletedProcess([], 1, stdout, f"{stderr}{code}\n")
+
+
+def run_main(capsys: pytest.CaptureFixture, script: Path, *args: str) -> subprocess.CompletedProcess:
+    """``run_script`` without starting an interpreter (each would import torch and the engine anew): the script's
+    ``main`` in this process. That each script runs as ``python benchmarks/NAME.py``: the ``--help`` tests."""
+    module = load(script)
+    capsys.readouterr()
+    try:
+        code = module.main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    return exited(code, *capsys.readouterr())
+
+
+# Runs each script as `python SCRIPT --help` would, all in one interpreter (each one's start imports torch anew): only
+# the script's folder on sys.path before the installed packages, its sibling modules imported afresh, run as
+# __main__. Prints {script: [the SystemExit code, stdout, stderr]}.
+HELP_EACH = """
+import contextlib, io, json, runpy, sys, traceback
+from pathlib import Path
+
+scripts, installed, answers = sys.argv[1:], sys.path[1:], {}
+for script in scripts:
+    folder = str(Path(script).parent)
+    sys.path[:], sys.argv = [folder, *installed], [script, "--help"]
+    for name, module in list(sys.modules.items()):
+        if str(Path(getattr(module, "__file__", None) or "").parent) == folder:
+            del sys.modules[name]
+    out, err, code = io.StringIO(), io.StringIO(), None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exit_:
+            code = exit_.code
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    answers[script] = [code, out.getvalue(), err.getvalue()]
+print(json.dumps(answers))
+"""
+
+
+@pytest.fixture(scope="module")
+def help_answers() -> dict[str, subprocess.CompletedProcess]:
+    proc = subprocess.run([sys.executable, "-c", HELP_EACH, *map(str, SCRIPTS)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {Path(script).name: exited(*answer) for script, answer in json.loads(proc.stdout).items()}
+
+
 def test_the_benchmarks_folder_has_its_scripts_and_readme() -> None:
     names = {p.name for p in SCRIPTS}
     assert {"offline.py", "serving.py", "policies.py", "gpu_kernels.py", "plot.py"} <= names, names
@@ -55,8 +111,8 @@ def test_the_benchmarks_folder_has_its_scripts_and_readme() -> None:
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
-def test_every_script_answers_help(script: Path) -> None:
-    proc = run_script(script, "--help")
+def test_every_script_answers_help(script: Path, help_answers: dict[str, subprocess.CompletedProcess]) -> None:
+    proc = help_answers[script.name]
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage:"), proc.stdout[:500]
     if script.name in DRY_RUN:
@@ -64,9 +120,9 @@ def test_every_script_answers_help(script: Path) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(DRY_RUN))
-def test_dry_run_prints_the_commands_and_writes_nothing(name: str, tmp_path: Path) -> None:
+def test_dry_run_prints_the_commands_and_writes_nothing(name: str, tmp_path: Path, capsys) -> None:
     results = tmp_path / "results"
-    proc = run_script(BENCHMARKS / name, "--dry-run", "--results-dir", str(results))
+    proc = run_main(capsys, BENCHMARKS / name, "--dry-run", "--results-dir", str(results))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("nanovllm ", "python "))]
     assert lines, proc.stdout
@@ -74,8 +130,9 @@ def test_dry_run_prints_the_commands_and_writes_nothing(name: str, tmp_path: Pat
     assert not results.exists(), "a dry run made the results folder"
 
 
-def test_a_flag_the_cli_does_not_have_stops_the_script_before_anything_runs(tmp_path: Path) -> None:
-    proc = run_script(
+def test_a_flag_the_cli_does_not_have_stops_the_script_before_anything_runs(tmp_path: Path, capsys) -> None:
+    proc = run_main(
+        capsys,
         BENCHMARKS / "offline.py",
         "--dry-run",
         "--workloads",
@@ -89,15 +146,15 @@ def test_a_flag_the_cli_does_not_have_stops_the_script_before_anything_runs(tmp_
     assert "does not parse with the installed nanovllm" in proc.stderr and "--no-such-flag" in proc.stderr
 
 
-def test_a_bad_selection_is_named_with_the_choices(tmp_path: Path) -> None:
-    proc = run_script(
-        BENCHMARKS / "policies.py", "--dry-run", "--policies", "fifo,lifo", "--results-dir", str(tmp_path)
+def test_a_bad_selection_is_named_with_the_choices(tmp_path: Path, capsys) -> None:
+    proc = run_main(
+        capsys, BENCHMARKS / "policies.py", "--dry-run", "--policies", "fifo,lifo", "--results-dir", str(tmp_path)
     )
     assert proc.returncode != 0
     assert "--policies 'fifo,lifo': choose from fifo, mixed, priority" in proc.stderr
 
 
-def test_the_long_documents_trace_is_what_both_bench_serve_and_simulate_read(tmp_path: Path) -> None:
+def test_the_long_documents_trace_is_what_both_bench_serve_and_simulate_read(tmp_path: Path, capsys) -> None:
     from nanovllm_bench.serve import read_trace
 
     policies = load(BENCHMARKS / "policies.py")
@@ -107,8 +164,8 @@ def test_the_long_documents_trace_is_what_both_bench_serve_and_simulate_read(tmp
     documents = [r for r in requests if len(r.prompt) >= 8192]
     assert len(requests) == 1000 and len(documents) == 50
     assert all(len(r.prompt) <= 32768 and 128 <= r.max_tokens <= 512 for r in documents)
-    proc = run_script(
-        BENCHMARKS / "policies.py", "--dry-run", "--workloads", "long-docs", "--results-dir", str(tmp_path)
+    proc = run_main(
+        capsys, BENCHMARKS / "policies.py", "--dry-run", "--workloads", "long-docs", "--results-dir", str(tmp_path)
     )
     assert proc.returncode == 0, proc.stderr
     assert "--max-model-len 40960" in proc.stdout and f"--dataset {tmp_path}/policies/long-docs.jsonl" in proc.stdout
@@ -136,6 +193,20 @@ def test_simulate_policies_simulates_each_measured_run(tmp_path: Path, capsys) -
     assert [r["request_rate"] for r in rows] == [3.0, 6.0]
     assert all("--warm-prefix-cache 6" in r["command"] for r in rows)  # fifo's loads follow its all-at-once run
     assert rows[0]["simulated"]["request_throughput"] > 0
+    assert not any("--cuda-graph-max-mixed-tokens" in r["command"] for r in rows)  # unrecorded: the calibration's
+
+    (folder / "summary.json").write_text(json.dumps({**summary, "cuda_graph_max_mixed_tokens": 4096}))
+    assert script.main(["--results-dir", str(tmp_path), "--json", str(tmp_path / "rows.json")]) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert all(r["command"].endswith("--cuda-graph-max-mixed-tokens 4096") for r in rows)
+
+
+def test_policies_records_the_servers_graph_limit() -> None:
+    from nanovllm_core.config import EngineConfig
+
+    policies = load(BENCHMARKS / "policies.py")
+    assert policies.graph_limit("") == EngineConfig(model="m").cuda_graph_max_mixed_tokens
+    assert policies.graph_limit("--enforce-eager --cuda-graph-max-mixed-tokens 1024") == 1024
 
 
 def test_simulate_policies_checks_the_policies_order_on_each_tail() -> None:

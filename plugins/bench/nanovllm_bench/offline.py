@@ -351,6 +351,7 @@ def _engine_report(llm: Any, stats: Any, in_process: bool, data_parallel: int) -
             "decode_tok_per_s": totals["decode_tokens"] / totals["decode_s"] if totals["decode_s"] else 0.0,
             "num_kvcache_blocks": llm.runner.num_kvcache_blocks,
             "cuda_graphs": llm.runner.graphs is not None,
+            "cuda_graph_max_mixed_tokens": llm.config.cuda_graph_max_mixed_tokens,
             "async_scheduling": llm.async_scheduling,
             # whether the kernels launched with it: the setting, on a GPU that has it
             "programmatic_dependent_launch": launch_options(torch.empty(0, device=llm.runner.device))["PDL"],
@@ -362,6 +363,7 @@ def _engine_report(llm: Any, stats: Any, in_process: bool, data_parallel: int) -
         "tensor_parallel_size": llm.config.tensor_parallel_size,
         "num_kvcache_blocks": stats.num_kv_blocks,
         "cuda_graphs": None,  # decided inside each replica
+        "cuda_graph_max_mixed_tokens": llm.config.cuda_graph_max_mixed_tokens,
         "async_scheduling": llm.config.async_scheduling,  # the setting ("auto": each replica decides)
         "programmatic_dependent_launch": llm.config.programmatic_dependent_launch,  # the setting, as above
         "data_parallel_size": data_parallel,

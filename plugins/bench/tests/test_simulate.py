@@ -11,7 +11,7 @@ import pytest
 from nanovllm_bench.serve import summarize
 from nanovllm_bench.simulate import Calibration, TraceRequest, TraceSimulator, load_calibration, shipped_calibrations
 from nanovllm_bench.simulate.cost import FEATURES, fit_records
-from nanovllm_bench.simulate.run import client_results, poisson_arrivals
+from nanovllm_bench.simulate.run import DEFAULT_CALIBRATION, client_results, poisson_arrivals
 from nanovllm_scheduler_fifo.scheduler import FifoScheduler
 
 from nanovllm_core.cli import main as cli_main
@@ -349,6 +349,22 @@ def test_cli_runs_a_workload_and_writes_the_metrics(tmp_path, capsys):
     assert "simulated s per wall-clock s" in capsys.readouterr().out
 
 
+def test_graph_limit_prices_larger_prompt_steps_as_graph_replays(tmp_path):
+    """A 3,000-token prompt is above the shipped calibrations' limit (their servers' 2,048), so it is priced at
+    the eager floor; with the engine's limit raised past it, along the graph-replayed steps' line."""
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps({"arrival": 0.0, "prompt_len": 3000, "max_tokens": 1}) + "\n")
+    ttft = {}
+    for limit in (None, 2048, 8192):
+        result = tmp_path / f"r{limit}.json"
+        flags = [] if limit is None else ["--cuda-graph-max-mixed-tokens", str(limit)]
+        assert cli_main(["simulate", "--dataset", str(path), "--result-file", str(result), *flags]) == 0
+        ttft[limit] = json.loads(result.read_text())["median_ttft_ms"]
+    cal = load_calibration(DEFAULT_CALIBRATION)
+    assert cal.graph_max_tokens == 2048
+    assert ttft[None] == ttft[2048] > cal.coefficients_ms["eager_floor"] > ttft[8192]
+
+
 def test_trace_file_keeps_its_arrivals(tmp_path):
     path = tmp_path / "trace.jsonl"
     lines = [
@@ -371,6 +387,7 @@ def test_trace_file_keeps_its_arrivals(tmp_path):
         (["--request-rate", "0"], "must be > 0"),
         (["--calibration", "nope"], "shipped:"),
         (["--plot", "x.png"], "--sweep-rates"),
+        (["--cuda-graph-max-mixed-tokens", "-1"], "give 0 or more"),
     ],
 )
 def test_bad_input_is_one_clear_line(argv, message, capsys):

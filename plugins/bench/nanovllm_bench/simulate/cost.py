@@ -29,13 +29,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from nanovllm_core.config import EngineConfig
 from nanovllm_core.errors import ConfigError
 
 FORMAT = "nanovllm-step-cost/2"
 READABLE_FORMATS = ("nanovllm-step-cost/1", FORMAT)  # /1: no eager terms, no graph_max_tokens (both read as none)
 FEATURES = ("fixed", "per_seq", "per_kv_token", "per_prompt_token")
 GRAPH_LIMIT = "cuda_graph_max_mixed_tokens"  # the engine setting above which a prompt step runs eagerly
+# results that do not name it (bench runs from before they did) ran with this, the engine's default then
+UNNAMED_GRAPH_LIMIT = 2048
 MIN_GRAPH_PROMPT_STEPS = 5  # fewer graph-replayed prompt steps than this: the first format's fit
 SHIPPED_DIR = "calibrations"
 
@@ -553,7 +554,7 @@ def calibrate(
     gemm = first.get("gemm_flop_per_s")
     flops_per_pair = 4 * shape["num_layers"] * shape["num_heads"] * shape["head_dim"]  # QK^T and PV
     pair_ms = 1e3 * flops_per_pair / (gemm * first.get("tensor_parallel_size", 1)) if gemm else 0.0
-    graph_max = int(first.get("cuda_graph_max_mixed_tokens") or EngineConfig.model_fields[GRAPH_LIMIT].default)
+    graph_max = int(first[GRAPH_LIMIT] if first.get(GRAPH_LIMIT) is not None else UNNAMED_GRAPH_LIMIT)
     coef, quality = fit_records(records, graph_max, pair_ms)
     graph_max_tokens = quality["graph_max_tokens"]
     quality["per_source"] = {

@@ -4,6 +4,7 @@ metrics (the same datasets, arrivals and summary), plus KV-cache use and preempt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -254,6 +255,12 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences a step")
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--num-kvcache-blocks", type=int, help="KV-cache blocks (default: the calibration's GPU's)")
+    parser.add_argument(
+        "--cuda-graph-max-mixed-tokens",
+        type=int,
+        help="steps with prompt tokens up to this many replay CUDA graphs, larger ones run eagerly (default: the "
+        "calibration's, the setting of the servers it was fitted on)",
+    )
     parser.add_argument("--no-async-scheduling", action="store_true", help="schedule each step after the last ends")
     parser.add_argument(
         "--calibration", default=DEFAULT_CALIBRATION,
@@ -356,6 +363,15 @@ def run_simulate(args: argparse.Namespace) -> int:
                   f"({f['cpu_source']})")  # fmt: skip
         return 0
     calibration = load_calibration(args.calibration)
+    if args.cuda_graph_max_mixed_tokens is not None:
+        if args.cuda_graph_max_mixed_tokens < 0:
+            raise ConfigError(f"--cuda-graph-max-mixed-tokens {args.cuda_graph_max_mixed_tokens}: give 0 or more")
+        if calibration.graph_max_tokens is None:
+            raise ConfigError(
+                f"--cuda-graph-max-mixed-tokens: calibration {args.calibration or 'default'} has no eager terms "
+                "(fitted before they were): it prices every step alike"
+            )
+        calibration = dataclasses.replace(calibration, graph_max_tokens=args.cuda_graph_max_mixed_tokens)
     schedulers = args.scheduler or ["fifo"]
     if args.plot and not args.sweep_rates:
         raise ConfigError("--plot draws a --sweep-rates run: give --sweep-rates R1,R2,...")
