@@ -24,13 +24,18 @@ pytestmark = pytest.mark.ray
 
 ENGINE = dict(device="cpu", num_kvcache_blocks=128, kvcache_block_size=16, max_model_len=512)
 MIXED = PROMPTS + make_prompts(1, [9, 30, 55]) + ["Hello world!", "The quick brown fox"]
-LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)  # still running when the kill lands
 REJOIN_S = 90.0
+# Ray checks a node's health every second, not every three: a removed node is found dead (five failed checks in a
+# row, each still given its default 10 s to answer) in about 5 s, not 15
+SYSTEM_CONFIG = {"health_check_period_ms": 1000}
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = cluster_utils.Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": SYSTEM_CONFIG}
+    )
     cluster.add_node(num_cpus=1)
     yield cluster
     if ray.is_initialized():
@@ -43,6 +48,12 @@ def single(qwen3_path):
     llm = LLM(str(qwen3_path), **ENGINE)
     yield llm
     llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mixed_want(single) -> list[list[int]]:
+    """The one engine's greedy tokens for MIXED: what every data-parallel run of it must give."""
+    return token_ids(single.generate(MIXED, GREEDY, use_tqdm=False))
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +89,11 @@ def kill_replica(client: RayDataParallelClient, r: int) -> int:
     return pid
 
 
-def test_outputs_equal_one_engine_with_one_replica_on_each_node(dp, single):
+def test_outputs_equal_one_engine_with_one_replica_on_each_node(dp, mixed_want):
     client = dp.engine_client
     assert isinstance(client, RayDataParallelClient) and dp.config.data_parallel_size == 2
     outs = dp.generate(MIXED, GREEDY, use_tqdm=False)
-    assert token_ids(outs) == token_ids(single.generate(MIXED, GREEDY, use_tqdm=False))
+    assert token_ids(outs) == mixed_want
     assert outs[-1].prompt == "The quick brown fox" and all(o.error is None for o in outs)
     stats = dp.replica_stats()
     assert all(s.num_finished_requests > 0 for s in stats) and sum(s.num_finished_requests for s in stats) == len(MIXED)
@@ -128,25 +139,25 @@ class KillingBar:
         pass
 
 
-def test_a_replica_killed_mid_generate_costs_no_request_and_rejoins(dp, single, monkeypatch):
+def test_a_replica_killed_mid_generate_costs_no_request_and_rejoins(dp, single, mixed_want, monkeypatch):
     from nanovllm_core.entrypoints import llm as llm_module
 
     client = dp.engine_client
     prompts = [[5, 6, 7]] + make_prompts(3, [20, 31, 42, 25, 36, 47])
     params = [SamplingParams(temperature=0, max_tokens=1)] + [LONG] * 6
-    want = token_ids(single.generate(prompts, params, use_tqdm=False))
     before = dp.replica_stats()
     killed: list = []
     monkeypatch.setattr(llm_module, "tqdm", KillingBar(client, killed))
     outs = dp.generate(prompts, params)
     monkeypatch.undo()
     assert killed and killed[0][1] > 0  # requests were running on the replica when it died
+    want = token_ids(single.generate(prompts, params, use_tqdm=False))  # here, while replica 1 restarts
     # the dead replica's requests had shown no token (generate returns whole outputs): they ran on the other
     assert all(o.error is None for o in outs) and token_ids(outs) == want
     assert wait_for(lambda: all(client.replicas_up), REJOIN_S), "replica 1 did not rejoin"
     assert client.replica_pids[1] != killed[0][0] and not pid_running(killed[0][0])
     again = dp.generate(MIXED, GREEDY, use_tqdm=False)
-    assert token_ids(again) == token_ids(single.generate(MIXED, GREEDY, use_tqdm=False))
+    assert token_ids(again) == mixed_want
     after = dp.replica_stats()
     assert after[1].num_finished_requests > 0  # the restarted replica serves (its counters started again)
     assert after[0].num_finished_requests > before[0].num_finished_requests
@@ -183,12 +194,12 @@ def test_a_replica_that_cannot_start_is_named_and_nothing_is_left(qwen3_path, cl
     assert_nothing_left(cluster)
 
 
-def test_a_replica_without_restarts_left_leaves_the_others_serving(qwen3_path, cluster, single):
+def test_a_replica_without_restarts_left_leaves_the_others_serving(qwen3_path, cluster, mixed_want):
     llm = LLM(str(qwen3_path), data_parallel_size=2, data_parallel_backend="ray", ray_address=cluster.address,
               ray_max_restarts=0, **ENGINE)  # fmt: skip
     try:
         client = llm.engine_client
-        want = token_ids(single.generate(MIXED, GREEDY, use_tqdm=False))
+        want = mixed_want
         assert token_ids(llm.generate(MIXED, GREEDY, use_tqdm=False)) == want
         kill_replica(client, 0)
         assert wait_for(lambda: client.replicas_up == [False, True], 30)
@@ -209,9 +220,10 @@ def test_a_replica_killed_mid_stream_fails_its_streams_only(qwen3_path, cluster,
     from nanovllm_core.serving.async_llm import AsyncLLM
 
     prompts = make_prompts(5, [12, 23, 34, 45])
-    stream = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-    want = token_ids(single.generate(prompts, stream, use_tqdm=False))
+    # long enough to be running at the kill, which follows every stream's first token (they had shown 1-4 then)
+    stream = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     delta = dataclasses.replace(stream, output_kind="delta")
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind="delta")
 
     async def main():
         config = EngineConfig(
@@ -232,23 +244,27 @@ def test_a_replica_killed_mid_stream_fails_its_streams_only(qwen3_path, cluster,
                     got[f"s{i}"] += out.outputs[0].token_ids
                     if out.error:
                         errors[f"s{i}"] = out.error
-            rejoined = await asyncio.to_thread(wait_for, lambda: all(core.replicas_up), REJOIN_S)
-            later = [o async for o in llm.generate(prompts[0], delta, "after")]
-        return core, owners, got, errors, victim, rejoined, later
+            # the one engine's tokens meanwhile, while replica 1 restarts
+            rejoined, want = await asyncio.gather(
+                asyncio.to_thread(wait_for, lambda: all(core.replicas_up), REJOIN_S),
+                asyncio.to_thread(lambda: token_ids(single.generate(prompts, stream, use_tqdm=False))),
+            )
+            later = [o async for o in llm.generate(prompts[0], short, "after")]
+        return core, owners, got, errors, victim, rejoined, later, want
 
-    core, owners, got, errors, victim, rejoined, later = asyncio.run(asyncio.wait_for(main(), 150))
+    core, owners, got, errors, victim, rejoined, later, want = asyncio.run(asyncio.wait_for(main(), 150))
     on_victim = {rid for rid, r in owners.items() if r == 1}
     assert on_victim and len(on_victim) < len(prompts)
-    assert set(errors) == on_victim
+    assert set(errors) == on_victim, {rid: len(tokens) for rid, tokens in got.items()}  # a victim done before the kill?
     assert all(e.startswith("data-parallel replica 1 (Ray actor on node") and "died" in e for e in errors.values())
     for i in range(len(prompts)):
         if f"s{i}" not in on_victim:
             assert got[f"s{i}"] == want[i]
-    assert rejoined and sum(len(o.outputs[0].token_ids) for o in later) == stream.max_tokens
+    assert rejoined and sum(len(o.outputs[0].token_ids) for o in later) == short.max_tokens
     assert not pid_running(victim) and not core.alive
 
 
-def test_a_replica_whose_node_goes_away_is_placed_again_on_another(qwen3_path, cluster, single):
+def test_a_replica_whose_node_goes_away_is_placed_again_on_another(qwen3_path, cluster, mixed_want):
     """A third node joins; the two replicas spread over two of the three. The worker node under one of them is
     removed: its requests complete on the other replica, and Ray places the lost bundle on the node left free, where
     the replica starts again and rejoins. The cluster ends as it began: a head and one worker node."""
@@ -256,7 +272,7 @@ def test_a_replica_whose_node_goes_away_is_placed_again_on_another(qwen3_path, c
     llm = LLM(str(qwen3_path), data_parallel_size=2, data_parallel_backend="ray", ray_address=cluster.address, **ENGINE)
     try:
         client = llm.engine_client
-        want = token_ids(single.generate(MIXED, GREEDY, use_tqdm=False))
+        want = mixed_want
         assert token_ids(llm.generate(MIXED, GREEDY, use_tqdm=False)) == want
         on_node = {a["Pid"]: a["Address"]["NodeID"] for a in actors() if a["State"] == "ALIVE"}
         replica_nodes = [on_node[pid] for pid in client.replica_pids]
