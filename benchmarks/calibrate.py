@@ -28,7 +28,7 @@ time, outside the server, and the pipe to the engine process where no step is ru
 the hop's stamps hold that wait, which the simulated engine adds itself); the first of them also measures the
 front-end's CPU a request and a streamed token (``--cpu-requests``), which the simulator queues. It never takes a
 held-out workload of ``policies.py`` (``held-out-agents``, ``held-out-reasoning``, ``held-out-classify``,
-``held-out-extract``: fitted on nothing): it refuses one.
+``held-out-extract``, ``held-out-rag``: fitted on nothing): it refuses one.
 
 Results go to RESULTS_DIR/calibrate/: NAME.json and NAME.log per run, and the calibration (``--out``, default
 RESULTS_DIR/calibrate/CALIBRATION.json), which records the GPU, commit, date and its fit per source run.

@@ -46,6 +46,13 @@ Workloads:
   extraction schemas (an instruction of 256-512 tokens, shared by every request of its schema) and a document of
   128-1,024 tokens, answered with 24-160 tokens: many requests a second, each streaming tens of tokens, so the
   front-end's time per streamed token weighs as its time per request does.
+- ``held-out-rag``: **held out: fitted on nothing**, as the four before it, written after ``held-out-extract`` was
+  read and the engine's CUDA graphs grew to 8,192-token prompt steps, before any refit since
+  (``held-out-rag.jsonl``, from :func:`rag_requests`, seed 0): 600 questions over retrieved passages, each prompt
+  one system prompt every request shares (192-256 tokens), 3-8 passages of 256-768 tokens drawn from a pool of
+  200 (the popular ones more often, so a prompt's first passage is often another's too) and a question of 16-64
+  tokens, answered with 32-384 tokens: prompts of about 1,100-5,000 tokens, mostly computed afresh, whose prompt
+  steps fall between the old and the new graph limit.
 
 Loads are fractions of the workload's saturation rate: the request rate of the first policy's server with every
 request sent at once (``fifo``'s by default), so every policy sees the same arrival rates, or the rate
@@ -136,6 +143,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {  # bench serve flags, requests sent at 
     "held-out-reasoning": held_out_trace("held-out-reasoning", 300),
     "held-out-classify": held_out_trace("held-out-classify", 2000),
     "held-out-extract": held_out_trace("held-out-extract", 1500),
+    "held-out-rag": held_out_trace("held-out-rag", 600),
 }
 LONG_DOCS_TRACE = WORKLOADS["long-docs"]["trace"]
 AGENTS_TRACE = WORKLOADS["held-out-agents"]["trace"]
@@ -377,12 +385,51 @@ def write_extract_trace(path: Path, num_requests: int = 1500) -> None:
     write_rows(path, extract_requests(num_requests))
 
 
+# held-out-rag: questions over retrieved passages (inclusive ranges)
+RAG_SYSTEM = (192, 256)  # the one system prompt every request opens with
+RAG_POOL = 200  # passages a request's are drawn from, the k-th most popular 1/k as often as the first
+RAG_PASSAGE = (256, 768)
+RAG_PASSAGES = (3, 8)  # a request's passages, distinct
+RAG_QUESTION = (16, 64)
+RAG_OUTPUT = (32, 384)
+
+
+def rag_requests(num_requests: int = 600, seed: int = 0, vocab_size: int = 10000) -> list[dict[str, Any]]:
+    """The ``held-out-rag`` requests, in the order sent: ``{"prompt": [ids], "max_tokens": n}``, each the system
+    prompt, its passages (``RAG_PASSAGES`` distinct ones of the pool, drawn by popularity) and a question of its
+    own. Deterministic for ``seed``, and the first ``n`` requests are the same whatever ``num_requests`` is."""
+    import random
+
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab_size) for _ in range(rng.randint(*RAG_SYSTEM))]
+    pool = [[rng.randrange(vocab_size) for _ in range(rng.randint(*RAG_PASSAGE))] for _ in range(RAG_POOL)]
+    popularity = [1.0 / (k + 1) for k in range(RAG_POOL)]
+    rows = []
+    for _ in range(num_requests):
+        chosen: list[int] = []
+        wanted = rng.randint(*RAG_PASSAGES)
+        while len(chosen) < wanted:
+            k = rng.choices(range(RAG_POOL), weights=popularity)[0]
+            if k not in chosen:
+                chosen.append(k)
+        question = [rng.randrange(vocab_size) for _ in range(rng.randint(*RAG_QUESTION))]
+        prompt = system + [t for k in chosen for t in pool[k]] + question
+        rows.append({"prompt": prompt, "max_tokens": rng.randint(*RAG_OUTPUT)})
+    return rows
+
+
+def write_rag_trace(path: Path, num_requests: int = 600) -> None:
+    """The ``held-out-rag`` trace (:func:`rag_requests`, seed 0) as JSON lines."""
+    write_rows(path, rag_requests(num_requests))
+
+
 TRACE_WRITERS = {
     "long-docs": write_long_documents_trace,
     "held-out-agents": write_agents_trace,
     "held-out-reasoning": write_reasoning_trace,
     "held-out-classify": write_classify_trace,
     "held-out-extract": write_extract_trace,
+    "held-out-rag": write_rag_trace,
 }
 IDLE_RATE = 2.0
 

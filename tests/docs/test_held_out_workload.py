@@ -28,6 +28,7 @@ WORKLOAD = "held-out-agents"
 REASONING = "held-out-reasoning"
 CLASSIFY = "held-out-classify"
 EXTRACT = "held-out-extract"
+RAG = "held-out-rag"
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,7 @@ def test_its_steps_are_never_recorded_for_a_calibration(workloads: str | None, t
         BENCHMARKS / "policies.py", "--dry-run", "--step-records", *chosen, "--results-dir", str(tmp_path)
     )
     assert proc.returncode != 0 and proc.stdout == ""
-    every = "held-out-agents, held-out-reasoning, held-out-classify, held-out-extract"
+    every = "held-out-agents, held-out-reasoning, held-out-classify, held-out-extract, held-out-rag"
     held = "held-out-agents" if workloads else every
     assert proc.stderr.strip().splitlines() == [
         f"error: --step-records with {held}: a held-out workload is fitted on nothing; leave it out"
@@ -308,10 +309,33 @@ def test_the_extract_trace_is_deterministic_and_has_the_intended_shape(policies,
     assert_written_as_read(policies.write_extract_trace, trace[:50], tmp_path, 50)
 
 
-# held-out-reasoning, held-out-classify and held-out-extract
+# held-out-rag
 
 
-@pytest.mark.parametrize(("workload", "prompts"), [(REASONING, 300), (CLASSIFY, 2000), (EXTRACT, 1500)])
+def test_the_rag_trace_is_deterministic_and_has_the_intended_shape(policies, tmp_path: Path) -> None:
+    trace = policies.rag_requests()
+    assert len(trace) == 600 and policies.rag_requests(20) == trace[:20]
+    assert policies.rag_requests(20, seed=1) != trace[:20]
+    # one system prompt opens every request; passages of the pool follow, the popular ones first more often
+    system = min(common_prefix(trace[0]["prompt"], r["prompt"]) for r in trace[1:])
+    assert policies.RAG_SYSTEM[0] <= system <= policies.RAG_SYSTEM[1] + policies.RAG_PASSAGE[1]
+    firsts = [tuple(r["prompt"][system : system + policies.RAG_PASSAGE[0]]) for r in trace]
+    shared = max(firsts.count(f) for f in set(firsts))
+    assert 0.1 * len(trace) <= shared <= 0.3 * len(trace)  # the most popular passage leads a sixth or so
+    lengths = [len(r["prompt"]) for r in trace]
+    assert 1000 <= min(lengths) and max(lengths) <= 6464 and 2500 <= sum(lengths) / len(lengths) <= 3300
+    outputs = [r["max_tokens"] for r in trace]
+    assert min(outputs) == policies.RAG_OUTPUT[0] and max(outputs) == policies.RAG_OUTPUT[1]
+    assert all(max(r["prompt"]) < 10000 for r in trace)
+    assert max(len(r["prompt"]) + r["max_tokens"] for r in trace) <= policies.MAX_MODEL_LEN
+
+    assert_written_as_read(policies.write_rag_trace, trace[:30], tmp_path, 30)
+
+
+# held-out-reasoning, held-out-classify, held-out-extract and held-out-rag
+
+
+@pytest.mark.parametrize(("workload", "prompts"), [(REASONING, 300), (CLASSIFY, 2000), (EXTRACT, 1500), (RAG, 600)])
 def test_it_is_a_held_out_trace_workload(policies, workload: str, prompts: int) -> None:
     spec = policies.WORKLOADS[workload]
     assert workload in policies.HELD_OUT and spec["held_out"] and spec["trace"] == f"{workload}.jsonl"
@@ -319,7 +343,7 @@ def test_it_is_a_held_out_trace_workload(policies, workload: str, prompts: int) 
     assert spec["prompts"] == spec["saturation_prompts"] == prompts
 
 
-@pytest.mark.parametrize(("workload", "prompts"), [(REASONING, 300), (CLASSIFY, 2000), (EXTRACT, 1500)])
+@pytest.mark.parametrize(("workload", "prompts"), [(REASONING, 300), (CLASSIFY, 2000), (EXTRACT, 1500), (RAG, 600)])
 def test_policies_serves_it_and_never_records_its_steps(workload: str, prompts: int, tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, str(BENCHMARKS / "policies.py"), "--dry-run", "--workloads", workload,
@@ -335,7 +359,7 @@ def test_policies_serves_it_and_never_records_its_steps(workload: str, prompts: 
     assert refused.returncode != 0 and f"--step-records with {workload}" in refused.stderr
 
 
-@pytest.mark.parametrize(("workload", "requests", "rate"), [(REASONING, 24, "4"), (CLASSIFY, 60, "50")])
+@pytest.mark.parametrize(("workload", "requests", "rate"), [(REASONING, 24, "4"), (CLASSIFY, 60, "50"), (RAG, 20, "5")])
 def test_simulate_reads_a_slice_of_it(policies, workload: str, requests: int, rate: str, tmp_path: Path) -> None:
     from nanovllm_core.cli import main as cli_main
 
