@@ -290,6 +290,17 @@ def split_list(text: str, allowed: list[str] | dict[str, Any], what: str) -> lis
     return names
 
 
+def parse_ints(text: str, name: str) -> list[int]:
+    """Comma-separated positive integers for the flag ``--name``; a clear error otherwise."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SystemExit(f"--{name} takes positive integers separated by commas, e.g. 1,2,4 (got {text!r})")
+    return values
+
+
 def parse_numbers(text: str, what: str) -> list[float]:
     """Comma-separated positive numbers (``inf`` allowed); a clear error otherwise."""
     try:

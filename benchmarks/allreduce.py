@@ -39,21 +39,13 @@ import tempfile
 import time
 from typing import Any
 
+from _common import parse_ints
+
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 METHODS = ("nccl", "one_shot", "two_shot")
 MODES = ("eager", "graph")
 DEFAULT_BATCHES = "1,2,4,8,16,32,64,128,256"
 DEFAULT_HIDDEN = "1024,4096,8192"
-
-
-def parse_ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise SystemExit(f"--{name} takes positive integers separated by commas, e.g. 1,2,4 (got {text!r})")
-    return values
 
 
 def keep_multicast_off() -> None:

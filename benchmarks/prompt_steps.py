@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from _common import add_common_arguments, out_dir, random_checkpoint, require_positive, user_command
+from _common import add_common_arguments, out_dir, parse_ints, random_checkpoint, require_positive, user_command
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -101,12 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     require_positive(args, "prefix", "new", "runs")
-    try:
-        args.prompt_counts = [int(n) for n in args.prompts.split(",")]
-    except ValueError:
-        raise SystemExit(f"error: --prompts {args.prompts!r}: comma-separated counts, such as 2,3,5") from None
-    if not args.prompt_counts or min(args.prompt_counts) < 1:
-        raise SystemExit(f"error: --prompts {args.prompts!r}: counts of at least 1")
+    args.prompt_counts = parse_ints(args.prompts, "prompts")
     if args.cuda_graph_max_mixed_tokens is None:
         from nanovllm_core.config import EngineConfig
 
