@@ -30,13 +30,19 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from nanovllm_core import LLM, SamplingParams
 
     start = time.perf_counter()
+    given = (
+        {}
+        if args.cuda_graph_max_mixed_tokens is None
+        else {"cuda_graph_max_mixed_tokens": args.cuda_graph_max_mixed_tokens}
+    )
     llm = LLM(
         str(random_checkpoint(args.shape)),
         plugins={"attention": args.attention},
         max_model_len=args.max_model_len,
-        cuda_graph_max_mixed_tokens=args.cuda_graph_max_mixed_tokens,
+        **given,
     )
     start_s = time.perf_counter() - start
+    graph_limit = llm.config.cuda_graph_max_mixed_tokens
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
     rng = random.Random(0)
 
@@ -55,7 +61,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 llm.generate(prompts, params, use_tqdm=False)
                 times.append(1e3 * (time.perf_counter() - begin))
             row = {
-                "cuda_graph_max_mixed_tokens": args.cuda_graph_max_mixed_tokens,
+                "cuda_graph_max_mixed_tokens": graph_limit,
                 "prompts": n,
                 "prefix_cached": cached,
                 "tokens_computed": n * (args.new if cached else args.prefix + args.new),
@@ -102,12 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     require_positive(args, "prefix", "new", "runs")
     args.prompt_counts = parse_ints(args.prompts, "prompts")
-    if args.cuda_graph_max_mixed_tokens is None:
-        from nanovllm_core.config import EngineConfig
-
-        args.cuda_graph_max_mixed_tokens = EngineConfig.model_fields["cuda_graph_max_mixed_tokens"].default
     rows = measure(args)
-    path = out_dir(args.results_dir, "prompt_steps") / f"graphs_{args.cuda_graph_max_mixed_tokens}.json"
+    path = out_dir(args.results_dir, "prompt_steps") / f"graphs_{rows[0]['cuda_graph_max_mixed_tokens']}.json"
     command = user_command("benchmarks/prompt_steps.py", argv if argv is not None else sys.argv[1:])
     path.write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
     print(f"wrote {path}")
