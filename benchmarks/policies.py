@@ -452,14 +452,16 @@ def server_command(policy: str, args: argparse.Namespace, checkpoint: str, workl
 
 
 def graph_limit(engine_args: str) -> int:
-    """The servers' ``cuda_graph_max_mixed_tokens``: ``--engine-args``' or the engine's default (the simulation
-    of their runs prices steps above it as eager)."""
-    from nanovllm_core.config import EngineConfig
+    """The servers' ``cuda_graph_max_mixed_tokens``, resolved as ``nanovllm serve`` resolves it from
+    ``--engine-args`` (a flag over a ``--config`` file, TOML or vLLM's YAML, over the engine's default); the
+    simulation of their runs prices steps above it as eager."""
+    from nanovllm_core.cli import parse_command_line
+    from nanovllm_core.cli.engine_flags import cli_overrides
+    from nanovllm_core.engine.config_resolver import load_config
 
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--cuda-graph-max-mixed-tokens", type=int)
-    given = parser.parse_known_args(shlex.split(engine_args))[0].cuda_graph_max_mixed_tokens
-    return given if given is not None else EngineConfig.model_fields["cuda_graph_max_mixed_tokens"].default
+    args = parse_command_line(["serve", "MODEL", *shlex.split(engine_args)])
+    config = load_config(args.model_path, args.config, cli_overrides(args), {})
+    return config.cuda_graph_max_mixed_tokens
 
 
 def client(args: argparse.Namespace, workload: str, result: Path, prompts: int, rates: str) -> list[str]:

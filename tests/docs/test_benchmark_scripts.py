@@ -201,12 +201,18 @@ def test_simulate_policies_simulates_each_measured_run(tmp_path: Path, capsys) -
     assert all(r["command"].endswith("--cuda-graph-max-mixed-tokens 4096") for r in rows)
 
 
-def test_policies_records_the_servers_graph_limit() -> None:
+def test_policies_records_the_servers_graph_limit(tmp_path) -> None:
+    """As ``nanovllm serve`` resolves it: a flag over a config file (TOML or vLLM's YAML) over the default."""
     from nanovllm_core.config import EngineConfig
 
     policies = load(BENCHMARKS / "policies.py")
+    (tmp_path / "c.toml").write_text("cuda_graph_max_mixed_tokens = 3000\n")
+    (tmp_path / "c.yaml").write_text("cuda-graph-max-mixed-tokens: 1500\n")
     assert policies.graph_limit("") == EngineConfig(model="m").cuda_graph_max_mixed_tokens
     assert policies.graph_limit("--enforce-eager --cuda-graph-max-mixed-tokens 1024") == 1024
+    assert policies.graph_limit(f"--config {tmp_path / 'c.toml'}") == 3000
+    assert policies.graph_limit(f"--config {tmp_path / 'c.yaml'}") == 1500
+    assert policies.graph_limit(f"--config {tmp_path / 'c.toml'} --cuda-graph-max-mixed-tokens 512") == 512
 
 
 def test_simulate_policies_checks_the_policies_order_on_each_tail() -> None:
