@@ -143,7 +143,9 @@ def leave_distributed_within(device_type: str, seconds: float) -> bool:
     """:func:`leave_distributed`, given ``seconds``: False if it had not returned by then. On two H200s the NCCL
     abort once hung on both ranks after a finished run (8B shape, TP=2); it then goes on in a daemon thread and
     the caller carries on (a worker exits, rank 0 returns from shutdown). At interpreter exit no thread can be
-    started: it runs inline there."""
+    started: it runs inline there. gloo's destroy cannot hang (it closes this rank's connections only) and runs
+    inline too: a process that exits with a gloo group not yet destroyed can abort in its finalization (gloo's
+    threads still hold work with tensors in them), which a leave still running in a thread would allow."""
     done = threading.Event()
 
     def leave() -> None:
@@ -154,6 +156,9 @@ def leave_distributed_within(device_type: str, seconds: float) -> bool:
         finally:
             done.set()
 
+    if device_type != "cuda":
+        leave()
+        return True
     try:
         threading.Thread(target=leave, name="nanovllm-tp-leave", daemon=True).start()
     except RuntimeError:  # "can't create new thread at interpreter shutdown" (Python 3.12)
@@ -162,9 +167,8 @@ def leave_distributed_within(device_type: str, seconds: float) -> bool:
     if done.wait(seconds):
         return True
     logger.warning(
-        "leaving the %s process group did not finish within %.0f s; going on without it (this process cannot "
+        "leaving the NCCL process group did not finish within %.0f s; going on without it (this process cannot "
         "start another tensor-parallel engine)",
-        "NCCL" if device_type == "cuda" else "gloo",
         seconds,
     )
     return False

@@ -312,7 +312,19 @@ def test_a_hung_leave_is_bounded(monkeypatch, caplog):
     assert "did not finish within" in caplog.text and "NCCL" in caplog.text
     release.set()
     monkeypatch.setattr(parallel, "leave_distributed", lambda device_type: None)
-    assert parallel.leave_distributed_within("cpu", 5) is True
+    assert parallel.leave_distributed_within("cuda", 5) is True
+
+
+def test_a_gloo_leave_finishes_before_it_returns(monkeypatch):
+    """gloo's leave runs inline, however long it takes: a process that exits while a thread is still destroying
+    its gloo group can abort in finalization."""
+    from nanovllm_core.engine import parallel
+
+    left = []
+    monkeypatch.setattr(parallel, "leave_distributed", lambda device_type: (time.sleep(0.3), left.append(device_type)))
+    assert parallel.leave_distributed_within("cpu", 0.01) is True
+    assert left == ["cpu"]
+    assert not [t for t in threading.enumerate() if t.name == "nanovllm-tp-leave"]
 
 
 def test_a_step_cut_off_by_shutdown_says_so():
