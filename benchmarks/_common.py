@@ -183,7 +183,7 @@ class Server:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=2):
                     return self
             except (urllib.error.URLError, OSError):
-                time.sleep(1)
+                time.sleep(0.1)  # a refused connection costs nothing: ready within a tenth of a second of it
         self.stop()
         raise SystemExit(
             f"error: the server did not answer /health within {self.start_timeout:g} s; the end of "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -44,6 +45,17 @@ async def run(cmd: list[str], log: Path) -> None:
         process = await asyncio.create_subprocess_exec(*cmd, stdout=out, stderr=out)
         if await process.wait() != 0:
             raise SystemExit(f"error: {' '.join(cmd)} failed: see {log}")
+
+
+def simulate(argv: list[str], log: Path) -> None:
+    """``nanovllm simulate ARGV`` in this process, its output in ``log``. The front-end and the engine are stopped by
+    then and the simulation is deterministic: a process of its own would only import torch and the engine again."""
+    from nanovllm_core.cli import main as nanovllm
+
+    with log.open("w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        status = nanovllm(["simulate", *argv])
+    if status != 0:
+        raise SystemExit(f"error: nanovllm simulate {' '.join(argv)} failed: see {log}")
 
 
 def workload_args(args: argparse.Namespace, rate: float) -> list[str]:
@@ -162,10 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         row["frontend_gc"] = gc_pauses[load]
         for name, cal in cals.items():
             out = folder / f"simulated_{name}_{load}.json"
-            sim = [sys.executable, "-m", "nanovllm_core.cli", "simulate", "--calibration", str(cal),
-                   *workload_args(args, rate), "--max-num-seqs", str(args.max_num_seqs), "--no-async-scheduling",
-                   "--scheduler", "mixed", "--result-file", str(out)]  # fmt: skip
-            asyncio.run(run(sim, out.with_suffix(".log")))
+            sim = ["--calibration", str(cal), *workload_args(args, rate), "--max-num-seqs", str(args.max_num_seqs),
+                   "--no-async-scheduling", "--scheduler", "mixed", "--result-file", str(out)]  # fmt: skip
+            simulate(sim, out.with_suffix(".log"))
             row[name] = json.loads(out.read_text())
         rows.append(row)
     cpu = idle["frontend_cpu"]

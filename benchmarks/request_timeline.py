@@ -29,6 +29,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 STAGES = ("received", "validated", "handed", "engine_arrival", "first_scheduled", "prompt_scheduled", "first_token",
@@ -103,11 +104,19 @@ def timeline_lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def records_since(path: Path, before: int) -> list[dict]:
-    """The requests' records written after the timeline's first ``before`` lines (its clock lines left out)."""
-    time.sleep(0.5)  # the last request's line is written as it finishes
-    records = [json.loads(line) for line in path.read_text().splitlines()[before:]]
-    return [r for r in records if "clock" not in r]
+def records_since(path: Path, before: int, complete: Callable[[list[dict]], bool], timeout: float = 5.0) -> list[dict]:
+    """The requests' records written after the timeline's first ``before`` lines (its clock lines left out), once
+    they are ``complete`` (the server writes a request's line as it finishes, which can be after the client has
+    read its last token), else as they stand ``timeout`` seconds on."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last_look = time.monotonic() > deadline
+        # whole lines only: the last one may be half written
+        lines = path.read_text().split("\n")[:-1] if path.exists() or last_look else []
+        records = [r for r in map(json.loads, lines[before:]) if "clock" not in r]
+        if complete(records) or last_look:
+            return records
+        time.sleep(0.01)
 
 
 def frontend_cpu(args: argparse.Namespace, model: str, rng: random.Random) -> dict:
@@ -129,8 +138,11 @@ def frontend_cpu(args: argparse.Namespace, model: str, rng: random.Random) -> di
     n, k = args.cpu_requests, args.cpu_output_tokens
     bursts = [burst(n, 1, args.cpu_concurrency), burst(n, k, args.cpu_concurrency)]
     before = timeline_lines(args.timeline)
-    bursts.append(burst(max(4, n // 32), 4 * k, 1))
-    alone = records_since(args.timeline, before)
+    num_alone = max(4, n // 32)
+    bursts.append(burst(num_alone, 4 * k, 1))
+    alone = records_since(
+        args.timeline, before, lambda records: sum(r.get("num_output_tokens") == 4 * k for r in records) >= num_alone
+    )
     per_request, per_token, per_step = solve([b[:3] for b in bursts], [b[3] for b in bursts])
     return {
         "requests": n, "prompt_tokens": args.short, "output_tokens": k, "concurrency": args.cpu_concurrency,
@@ -180,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind, length in (("long", args.long), ("short", args.short)):
             prompt = [rng.randrange(10, args.max_token_id) for _ in range(length)]
             client[kind].append(first_token_seconds(args.host, args.port, model, prompt, args.api_key))
-    records = records_since(args.timeline, before)
+    records = records_since(args.timeline, before, lambda records: len(records) >= 2 * args.runs)
     result: dict = {"model": model, "runs": args.runs}
     for kind, length in (("long", args.long), ("short", args.short)):
         mine = [r for r in records if r["num_prompt_tokens"] == length]

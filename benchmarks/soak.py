@@ -168,7 +168,7 @@ def wait_idle(base_url: str, timeout: float = 120) -> dict[str, float]:
         busy = values.get("nanovllm:num_requests_running", 0) + values.get("nanovllm:num_requests_waiting", 0)
         if busy == 0 or time.monotonic() > deadline:
             return values
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def kv_blocks_in_use(values: dict[str, float]) -> float | None:

@@ -26,9 +26,10 @@ ENGINE = dict(device="cpu", num_kvcache_blocks=128, kvcache_block_size=16, max_m
 MIXED = PROMPTS + make_prompts(1, [9, 30, 55]) + ["Hello world!", "The quick brown fox"]
 LONG = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)  # still running when the kill lands
 REJOIN_S = 90.0
-# Ray checks a node's health every second, not every three: a removed node is found dead (five failed checks in a
-# row, each still given its default 10 s to answer) in about 5 s, not 15
-SYSTEM_CONFIG = {"health_check_period_ms": 1000}
+# Ray checks a node's health every 0.2 s, not every three: a removed node (its checks refused at once) is found dead
+# after five failed checks in a row in about 1 s, not 15. A node that is slow to answer is not found dead sooner: each
+# check still waits its default 10 s for the answer before the next one starts
+SYSTEM_CONFIG = {"health_check_period_ms": 200}
 
 
 @pytest.fixture(scope="module")

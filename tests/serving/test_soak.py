@@ -111,6 +111,9 @@ def test_a_short_soak_end_to_end(tmp_path, monkeypatch):
         port = sock.getsockname()[1]
     argv = ["--num-requests", "40", "--saturation-requests", "6", "--input-len", "8", "--output-len", "6"]
     argv += ["--disconnect-fraction", "0.2", "--bad-fraction", "0.2", "--port", str(port)]
+    # a KV cache of 64 blocks (16k tokens, some 100 times what the run holds at once), not the CPU default's GiB,
+    # which the server would take a second to allocate
+    argv += ["--engine-args", "--num-kvcache-blocks 64"]
     assert soak.main([*argv, "--results-dir", str(tmp_path), "--start-timeout", "120"]) == 0
     report = json.loads((tmp_path / "soak" / "soak.json").read_text())
     assert report["num_requests"] == 40 and report["unexpected_errors"] == 0
