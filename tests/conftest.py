@@ -43,3 +43,15 @@ def hf_reference():
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def fusion_on_without_compiling(monkeypatch):
+    """``set_compile(True)`` for one test, with ``torch.compile`` a pass-through: what these tests check is which
+    path a CPU tensor takes with fusion on, and inductor's CPU build (seconds of C++ a function) is torch's."""
+    from nanovllm_core.layers.fused import set_compile
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    set_compile(True)
+    yield
+    set_compile(False)

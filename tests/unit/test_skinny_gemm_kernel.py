@@ -234,18 +234,14 @@ def _decoder_modules(hidden: int, inter: int, dtype: torch.dtype, device: str):
     return norm, qkv, gate_up
 
 
-def test_norm_linear_is_exactly_the_norm_then_the_layer_off_cuda():
+def test_norm_linear_is_exactly_the_norm_then_the_layer_off_cuda(fusion_on_without_compiling):
     norm, qkv, gate_up = _decoder_modules(32, 24, torch.float32, "cpu")
     x, residual = torch.randn(3, 32), torch.randn(3, 32)
-    set_compile(True)
-    try:
-        y, new_residual = norm_linear(x, norm, None, qkv)
-        assert torch.equal(y, qkv(norm(x))) and new_residual is x
-        y, new_residual = norm_linear(x, norm, residual, gate_up, silu_mul=True)
-        h, ref_residual = norm(x, residual)
-        assert torch.equal(y, gate_up.silu_and_mul(h)) and torch.equal(new_residual, ref_residual)
-    finally:
-        set_compile(False)
+    y, new_residual = norm_linear(x, norm, None, qkv)
+    assert torch.equal(y, qkv(norm(x))) and new_residual is x
+    y, new_residual = norm_linear(x, norm, residual, gate_up, silu_mul=True)
+    h, ref_residual = norm(x, residual)
+    assert torch.equal(y, gate_up.silu_and_mul(h)) and torch.equal(new_residual, ref_residual)
 
 
 @pytest.mark.gpu
