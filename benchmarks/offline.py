@@ -15,8 +15,9 @@ attention backend):
   process gives), the later runs, the bound ``nanovllm bench`` prints and the share of it reached.
 - ``single-0.6b``: one request alone on the 0.6B shape, a 512-token prompt and 512 output tokens: milliseconds
   per output token (the whole request's time over its tokens), the decode part alone, and the time to read the
-  weights once at the measured copy rate (a decode step cannot take less). ``nanovllm bench`` draws its lengths
-  at random, so this one drives ``LLM`` directly (``--single``, in a process of its own). ``single-8b`` and
+  weights once at the measured copy rate (a decode step cannot take less), and the engine's start-up: its seconds,
+  the CUDA graphs' share of them and the KV-cache blocks it made. ``nanovllm bench`` draws its lengths at random,
+  so this one drives ``LLM`` directly (``--single``, in a process of its own). ``single-8b`` and
   ``single-8b-fp8-weights``: the same on the 8B shape, with bf16 or FP8 weights.
 
 Each workload runs in a process of its own. Results go to RESULTS_DIR/offline/: NAME.json (what ``nanovllm
@@ -156,22 +157,26 @@ def single_request(args: argparse.Namespace) -> dict[str, Any]:
 
     from nanovllm_core import LLM, SamplingParams
 
+    checkpoint = random_checkpoint(args.shape)
+    started = time.perf_counter()
     llm = LLM(
-        str(random_checkpoint(args.shape)),
+        str(checkpoint),
         plugins={"attention": args.attention},
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
-        max_model_len=4096,
+        max_model_len=args.max_model_len,
         programmatic_dependent_launch=args.programmatic_dependent_launch,
     )
+    load_s = time.perf_counter() - started
     rng = random.Random(0)
-    prompt = [rng.randint(0, 10000) for _ in range(args.prompt_len)]
+    vocab = min(10000, llm.hf_config.vocab_size - 1)  # nano-vllm's ids, 0 to 10,000 (a tiny test model has fewer)
+    prompt = [rng.randint(0, vocab) for _ in range(args.prompt_len)]
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.output_len)
-    llm.generate([[(t + 1000) % 10000 for t in prompt]], params, use_tqdm=False)  # warm-up, no prefix-cache hit
+    llm.generate([[(t + 1000) % vocab for t in prompt]], params, use_tqdm=False)  # warm-up, no prefix-cache hit
     runs = []
     for i in range(max(1, args.runs)):
         start = time.perf_counter()
-        out = llm.generate([[(t + i) % 10000 for t in prompt]], params, use_tqdm=False)[0]
+        out = llm.generate([[(t + i) % vocab for t in prompt]], params, use_tqdm=False)[0]
         elapsed = time.perf_counter() - start
         n, m = len(out.outputs[0].token_ids), out.metrics
         decode_s = (m.last_token_time - m.first_token_time) / (n - 1) if m and n > 1 else float("nan")
@@ -200,6 +205,10 @@ def single_request(args: argparse.Namespace) -> dict[str, Any]:
         "weight_bytes": weight_bytes,
         "copy_bytes_per_s": copy_rate,
         "weights_read_bound_ms": 1e3 * weight_bytes / copy_rate if copy_rate else None,
+        # what the engine's start-up took and made (its log says the same): the CUDA graphs' share, the KV cache
+        "load_s": load_s,
+        "graph_capture_s": llm.runner.graph_capture_s if llm.runner.graphs is not None else None,
+        "num_kvcache_blocks": llm.runner.num_kvcache_blocks,
     }
 
 
@@ -222,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     single.add_argument("--shape", default="qwen3-0.6b", help="random-weight shape (default qwen3-0.6b)")
     single.add_argument("--prompt-len", type=int, default=512)
     single.add_argument("--output-len", type=int, default=512)
+    single.add_argument("--max-model-len", type=int, default=4096, help="the engine's (default 4096)")
     single.add_argument("--attention", default="triton")
     single.add_argument("--kv-cache-dtype", default="auto")
     single.add_argument("--quantization", help="a quantization method, e.g. fp8 (nanovllm-quant-fp8)")
@@ -256,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{result['ms_per_output_token']:.3f} ms per output token (decode {result['decode_ms_per_token']:.3f}"
             f" ms, first token {result['ttft_ms']:.1f} ms)"
             + (f"; reading the weights once takes {bound:.3f} ms" if bound else "")
+        )
+        graphs = result["graph_capture_s"]
+        print(
+            f"start-up {result['load_s']:.1f} s" + (f" ({graphs:.1f} s capturing CUDA graphs)" if graphs else "")
+            + f", {result['num_kvcache_blocks']:,} KV-cache blocks"
         )
         if args.json:
             write_json(args.json, result)
