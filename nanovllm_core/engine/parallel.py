@@ -162,7 +162,7 @@ def leave_distributed_within(device_type: str, seconds: float) -> bool:
     try:
         threading.Thread(target=leave, name="nanovllm-tp-leave", daemon=True).start()
     except RuntimeError:  # "can't create new thread at interpreter shutdown" (Python 3.12)
-        leave_distributed(device_type)
+        leave()
         return True
     if done.wait(seconds):
         return True

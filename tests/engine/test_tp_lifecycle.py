@@ -327,6 +327,22 @@ def test_a_gloo_leave_finishes_before_it_returns(monkeypatch):
     assert not [t for t in threading.enumerate() if t.name == "nanovllm-tp-leave"]
 
 
+def test_at_interpreter_exit_the_leave_runs_inline_and_a_failure_stays_quiet(monkeypatch):
+    """Where no thread can start (interpreter shutdown), the NCCL leave runs inline, as best effort as in its
+    thread: what it raises is logged at debug level, not raised into the exit."""
+    from nanovllm_core.engine import parallel
+
+    def no_thread(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    def failing_leave(device_type):
+        raise RuntimeError("NCCL communicator already aborted")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    monkeypatch.setattr(parallel, "leave_distributed", failing_leave)
+    assert parallel.leave_distributed_within("cuda", 0.01) is True
+
+
 def test_a_step_cut_off_by_shutdown_says_so():
     """The race behind test_shutdown_while_another_thread_generates, made certain: the step has passed the
     group's check, then the group is left under it and its collective fails with whatever the backend says.
