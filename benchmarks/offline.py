@@ -169,14 +169,14 @@ def single_request(args: argparse.Namespace) -> dict[str, Any]:
     )
     load_s = time.perf_counter() - started
     rng = random.Random(0)
-    vocab = min(10000, llm.hf_config.vocab_size - 1)  # nano-vllm's ids, 0 to 10,000 (a tiny test model has fewer)
-    prompt = [rng.randint(0, vocab) for _ in range(args.prompt_len)]
+    top_id = min(10000, llm.hf_config.vocab_size - 1)  # nano-vllm's ids, 0 to 10,000 (a tiny test model has fewer)
+    prompt = [rng.randint(0, top_id) for _ in range(args.prompt_len)]
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.output_len)
-    llm.generate([[(t + 1000) % vocab for t in prompt]], params, use_tqdm=False)  # warm-up, no prefix-cache hit
+    llm.generate([[(t + 1000) % top_id for t in prompt]], params, use_tqdm=False)  # warm-up, no prefix-cache hit
     runs = []
     for i in range(max(1, args.runs)):
         start = time.perf_counter()
-        out = llm.generate([[(t + i) % vocab for t in prompt]], params, use_tqdm=False)[0]
+        out = llm.generate([[(t + i) % top_id for t in prompt]], params, use_tqdm=False)[0]
         elapsed = time.perf_counter() - start
         n, m = len(out.outputs[0].token_ids), out.metrics
         decode_s = (m.last_token_time - m.first_token_time) / (n - 1) if m and n > 1 else float("nan")

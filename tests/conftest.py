@@ -48,10 +48,12 @@ def hf_reference():
 @pytest.fixture
 def fusion_on_without_compiling(monkeypatch):
     """``set_compile(True)`` for one test, with ``torch.compile`` a pass-through: what these tests check is which
-    path a CPU tensor takes with fusion on, and inductor's CPU build (seconds of C++ a function) is torch's."""
-    from nanovllm_core.layers.fused import set_compile
+    path a CPU tensor takes with fusion on, and inductor's CPU build (seconds of C++ a function) is torch's. The
+    pass-throughs go with the test (a cache of their own): a later test in the process compiles for real."""
+    from nanovllm_core.layers import fused
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
-    set_compile(True)
+    monkeypatch.setattr(fused, "_compiled", {})
+    fused.set_compile(True)
     yield
-    set_compile(False)
+    fused.set_compile(False)

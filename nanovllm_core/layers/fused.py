@@ -29,16 +29,17 @@ def fused_enabled() -> bool:
     return _enabled
 
 
-def fused(fn: F_) -> F_:
-    compiled: Callable | None = None
+_compiled: dict[Callable, Callable] = {}  # each function's torch.compile, made on its first call with fusion on
 
+
+def fused(fn: F_) -> F_:
     @functools.wraps(fn)
     def dispatch(*args):
-        nonlocal compiled
         if not _enabled:
             return fn(*args)
+        compiled = _compiled.get(fn)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=True)
+            compiled = _compiled[fn] = torch.compile(fn, dynamic=True)
         return compiled(*args)
 
     return dispatch  # type: ignore[return-value]
