@@ -80,6 +80,22 @@ def check_cli(cmd: list[str]) -> None:
         raise SystemExit(f"error: `{shown(cmd)}` does not parse with the installed nanovllm: {reason}") from None
 
 
+def run_cli_in_process(argv: list[str], log: Path | None = None) -> None:
+    """``nanovllm ARGV`` in this process, where a process of its own would only import torch and the engine again
+    (a simulation: deterministic, and nothing else runs by then). Its output goes to ``log`` (stderr too) or is
+    dropped (stderr kept); a failure exits naming the command."""
+    from nanovllm_core.cli import main as cli_main
+
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(log.open("w")) if log else io.StringIO()
+        stack.enter_context(contextlib.redirect_stdout(out))
+        if log:
+            stack.enter_context(contextlib.redirect_stderr(out))
+        code = cli_main(argv)
+    if code != 0:
+        raise SystemExit(f"error: nanovllm {' '.join(argv)} exited with {code}" + (f": see {log}" if log else ""))
+
+
 def run(cmd: list[str], log: Path) -> int:
     """Run ``cmd``, its output on the terminal and in ``log``; its exit status."""
     print(f"$ {shown(cmd)}", flush=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import json
 import os
@@ -45,17 +44,6 @@ async def run(cmd: list[str], log: Path) -> None:
         process = await asyncio.create_subprocess_exec(*cmd, stdout=out, stderr=out)
         if await process.wait() != 0:
             raise SystemExit(f"error: {' '.join(cmd)} failed: see {log}")
-
-
-def simulate(argv: list[str], log: Path) -> None:
-    """``nanovllm simulate ARGV`` in this process, its output in ``log``. The front-end and the engine are stopped by
-    then and the simulation is deterministic: a process of its own would only import torch and the engine again."""
-    from nanovllm_core.cli import main as nanovllm
-
-    with log.open("w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        status = nanovllm(["simulate", *argv])
-    if status != 0:
-        raise SystemExit(f"error: nanovllm simulate {' '.join(argv)} failed: see {log}")
 
 
 def workload_args(args: argparse.Namespace, rate: float) -> list[str]:
@@ -153,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.loads = [float(x) for x in args.loads.split(",")]
     import torch
-    from _common import out_dir, write_json
+    from _common import out_dir, run_cli_in_process, write_json
     from nanovllm_bench.offline import random_checkpoint
 
     model = random_checkpoint("tiny", torch.float32)
@@ -176,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             out = folder / f"simulated_{name}_{load}.json"
             sim = ["--calibration", str(cal), *workload_args(args, rate), "--max-num-seqs", str(args.max_num_seqs),
                    "--no-async-scheduling", "--scheduler", "mixed", "--result-file", str(out)]  # fmt: skip
-            simulate(sim, out.with_suffix(".log"))
+            run_cli_in_process(["simulate", *sim], out.with_suffix(".log"))
             row[name] = json.loads(out.read_text())
         rows.append(row)
     cpu = idle["frontend_cpu"]

@@ -17,14 +17,12 @@ by more than 10%, whether the simulated ones are in the same order (a simulated 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import add_common_arguments, read_json, write_json
+from _common import add_common_arguments, read_json, run_cli_in_process, write_json
 from policies import HELD_OUT, MAX_MODEL_LEN, WORKLOADS, trace_file
 
 METRICS = (("request_throughput", 10), ("median_ttft_ms", 10), ("p99_ttft_ms", 20), ("median_itl_ms", 10),
@@ -92,14 +90,9 @@ def workload_command(
 
 
 def simulate(cmd: list[str]) -> dict[str, Any]:
-    from nanovllm_core.cli import main as cli_main
-
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "simulated.json"
-        with contextlib.redirect_stdout(io.StringIO()):
-            code = cli_main([*cmd, "--result-file", str(result)])
-        if code != 0:
-            raise SystemExit(f"error: nanovllm {' '.join(cmd)} exited with {code}")
+        run_cli_in_process([*cmd, "--result-file", str(result)])
         return read_json(result)
 
 
